@@ -1,0 +1,1 @@
+"""Padded-drafting formulas (imported as ``specdec.kernels``)."""

@@ -1,0 +1,1 @@
+"""specdec: padded speculative-decoding proposers for LLM inference."""
