@@ -1,0 +1,87 @@
+"""Continuous batching with a per-step token budget and chunked prefill.
+
+Each step, running decode requests come first (1 + their drafts each), then prefill chunks
+fill what is left of the budget. A prefill chunk that stops short of the prompt's end makes a
+*discarded* request: its sampled token is junk, but the drafter still runs on it.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdec.engine.kv_cache import BlockAllocator
+from specdec.engine.sequence import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens fed to the target this step
+    spec_token_ids: list[int]  # drafts verified this step (the tail of the fed tokens)
+
+    @property
+    def is_discarded(self) -> bool:
+        """The chunk stops short of the known tokens: nothing is sampled for it."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens < r.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 allocator: BlockAllocator, num_lookahead_tokens: int):
+        if max_num_batched_tokens < 1 + num_lookahead_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1 + "
+                f"num_speculative_tokens ({1 + num_lookahead_tokens})")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.allocator = allocator
+        self.num_lookahead_tokens = num_lookahead_tokens  # draft-loop KV beyond the chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled = []
+        for req in self.running:
+            if budget == 0:
+                break
+            if req.is_prefilling:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                spec = []
+            else:
+                # never verify drafts past max_model_len: the target has no room for them
+                room = self.max_model_len - req.num_tokens
+                spec = req.spec_token_ids[:max(0, min(room, budget - 1))]
+                n = 1 + len(spec)
+            self._reserve(req, n)
+            scheduled.append(ScheduledRequest(req, n, spec))
+            budget -= n
+        while self.waiting and budget > 0 and self.free_rows:
+            req = self.waiting.popleft()
+            req.row = self.free_rows.pop()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            n = min(req.num_tokens, budget)
+            self._reserve(req, n)
+            scheduled.append(ScheduledRequest(req, n, []))
+            budget -= n
+        return scheduled
+
+    def _reserve(self, req: Request, num_tokens: int) -> None:
+        end = req.num_computed_tokens + num_tokens + self.num_lookahead_tokens
+        self.allocator.ensure(req.block_ids, min(end, self.max_model_len))
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.running.remove(req)
+        self.allocator.release(req.block_ids)
+        self.free_rows.append(req.row)
