@@ -1,0 +1,128 @@
+"""SpeculativeConfig: which proposer runs, how many tokens it drafts, and how.
+
+Built from a vLLM-style dict, e.g.
+``{"method": "mtp", "num_speculative_tokens": 3, "disable_padded_drafter_batch": false}``.
+"""
+
+import json
+from dataclasses import dataclass, field, fields
+
+# vLLM's per-architecture MTP method names (``MTPModelTypes`` in vllm/config/speculative.py);
+# like vLLM, every one of them is normalised to "mtp".
+MTP_ALIASES = (
+    "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
+    "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
+    "exaone4_5_mtp", "qwen3_next_mtp", "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp",
+    "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "bailing_hybrid_mtp", "kimi_k3_mtp",
+    "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
+    "inkling_mtp", "glm5_next_mtp",
+)
+METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states")
+# "eager": no graph capture; "full_cuda_graph": the whole draft step is captured;
+# "torchair": the Ascend Torchair graph (MTP only).
+GRAPH_MODES = ("eager", "torchair", "full_cuda_graph")
+FULL_GRAPH_MODES = ("torchair", "full_cuda_graph")
+# Methods whose head reads the target's intermediate ("aux") hidden states.
+AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str  # one of METHODS after normalisation (MTP aliases become "mtp")
+    num_speculative_tokens: int  # K >= 1
+    disable_padded_drafter_batch: bool = False  # True: ragged (host-synced) drafter batch
+    draft_model_config: dict = field(default_factory=dict)  # draft HF config overrides
+    model: str | None = None  # path of the draft head folder
+    graph_mode: str = "eager"  # one of GRAPH_MODES
+
+    def __post_init__(self):
+        if not isinstance(self.method, str):
+            raise TypeError(f"method must be a str, got {self.method!r}")
+        if self.method in MTP_ALIASES:
+            self.method = "mtp"
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not supported; "
+                             f"allowed: {METHODS + MTP_ALIASES}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise TypeError(f"num_speculative_tokens must be an int, got {k!r}")
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens={k} must be >= 1")
+        if not isinstance(self.disable_padded_drafter_batch, bool):
+            raise TypeError("disable_padded_drafter_batch must be a bool, "
+                            f"got {self.disable_padded_drafter_batch!r}")
+        if not isinstance(self.draft_model_config, dict):
+            raise TypeError(f"draft_model_config must be a dict, got {self.draft_model_config!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise TypeError(f"model must be a str path or None, got {self.model!r}")
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode={self.graph_mode!r} is not supported; "
+                             f"allowed: {GRAPH_MODES}")
+        if self.graph_mode == "torchair" and self.method != "mtp":
+            raise ValueError(f"graph_mode='torchair' needs method='mtp', "
+                             f"got method={self.method!r}")
+        if self.disable_padded_drafter_batch and self.graph_mode in FULL_GRAPH_MODES:
+            # A ragged batch has a data-dependent token count: it cannot replay a full graph.
+            raise ValueError(f"disable_padded_drafter_batch=True cannot run with "
+                             f"graph_mode={self.graph_mode!r}; allowed: 'eager'")
+        ids = self.aux_layer_ids_configured
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={ids!r} must be a non-empty "
+                             "list of layer indices >= 0")
+        if self.method == "extract_hidden_states":
+            if k != 1:
+                raise ValueError(f"num_speculative_tokens={k} with method='extract_hidden_states'"
+                                 "; allowed: 1")
+            if self.disable_padded_drafter_batch:
+                raise ValueError("disable_padded_drafter_batch=True with "
+                                 "method='extract_hidden_states'; allowed: False")
+            if ids is None:
+                raise ValueError("method='extract_hidden_states' needs "
+                                 "draft_model_config.eagle_aux_hidden_state_layer_ids")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative config must be a dict, got {type(d).__name__}")
+        allowed = tuple(f.name for f in fields(cls))
+        unknown = sorted(set(d) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; allowed: {allowed}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative config needs {key!r}; got keys {sorted(d)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> "SpeculativeConfig":
+        return cls.from_dict(json.loads(s))
+
+    @property
+    def is_padded(self) -> bool:
+        """True for the default padded drafter batch (no host-device sync)."""
+        return not self.disable_padded_drafter_batch
+
+    @property
+    def uses_aux_hidden_states(self) -> bool:
+        return self.method in AUX_HIDDEN_STATE_METHODS
+
+    @property
+    def aux_layer_ids_configured(self) -> list[int] | None:
+        """`eagle_aux_hidden_state_layer_ids` from draft_model_config, top level or under
+        `hf_config` (as vLLM nests it), or None when not set."""
+        hf_config = self.draft_model_config.get("hf_config") or {}
+        ids = self.draft_model_config.get("eagle_aux_hidden_state_layer_ids")
+        return ids if ids is not None else hf_config.get("eagle_aux_hidden_state_layer_ids")
+
+    def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        """Target layers whose outputs feed the head: the configured ids, else vLLM's
+        default (2, L // 2, L - 3). E.g. L = 32 -> (2, 16, 29)."""
+        n = num_target_layers
+        ids = self.aux_layer_ids_configured
+        ids = tuple(ids) if ids is not None else (2, n // 2, n - 3)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} has {bad} outside "
+                             f"[0, {n}) for a target with num_target_layers={n}")
+        return ids

@@ -1,0 +1,149 @@
+"""Catch host-device synchronizations, on any device.
+
+`forbid_host_sync()` raises `HostSyncError` on an op that would make the host wait
+for the device on an accelerator; `count_host_syncs()` records such ops instead.
+Both work on CPU too (where nothing really syncs) by intercepting torch calls with a
+`TorchFunctionMode`, so the tests on a CPU box check the same rule. On CUDA,
+`forbid_host_sync()` also turns on `torch.cuda.set_sync_debug_mode("error")`.
+
+Intercepted: Tensor.item / tolist / cpu / numpy / __array__, `.to()` a CPU device,
+__bool__ / __int__ / __float__ / __index__ / __format__ / __repr__ / __contains__,
+nonzero, argwhere, one-argument where, masked_select, unique, unique_consecutive,
+repeat_interleave with tensor repeats and no output_size, equal, allclose,
+torch.tensor / as_tensor of Python data, and indexing (get or set) with a boolean
+mask or a tensor slice bound. `x[mask] = python_scalar` is allowed (it becomes a
+masked_fill, which does not sync).
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+Tensor = torch.Tensor
+
+_ALWAYS_SYNC = {
+    Tensor.item: "Tensor.item",
+    Tensor.tolist: "Tensor.tolist",
+    Tensor.cpu: "Tensor.cpu",
+    Tensor.numpy: "Tensor.numpy",
+    Tensor.__array__: "Tensor.__array__",
+    Tensor.__bool__: "Tensor.__bool__",
+    Tensor.__int__: "Tensor.__int__",
+    Tensor.__float__: "Tensor.__float__",
+    Tensor.__index__: "Tensor.__index__",
+    Tensor.__format__: "Tensor.__format__",
+    Tensor.__repr__: "Tensor.__repr__",
+    Tensor.__contains__: "Tensor.__contains__",
+    Tensor.nonzero: "Tensor.nonzero",
+    torch.nonzero: "torch.nonzero",
+    torch.argwhere: "torch.argwhere",
+    Tensor.argwhere: "Tensor.argwhere",
+    torch.masked_select: "torch.masked_select",
+    Tensor.masked_select: "Tensor.masked_select",
+    torch.unique: "torch.unique",
+    Tensor.unique: "Tensor.unique",
+    torch.unique_consecutive: "torch.unique_consecutive",
+    Tensor.unique_consecutive: "Tensor.unique_consecutive",
+    torch.equal: "torch.equal",
+    Tensor.equal: "Tensor.equal",
+    torch.allclose: "torch.allclose",
+    Tensor.allclose: "Tensor.allclose",
+}
+
+
+class HostSyncError(RuntimeError):
+    """An op inside `forbid_host_sync()` would synchronize host and device."""
+
+
+def _is_cpu(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
+
+
+def _syncing_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    for part in parts:
+        if isinstance(part, Tensor) and part.dtype == torch.bool:
+            return True
+        if isinstance(part, slice) and any(isinstance(b, Tensor)
+                                           for b in (part.start, part.stop, part.step)):
+            return True
+    return False
+
+
+def sync_op_name(func, args, kwargs) -> str | None:
+    """The name of the op if calling func(*args, **kwargs) would sync, else None."""
+    name = _ALWAYS_SYNC.get(func)
+    if name is not None:
+        return name
+    if func is Tensor.__getitem__ and _syncing_index(args[1]):
+        return "Tensor.__getitem__ (boolean mask or tensor slice bound)"
+    if func is Tensor.__setitem__ and _syncing_index(args[1]) and isinstance(args[2], Tensor):
+        return "Tensor.__setitem__ (boolean mask or tensor slice bound)"
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "torch.where (one argument: nonzero)"
+    if func in (torch.repeat_interleave, Tensor.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+        if isinstance(repeats, Tensor) and kwargs.get("output_size") is None:
+            return "repeat_interleave (tensor repeats without output_size)"
+    if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], Tensor):
+        return f"torch.{func.__name__} (from Python data)"
+    if func is Tensor.to:
+        targets = [*args[1:], kwargs.get("device")]
+        if any(_is_cpu(t) for t in targets):
+            return "Tensor.to (CPU)"
+        if any(isinstance(t, Tensor) and t.device.type == "cpu" for t in targets) \
+                and args[0].device.type != "cpu":
+            return "Tensor.to (a CPU tensor)"
+    return None
+
+
+class _SyncMode(TorchFunctionMode):
+    def __init__(self, on_sync):
+        super().__init__()
+        self.on_sync = on_sync
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = sync_op_name(func, args, kwargs)
+        if name is not None:
+            self.on_sync(name)
+        return func(*args, **kwargs)
+
+
+def _raise(name: str):
+    raise HostSyncError(f"host-device sync inside forbid_host_sync(): {name}")
+
+
+@contextmanager
+def forbid_host_sync():
+    """Raise HostSyncError on any op that would synchronize host and device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _SyncMode(_raise):
+            yield
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+@dataclass
+class SyncCount:
+    ops: list[str] = field(default_factory=list)  # names of the syncing ops, in call order
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+
+@contextmanager
+def count_host_syncs():
+    """Count (and name) the syncing ops run inside the block:
+    `with count_host_syncs() as syncs: ...; syncs.count, syncs.ops`."""
+    counter = SyncCount()
+    with _SyncMode(counter.ops.append):
+        yield counter

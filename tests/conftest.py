@@ -1,0 +1,117 @@
+"""Shared test set-up: a seeded hypothesis profile and a random speculative-step batch."""
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import settings
+
+settings.register_profile("specdec", deadline=None, max_examples=50, derandomize=True)
+settings.load_profile("specdec")
+
+
+@dataclass
+class StepBatch:
+    """One target step as the proposer sees it (the DESIGN.md vocabulary)."""
+    k: int  # num_speculative_tokens
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    sampled: list[list[int]]  # [B][K+1], -1 or >= vocab_size = placeholder
+    discard: list[bool]  # [B], partial-prefill chunks
+    num_draft: list[int]  # [B], drafts verified this step
+    query_lens: list[int]  # [B], scheduled tokens
+    num_computed: list[int]  # [B], tokens already in the KV cache
+    token_table: torch.Tensor  # [R, max_model_len + 1] int32, -1 = unknown
+    rows: torch.Tensor  # [B] int64, each request's row in token_table
+    target_ids: torch.Tensor  # [N] int64
+    block_table: torch.Tensor  # [Bp, M] int32; rows >= B are graph padding (garbage)
+
+    @property
+    def b(self) -> int:
+        return len(self.sampled)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:  # [B] int32, num_computed + num_scheduled
+        return torch.tensor([c + q for c, q in zip(self.num_computed, self.query_lens)],
+                            dtype=torch.int32)
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:  # [B+1] int32
+        return torch.tensor([0, *self.query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    @property
+    def cu_num_draft_tokens(self) -> torch.Tensor:  # [B] int32, inclusive cumsum
+        return torch.tensor(self.num_draft, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    @property
+    def positions(self) -> torch.Tensor:  # [N] int64
+        return torch.cat([torch.arange(c, c + q)
+                          for c, q in zip(self.num_computed, self.query_lens)])
+
+    @property
+    def backup(self) -> list[int]:  # [B], token_table[row, seq_len] (-1 past the table)
+        length = self.token_table.shape[1]
+        return [int(self.token_table[r, s]) if s < length else -1
+                for r, s in zip(self.rows.tolist(), self.seq_lens.tolist())]
+
+
+def make_step_batch(b: int, k: int, seed: int) -> StepBatch:
+    """B requests: decodes with 0..K drafts and random acceptance, and prefill chunks,
+    half of them discarded; ids at the vocab edge; some requests near max_model_len."""
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 7, 1000])
+    max_model_len = rng.randint(k + 8, 80)
+    block_size = rng.choice([1, 2, 4, 16])
+
+    def valid_id():
+        return rng.choice([0, vocab - 1, rng.randrange(vocab)])
+
+    def placeholder():
+        return rng.choice([-1, -1, vocab, vocab + rng.randrange(3)])
+
+    sampled, discard, num_draft, query_lens, num_computed = [], [], [], [], []
+    for _ in range(b):
+        if rng.random() < 0.6:  # decode: 1 + d tokens, v valid sampled entries
+            d = rng.choice([k, k, rng.randint(0, k)])
+            q, dropped, v = 1 + d, False, rng.randint(1, d + 1)
+        else:  # prefill chunk, no drafts
+            d, q, dropped = 0, rng.randint(1, 6), rng.random() < 0.5
+            v = 0 if dropped else 1
+        row = [valid_id() for _ in range(v)] + [placeholder() for _ in range(k + 1 - v)]
+        if dropped and rng.random() < 0.5:
+            row[0] = valid_id()  # junk that the discard mask must hide
+        if rng.random() < 0.3:  # near the end: the draft loop crosses max_model_len
+            c = max(0, max_model_len - q - rng.randint(0, k))
+        else:
+            c = rng.randint(0, max_model_len - q)
+        sampled.append(row)
+        discard.append(dropped)
+        num_draft.append(d)
+        query_lens.append(q)
+        num_computed.append(c)
+
+    num_rows = b + rng.randint(0, 4)
+    width = max_model_len + 1
+    table = torch.full((num_rows, width), -1, dtype=torch.int32)
+    rows = torch.tensor(rng.sample(range(num_rows), b), dtype=torch.int64)
+    for r, c, q, dropped in zip(rows.tolist(), num_computed, query_lens, discard):
+        known = min(width, c + q + (rng.randint(1, 4) if dropped else rng.choice([0, 1])))
+        table[r, :known] = torch.tensor([valid_id() for _ in range(known)], dtype=torch.int32)
+
+    pad = rng.randint(0, 3)
+    blocks = math.ceil(max_model_len / block_size)
+    block_table = torch.tensor([[rng.randrange(10_000) for _ in range(blocks)] for _ in range(b)]
+                               + [[rng.choice([-1, 10**6])] * blocks for _ in range(pad)],
+                               dtype=torch.int32)
+    target_ids = torch.tensor([valid_id() for _ in range(sum(query_lens))], dtype=torch.int64)
+    return StepBatch(k, vocab, max_model_len, block_size, sampled, discard, num_draft, query_lens,
+                     num_computed, table, rows, target_ids, block_table)
+
+
+@pytest.fixture(scope="session")
+def step_batch():
+    """make_step_batch(b, k, seed); session-scoped so hypothesis tests can use it."""
+    return make_step_batch

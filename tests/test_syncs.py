@@ -1,0 +1,141 @@
+"""forbid_host_sync / count_host_syncs: each syncing op is caught, the padded path is not."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from specdec.kernels import (
+    advance_draft_step,
+    gather_backup_tokens,
+    prepare_inputs_padded,
+    prepare_next_token_ids_padded,
+    shift_first_pass_input_ids,
+)
+from specdec.kernels.ragged import next_token_ids_ragged, prepare_inputs_ragged, valid_counts_ragged
+from specdec.syncs import HostSyncError, count_host_syncs, forbid_host_sync
+
+x = torch.arange(6)
+mask = x > 2
+i0 = torch.tensor(2)
+idx = torch.tensor([0, 2])
+
+SYNCING = {
+    "Tensor.item": lambda: x[0].item(),
+    "Tensor.tolist": lambda: x.tolist(),
+    "Tensor.cpu": lambda: x.cpu(),
+    "Tensor.numpy": lambda: x.numpy(),
+    "Tensor.__array__": lambda: np.asarray(x),
+    "Tensor.to (CPU)": lambda: x.to("cpu"),
+    "Tensor.to (CPU) device=": lambda: x.to(device=torch.device("cpu")),
+    "Tensor.__bool__": lambda: bool(mask[0]),
+    "Tensor.__bool__ (if any)": lambda: 1 if mask.any() else 0,
+    "Tensor.__bool__ (all)": lambda: bool(mask.all()),
+    "Tensor.__int__": lambda: int(x[0]),
+    "Tensor.__float__": lambda: float(x[0]),
+    "Tensor.__index__": lambda: [1, 2, 3][i0],
+    "Tensor.__format__": lambda: f"{x[0]:d}",
+    "Tensor.__repr__": lambda: repr(x),
+    "Tensor.__contains__": lambda: 3 in x,
+    "Tensor.nonzero": lambda: x.nonzero(),
+    "torch.nonzero": lambda: torch.nonzero(x),
+    "torch.argwhere": lambda: torch.argwhere(x),
+    "torch.where": lambda: torch.where(mask),
+    "torch.masked_select": lambda: torch.masked_select(x, mask),
+    "Tensor.masked_select": lambda: x.masked_select(mask),
+    "Tensor.__getitem__ (bool mask)": lambda: x[mask],
+    "Tensor.__getitem__ (tensor slice)": lambda: x[:i0],
+    "Tensor.__setitem__": lambda: x.clone().__setitem__(mask, torch.zeros(3, dtype=x.dtype)),
+    "torch.unique": lambda: torch.unique(x),
+    "Tensor.unique": lambda: x.unique(),
+    "torch.unique_consecutive": lambda: torch.unique_consecutive(x),
+    "repeat_interleave": lambda: torch.repeat_interleave(x, x),
+    "repeat_interleave (one arg)": lambda: torch.repeat_interleave(x),
+    "repeat_interleave (method)": lambda: x.repeat_interleave(x),
+    "torch.tensor": lambda: torch.tensor([1, 2]),
+    "torch.as_tensor": lambda: torch.as_tensor([1, 2]),
+    "torch.equal": lambda: torch.equal(x, x),
+    "torch.allclose": lambda: torch.allclose(x.float(), x.float()),
+}
+
+NOT_SYNCING = {
+    "arithmetic": lambda: (x + 1) * 2,
+    "to dtype": lambda: x.to(torch.int32),
+    "where with values": lambda: torch.where(mask, x, 0),
+    "int tensor indexing": lambda: x[idx],
+    "slice": lambda: x[1:3],
+    "masked_fill by scalar setitem": lambda: x.clone().__setitem__(mask, 0),
+    "repeat_interleave int": lambda: x.repeat_interleave(2),
+    "repeat_interleave output_size": lambda: torch.repeat_interleave(x, x, output_size=15),
+    "as_tensor of a tensor": lambda: torch.as_tensor(x),
+    "any without bool": lambda: mask.any(),
+    "len": lambda: len(x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCING))
+def test_each_syncing_op_is_forbidden(name):
+    with pytest.raises(HostSyncError, match=name.split(" ")[0]):
+        with forbid_host_sync():
+            SYNCING[name]()
+
+
+@pytest.mark.parametrize("name", sorted(SYNCING))
+def test_each_syncing_op_is_counted(name):
+    with count_host_syncs() as syncs:
+        SYNCING[name]()
+    assert syncs.count >= 1
+    assert any(name.split(" ")[0] in op for op in syncs.ops)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SYNCING))
+def test_non_syncing_ops_pass(name):
+    with forbid_host_sync():
+        NOT_SYNCING[name]()
+    with count_host_syncs() as syncs:
+        NOT_SYNCING[name]()
+    assert syncs.count == 0
+
+
+def test_guard_is_removed_after_the_block():
+    with pytest.raises(HostSyncError):
+        with forbid_host_sync():
+            x[0].item()
+    assert x[0].item() == 0
+    with count_host_syncs() as syncs:
+        x[0].item()
+        x.tolist()
+    assert syncs.ops == ["Tensor.item", "Tensor.tolist"]
+    x[1].item()
+    assert syncs.count == 2
+
+
+@given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+def test_padded_path_runs_inside_the_guard(step_batch, b, k, seed):
+    batch = step_batch(b, k, seed)
+    sampled = torch.tensor(batch.sampled, dtype=torch.int32)
+    discard = torch.tensor(batch.discard)
+    qsl, cu, seq_lens, positions = (batch.query_start_loc, batch.cu_num_draft_tokens,
+                                    batch.seq_lens, batch.positions)
+    num_reqs = torch.tensor(b)
+    with forbid_host_sync():
+        backup = gather_backup_tokens(batch.token_table, batch.rows, seq_lens)
+        next_ids, valid = prepare_next_token_ids_padded(sampled, discard, backup, batch.vocab_size)
+        sample_idx, rejected = prepare_inputs_padded(cu, valid, qsl)
+        shift_first_pass_input_ids(batch.target_ids, sample_idx, next_ids)
+        pos, lens = positions[sample_idx.long()], seq_lens - rejected
+        for _ in range(1, k):
+            pos, _, _, lens = advance_draft_step(pos, lens, batch.block_table[:b], num_reqs,
+                                                 batch.block_size, batch.max_model_len)
+
+
+def test_ragged_path_syncs_are_counted(step_batch):
+    batch = step_batch(8, 3, seed=0)
+    sampled = torch.tensor(batch.sampled, dtype=torch.int32)
+    with count_host_syncs() as syncs:
+        rows = sampled.tolist()
+        valid = valid_counts_ragged(rows, batch.discard, batch.vocab_size)
+        next_token_ids_ragged(rows, batch.discard, batch.backup, batch.vocab_size)
+        prepare_inputs_ragged(batch.query_start_loc, batch.seq_lens, batch.num_draft, valid)
+    assert "Tensor.tolist" in syncs.ops
+    assert any(op.startswith("repeat_interleave") for op in syncs.ops)
