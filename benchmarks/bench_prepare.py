@@ -17,7 +17,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdec.kernels import gather_backup_tokens, prepare_inputs_padded, prepare_next_token_ids_padded
+from specdec.kernels import (gather_backup_tokens, prepare_inputs_padded,
+                             prepare_next_token_ids_padded)
 from specdec.kernels.ragged import next_token_ids_ragged, prepare_inputs_ragged, valid_counts_ragged
 
 VOCAB = 32_000
