@@ -1,0 +1,293 @@
+"""Llama / Qwen2 target model in plain PyTorch (gpt-fast style), HF parameter names.
+
+Two attention modes (the contract the engine relies on):
+- ``kv=None``: inputs are batched ``[B, T]``, attention is dense causal SDPA (training, reference).
+- ``kv`` given: inputs are flat ``[N]``; every attention calls
+  ``kv.attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``
+  with RoPE already applied to ``q`` and ``k``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models import checkpoint
+
+QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
+LLAMA_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
+
+
+@dataclass
+class LlamaConfig:
+    """The fields of an HF Llama/Qwen2 ``config.json`` this model uses.
+
+    ``attention_bias`` means biases on q/k/v only (the Qwen2 layout); o_proj never has one.
+    ``extra`` keeps the keys a draft head adds (``draft_vocab_size``, ``num_nextn_predict_layers``,
+    ``eagle_aux_hidden_state_layer_ids``, ...) so they round-trip through ``to_hf_dict``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int = 0
+    eos_token_id: int = 0
+    architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
+    torch_dtype: str = "float16"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name}={value!r}: must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"LlamaConfig.num_key_value_heads={self.num_key_value_heads}: must divide "
+                f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: must be even for RoPE")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError(f"LlamaConfig.rms_norm_eps={self.rms_norm_eps}, rope_theta="
+                             f"{self.rope_theta}: both must be > 0")
+        if not self.architectures or not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(f"LlamaConfig.architectures={self.architectures!r}: "
+                             "must be a non-empty list of str")
+        if self.architectures[0] in QWEN2_ARCHS:
+            self.attention_bias = True
+        if self.torch_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"LlamaConfig.torch_dtype={self.torch_dtype!r}: "
+                             "allowed float16, bfloat16, float32")
+
+    @property
+    def model_type(self) -> str:
+        return "qwen2" if self.architectures[0] in QWEN2_ARCHS else "llama"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        """Build from an HF config dict; unknown keys go to ``extra``, unsupported options raise."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config hidden_act={d['hidden_act']!r}: only 'silu' is supported")
+        if d.get("rope_scaling") is not None:
+            raise ValueError(f"config rope_scaling={d['rope_scaling']!r}: only null is supported")
+        if d.get("mlp_bias", False):
+            raise ValueError("config mlp_bias=True: MLP biases are not supported")
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] not in QWEN2_ARCHS and d.get("attention_bias", False):
+            raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
+                             "bias on o_proj too, which is not supported (Qwen2 layout only)")
+        names = {f.name for f in fields(cls)} - {"extra", "architectures"}
+        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if n not in d]
+        if missing:
+            raise ValueError(f"config is missing required keys {missing}")
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
+        if isinstance(kwargs.get("eos_token_id"), list):
+            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        skip = names | {"architectures", "model_type", "hidden_act", "rope_scaling", "mlp_bias"}
+        extra = {k: v for k, v in d.items() if k not in skip}
+        return cls(architectures=list(archs), extra=extra, **kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "LlamaConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        d["model_type"] = self.model_type
+        d["hidden_act"] = "silu"
+        d["rope_scaling"] = None
+        if self.model_type == "qwen2":
+            del d["attention_bias"]  # implied by the architecture
+        d.update(self.extra)
+        return dict(sorted(d.items()))
+
+
+class RMSNorm(nn.Module):
+    """HF RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x [..., T, H, D]`` by ``positions [..., T]`` (HF rotate_half convention).
+
+    Channel pairs are (j, j + D/2) with frequency ``theta ** (-2j / D)``; position 0 is the identity:
+    ``apply_rope(x, zeros, theta) == x``.
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)[..., None, :]  # [..., T, 1, D]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, in_features: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None) -> torch.Tensor:
+        """x: [B, T, in] with kv=None, else [N, in]; positions: [B, T] / [T], or [N]."""
+        lead = x.shape[:-1]
+        q = apply_rope(self.q_proj(x).view(*lead, self.n_heads, self.head_dim), positions, self.theta)
+        k = apply_rope(self.k_proj(x).view(*lead, self.n_kv, self.head_dim), positions, self.theta)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if kv is not None:
+            out = kv.attend(self.layer_idx, q, k, v)
+        else:
+            rep = self.n_heads // self.n_kv
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(attn_in); out = h + mlp(norm(h))``.
+
+    ``attn_in`` defaults to ``input_layernorm(x)`` (or ``x`` when built with
+    ``input_layernorm=False``, the EAGLE-1 layer); a head can pass its own (EAGLE-3 feeds
+    ``[norm(embeds), norm(hidden)]`` of width ``qkv_in_features = 2H``).
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, qkv_in_features: int | None = None,
+                 input_layernorm: bool = True):
+        super().__init__()
+        h = config.hidden_size
+        if input_layernorm:
+            self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, qkv_in_features or h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None,
+                attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_in is None:
+            attn_in = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        h = x + self.self_attn(attn_in, positions, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model; parameter names are HF's (``model.layers.{i}.self_attn.q_proj.weight``, ...)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the decoder.
+
+        input_ids: [B, T] int64 (kv=None) or [N] (kv given); positions: same shape (or [T]).
+        Returns ``hidden [..., H]`` (after the final norm) and ``aux [..., len(aux_layer_ids), H]``
+        (None when no ids): aux for id ``i`` is the residual stream at the INPUT of layer ``i``
+        (id 0 = the embeddings), vLLM's convention for EAGLE-3.
+        """
+        for i in aux_layer_ids:
+            if not 0 <= i < self.config.num_hidden_layers:
+                raise ValueError(f"aux_layer_ids contains {i}: allowed 0..{self.config.num_hidden_layers - 1}")
+        x = self.model.embed_tokens(input_ids)
+        aux = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                aux[i] = x
+            x = layer(x, positions, kv)
+        stacked = torch.stack([aux[i] for i in aux_layer_ids], dim=-2) if aux_layer_ids else None
+        return self.model.norm(x), stacked
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> float32 logits [..., vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def expected_tensors(self) -> dict[str, torch.Size]:
+        """Name -> shape of every tensor a checkpoint holds (no ``lm_head.weight`` when tied)."""
+        shapes = {k: v.shape for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            del shapes["lm_head.weight"]
+        return shapes
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype``)."""
+        tensors = {k: v for k, v in self.state_dict().items() if k in self.expected_tensors()}
+        checkpoint.save_folder(path, self.config.to_hf_dict(), tensors, dtype)
+
+    @classmethod
+    def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LlamaForCausalLM":
+        """Load an HF-style folder; tensors are upcast/cast to ``dtype``; names must match exactly."""
+        config = LlamaConfig.from_json_file(Path(path) / "config.json")
+        model = cls(config)
+        tensors = checkpoint.load_tensors(path)
+        checkpoint.check_names(model.expected_tensors(), tensors, path)
+        model.load_state_dict(tensors, strict=False)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    return LlamaForCausalLM.load_pretrained(path, dtype, device)

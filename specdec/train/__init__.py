@@ -1,0 +1,1 @@
+"""Reproducible CPU training of the embedded default target + draft heads (specdec/assets/default)."""

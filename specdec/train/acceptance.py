@@ -1,0 +1,101 @@
+"""Offline (teacher-forced) estimate of draft acceptance under greedy decoding.
+
+For a prompt plus the target's own greedy continuation ``x [B, T]`` (what a greedy engine
+outputs), every slot ``i`` simulates one speculation round: the draft chain starts from the
+target hidden at position ``i`` with input token ``x[i+1]``; step s proposes ``d_s`` for
+``x[i+1+s]`` and feeds ``d_s`` plus its ``next_hidden`` to step s+1 (attention per
+``UnrolledKV``). Slot acceptance length = 1 + number of leading correct drafts (1 = nothing
+accepted); only slots whose drafted tokens all lie in the generated part count.
+
+Usage: ``python -m specdec.train.acceptance --assets specdec/assets/default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from specdec.models.heads import DraftHead, load_head
+from specdec.models.llama import LlamaForCausalLM, load_pretrained
+from specdec.train.data import heldout_prompts
+from specdec.train.kv import CacheKV, UnrolledKV
+
+
+@torch.no_grad()
+def greedy_generate(target: LlamaForCausalLM, prompts: torch.Tensor, n_new: int,
+                    chunk: int = 128) -> torch.Tensor:
+    """prompts [B, P] int64 -> [B, P + n_new]: the target's greedy continuation (cached decode)."""
+    out = []
+    for rows in prompts.split(chunk):
+        b, p = rows.shape
+        kv = CacheKV(b)
+        ids, pos = rows.reshape(-1), torch.arange(p).repeat(b)
+        seq = [rows]
+        for t in range(n_new):
+            hidden, _ = target(ids, pos, kv)
+            ids = target.compute_logits(hidden.view(b, -1, hidden.shape[-1])[:, -1]).argmax(-1)
+            pos = torch.full((b,), p + t)
+            seq.append(ids[:, None])
+        out.append(torch.cat(seq, dim=1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def draft_chain(target: LlamaForCausalLM, head: DraftHead, x: torch.Tensor, k: int) -> torch.Tensor:
+    """Drafts [B, T, k] (target ids): ``[b, i, s-1]`` is step s's proposal for ``x[b, i+1+s]``."""
+    b, t = x.shape
+    pos = torch.arange(t).expand(b, t)
+    hidden, aux = target(x, pos, aux_layer_ids=head.aux_layer_ids)
+    hidden = head.combine_hidden_states(aux if head.aux_layer_ids else hidden).flatten(0, 1)
+    ids = torch.cat((x[:, 1:], x[:, -1:]), dim=1).reshape(-1)  # last slot's input is never scored
+    kv, drafts = UnrolledKV(b, t), []
+    for s in range(k):
+        logits_hidden, hidden = head(ids, (pos + s).reshape(-1), hidden, kv)
+        ids = head.draft_to_target_ids(head.compute_logits(logits_hidden).argmax(-1))
+        drafts.append(ids.view(b, t))
+    return torch.stack(drafts, dim=-1)
+
+
+def acceptance_stats(x: torch.Tensor, drafts: torch.Tensor, prompt_len: int) -> dict:
+    """Per-position conditional acceptance and mean acceptance length.
+
+    x [B, T]; drafts [B, T, k]. Slot i counts when ``prompt_len <= i + 2`` and ``i + 1 + k < T``.
+    Example: one slot with correct, correct, wrong -> per_position [1, 1, 0], mean length 3.
+    """
+    b, t, k = drafts.shape
+    slots = torch.arange(max(prompt_len - 2, 0), t - 1 - k)
+    truth = torch.stack([x[:, slots + 1 + s] for s in range(1, k + 1)], dim=-1)  # [B, S, k]
+    run = (drafts[:, slots] == truth).long().cumprod(dim=-1)  # 1 while every earlier draft was right
+    reached = torch.cat((torch.ones_like(run[..., :1]), run[..., :-1]), dim=-1)
+    per_pos = (run.sum((0, 1)).double() / reached.sum((0, 1)).clamp(min=1)).tolist()
+    return {"per_position": per_pos, "mean_acceptance_length": 1 + run.sum(-1).double().mean().item(),
+            "slots": int(run.shape[0] * run.shape[1])}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assets", default="specdec/assets/default")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=64, help="held-out prompts")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    root = Path(args.assets)
+    target = load_pretrained(root / "target")
+    tok = Tokenizer.from_file(str(root / "target" / "tokenizer.json"))
+    prompts = heldout_prompts(tok, args.prompts, args.prompt_len, args.seed)
+    x = greedy_generate(target, prompts, args.new_tokens)
+    result = {name: acceptance_stats(x, draft_chain(target, load_head(root / name, target), x, args.k),
+                                     args.prompt_len)
+              for name in ("mtp", "eagle", "eagle3")}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
