@@ -1,0 +1,110 @@
+"""Training helpers: the unrolled draft attention, greedy generation, acceptance statistics."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specdec.train import data
+from specdec.train.acceptance import acceptance_stats, draft_chain, greedy_generate
+from specdec.train.kv import UnrolledKV
+from specdec.train.train_default import head_loss, lr_at, make_optimizer
+from test_models import ReferenceKV, head_inputs, tiny_head, tiny_target
+
+
+def test_split_rule_is_a_fixed_hash():
+    # int("b4fa779c", 16) % 20 == 0 for "ast.py"; int("3b2e3cb3", 16) % 20 == 19 for "json/decoder.py"
+    assert data.is_held_out("ast.py")
+    assert not data.is_held_out("json/decoder.py")
+
+
+def test_acceptance_stats_worked_example():
+    x = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    drafts = torch.zeros(1, 7, 3, dtype=torch.int64)
+    drafts[0, 0] = torch.tensor([7, 8, 0])  # slot 0 proposes x[2], x[3], x[4]: right, right, wrong
+    drafts[0, 1] = torch.tensor([0, 9, 10])  # slot 1: first draft wrong -> nothing accepted
+    drafts[0, 2] = torch.tensor([9, 10, 11])  # slot 2: all three right
+    stats = acceptance_stats(x, drafts, prompt_len=0)
+    assert stats["slots"] == 3
+    assert stats["per_position"] == pytest.approx([2 / 3, 1.0, 0.5])
+    assert stats["mean_acceptance_length"] == pytest.approx((3 + 1 + 4) / 3)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+def test_unrolled_chain_equals_sequential_engine_chain(method):
+    """UnrolledKV step s at slot i == the engine's draft: cache of step-1 entries 0..i, then the
+    chain's own entries at positions i+1.. (checked for every slot, 3 steps)."""
+    target = tiny_target()
+    head = tiny_head(method, target)
+    x = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        drafts = draft_chain(target, head, x, 3)[0]  # [T, 3]
+        hidden = head.combine_hidden_states(head_inputs(method, target, x))[0]  # [T, H]
+        ids = torch.cat((x[0, 1:], x[0, -1:]))
+        for i in range(6):
+            kv = ReferenceKV()
+            lh, h = head(ids[: i + 1], torch.arange(i + 1), hidden[: i + 1], kv)
+            tok, h = head.draft_to_target_ids(head.compute_logits(lh[-1:]).argmax(-1)), h[-1:]
+            chain = [tok]
+            for s in range(1, 3):
+                lh, h = head(tok, torch.tensor([i + s]), h, kv)
+                tok = head.draft_to_target_ids(head.compute_logits(lh).argmax(-1))
+                chain.append(tok)
+            assert torch.cat(chain).tolist() == drafts[i].tolist(), i
+
+
+@given(b=st.integers(1, 3), p=st.integers(1, 5), n=st.integers(1, 4))
+def test_greedy_generate_matches_dense_argmax_loop(b, p, n):
+    target = tiny_target()
+    prompts = torch.randint(0, 61, (b, p), generator=torch.Generator().manual_seed(b * 10 + p))
+    got = greedy_generate(target, prompts, n, chunk=2)
+    seq = prompts
+    with torch.no_grad():
+        for _ in range(n):
+            hidden, _ = target(seq, torch.arange(seq.shape[1]))
+            seq = torch.cat((seq, target.compute_logits(hidden[:, -1]).argmax(-1, keepdim=True)), 1)
+    assert torch.equal(got, seq)
+
+
+def test_unrolled_kv_mask_example():
+    """The docstring's T = 2, step-2 mask, observed through attention weights on unit values."""
+    kv = UnrolledKV(batch=1, seqlen=2)
+    q = torch.zeros(2, 1, 1)  # equal scores: output = mean of the visible values
+    kv.attend(0, q, torch.zeros(2, 1, 1), torch.tensor([[[1.0]], [[2.0]]]))
+    out = kv.attend(0, q, torch.zeros(2, 1, 1), torch.tensor([[[10.0]], [[20.0]]]))
+    # slot 0 sees {1, 10}; slot 1 sees {1, 2, 20}
+    assert out.flatten().tolist() == pytest.approx([5.5, 23 / 3])
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+def test_head_loss_decreases_and_keeps_target_frozen(method):
+    target = tiny_target()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = tiny_head(method, target)
+    head.train()
+    x = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden, aux = target(x, torch.arange(12), aux_layer_ids=(1, 2, 3))
+        teacher = target.compute_logits(hidden)
+    draft_ids = torch.arange(40) if method == "eagle3" else None  # tiny_head: draft vocab 40
+    opt = make_optimizer(head, 1e-2)
+    losses = []
+    for _ in range(20):
+        loss, agree = head_loss(head, x, hidden, aux, teacher, draft_ids, 3, 0.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # soft cross-entropy = teacher entropy + KL: the KL part must at least halve
+    restricted = teacher[..., draft_ids] if draft_ids is not None else teacher
+    entropy = sum(torch.distributions.Categorical(logits=restricted[:, s:]).entropy().mean()
+                  for s in (1, 2, 3)).item() / 3
+    assert len(agree) == 3 and losses[-1] - entropy < 0.5 * (losses[0] - entropy), (entropy, losses)
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_lr_schedule_warms_up_then_decays_to_ten_percent():
+    assert lr_at(0, 100, 1.0, warmup=10) == pytest.approx(0.1)
+    assert lr_at(10, 100, 1.0, warmup=10) == pytest.approx(1.0)
+    assert lr_at(100, 100, 1.0, warmup=10) == pytest.approx(0.1)
