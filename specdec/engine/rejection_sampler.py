@@ -1,0 +1,145 @@
+"""Rejection sampler: verify a greedy drafter's tokens against the target model.
+
+Output convention (vLLM): `sampled_token_ids` [B, K+1] int32 holds the accepted drafts,
+then one recovered-or-bonus token, then -1 placeholders; valid entries form a prefix.
+
+The drafter is greedy, so its distribution q is one-hot at the draft d. Standard
+speculative sampling then reads (p = target probabilities at that position):
+    accept d with probability min(1, p(d) / q(d)) = p(d)
+    on rejection emit x ~ (p - q)+ / sum   = p with d removed, renormalised
+    after K accepts emit the bonus x ~ p at row K
+so every emitted token is distributed exactly as p. Greedy rows (temperature 0) accept
+while d == argmax(target) and emit the argmax at the first mismatch or at the bonus row.
+
+Sampling uses the exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. is a
+sample from p / sum(p) (no normalisation, no sort, no host sync). All random numbers
+are drawn with fixed shapes for every row, so a seeded generator gives the same output
+whatever mix of greedy and stochastic rows the batch holds.
+
+Everything is device tensor ops with shapes fixed by (B, K, V): no host-device sync.
+"""
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Verify drafts; return sampled_token_ids [B, K+1] int32 (-1 = placeholder).
+
+    target_logits:    [B, K+1, V] float; row j of request r predicts the token after its
+                      j-th verified token (row num_draft[r] gives the bonus); later rows
+                      are padding.
+    draft_token_ids:  [B, K] int32/int64; entries past num_draft[r] are padding (any value).
+                      A draft outside [0, V) is never accepted.
+    num_draft_tokens: [B] int32/int64 in 0..K (0: a prefill request, one token sampled).
+    temperature:      [B] float; < 1e-5 means greedy for that row.
+    top_p:            [B] float in (0, 1], or None (no nucleus filter). Greedy rows ignore it.
+    generator:        torch.Generator on the logits' device, for reproducible sampling.
+
+    Example (greedy, K=2, V=4; argmax of the logits rows per request):
+        argmax rows = [[1,2,3], [1,0,3], [2,0,0]], drafts = [[1,2], [1,2], [0,0]],
+        num_draft = [2, 2, 0], temperature = [0, 0, 0]
+        -> [[1, 2, 3],     all accepted, bonus 3
+            [1, 0, -1],    draft 2 rejected at row 1, recovered 0
+            [2, -1, -1]]   prefill: only row 0 sampled
+    """
+    batch, num_rows, vocab = _check_args(target_logits, draft_token_ids, num_draft_tokens,
+                                         temperature, top_p)
+    k = num_rows - 1
+    device = target_logits.device
+    logits = target_logits.float()
+    greedy = temperature < GREEDY_TEMPERATURE  # [B]
+    draft = draft_token_ids.long()
+    in_vocab = (draft >= 0) & (draft < vocab)  # [B, K]
+    safe_draft = draft.clamp(0, vocab - 1)
+
+    # Target probabilities p [B, K+1, V]; greedy rows divide by 1 (their p is unused).
+    scale = torch.where(greedy, 1.0, temperature.float())
+    probs = torch.softmax(logits / scale[:, None, None], dim=-1)
+    if top_p is not None:
+        probs = _top_p_filter(probs, top_p.float())
+
+    # Fixed-shape random draws (same consumption for every batch composition).
+    uniform = torch.rand((batch, k), generator=generator, device=device)
+    race = torch.empty((batch, vocab), dtype=torch.float32, device=device)
+    race = race.exponential_(generator=generator)
+    race = race.clamp_min(torch.finfo(torch.float32).tiny)  # an Exp(1) draw of 0 would give 0/0
+
+    # Accept d at row j: greedy d == argmax; stochastic u < p(d) (u in [0, 1): p(d)=0 never).
+    argmax = logits.argmax(dim=-1)  # [B, K+1]
+    draft_prob = probs[:, :k].gather(2, safe_draft[..., None]).squeeze(2)  # [B, K]
+    accept = torch.where(greedy[:, None], draft == argmax[:, :k], uniform < draft_prob)
+    rows = torch.arange(num_rows, device=device)
+    accept = accept & in_vocab & (rows[None, :k] < num_draft_tokens[:, None])
+    num_accepted = accept.to(torch.int32).cumprod(dim=1).sum(dim=1).long()  # [B], 0..K
+
+    # The one token after the accepted drafts, at row a = num_accepted.
+    ar = torch.arange(batch, device=device)
+    draft_ext = torch.cat([draft, draft.new_full((batch, 1), -1)], dim=1)  # [B, K+1]
+    draft_a = draft_ext.gather(1, num_accepted[:, None])  # [B, 1]
+    rejected = num_accepted < num_draft_tokens  # else: all accepted -> bonus from p
+    p_a = probs[ar, num_accepted]  # [B, V]
+    removed = rejected[:, None] & (torch.arange(vocab, device=device)[None] == draft_a)
+    residual = p_a.masked_fill(removed, 0.0)  # (p - q)+ up to normalisation
+    # Rounding can reject a draft holding all of p's mass: fall back to p then.
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_a)
+    sampled = (residual / race).argmax(dim=1)
+    token_a = torch.where(greedy, argmax[ar, num_accepted], sampled)
+
+    out = torch.where(rows[None] == num_accepted[:, None], token_a[:, None], -1)
+    out = torch.where(rows[None] < num_accepted[:, None], draft_ext, out)
+    return out.to(torch.int32)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise.
+
+    probs: [B, R, V] float32, rows sum to 1; top_p: [B] float32 in (0, 1] (1 keeps all).
+    A token is kept when the mass strictly above it in sorted order is < top_p, so the most
+    likely token is always kept. Example: p = [0.5, 0.3, 0.2], top_p = 0.6 -> [0.625, 0.375, 0].
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = (mass_above < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)
+    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, top_p):
+    """Shape/dtype/device checks only (never tensor values: no host sync). -> (B, K+1, V)."""
+    named = {"target_logits": target_logits, "draft_token_ids": draft_token_ids,
+             "num_draft_tokens": num_draft_tokens, "temperature": temperature}
+    if top_p is not None:
+        named["top_p"] = top_p
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if target_logits.dim() != 3 or target_logits.shape[1] < 1 or target_logits.shape[2] < 1:
+        raise ValueError(f"target_logits must be [B, K+1, V] with K+1 >= 1 and V >= 1, "
+                         f"got shape {tuple(target_logits.shape)}")
+    batch, num_rows, _ = target_logits.shape
+    expected = {"draft_token_ids": (batch, num_rows - 1), "num_draft_tokens": (batch,),
+                "temperature": (batch,), "top_p": (batch,)}
+    for name, t in named.items():
+        if name != "target_logits" and tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} must have shape {expected[name]} (B, K from target_logits "
+                             f"{tuple(target_logits.shape)}), got {tuple(t.shape)}")
+        if t.device != target_logits.device:
+            raise ValueError(f"{name} is on {t.device}, target_logits on {target_logits.device}; "
+                             f"all inputs must be on one device")
+    for name in ("target_logits", "temperature", "top_p"):
+        if name in named and not named[name].is_floating_point():
+            raise ValueError(f"{name} must be a floating dtype, got {named[name].dtype}")
+    for name in ("draft_token_ids", "num_draft_tokens"):
+        if named[name].dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {named[name].dtype}")
+    return batch, num_rows, target_logits.shape[2]

@@ -1,0 +1,277 @@
+"""rejection_sample: greedy == a plain-Python reference, stochastic rows preserve the target
+distribution (chi-square, with controls showing the test rejects wrong samplers), top-p,
+argument checks, and no host sync."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from specdec.engine.rejection_sampler import rejection_sample
+from specdec.syncs import forbid_host_sync
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+P_MIN = 1e-3  # chi-square p-value threshold
+
+
+def greedy_reference(logits: torch.Tensor, drafts: list[list[int]], num_draft: list[int]):
+    """Per-request plain-Python greedy verification -> [B][K+1] ints."""
+    out = []
+    num_rows = logits.shape[1]
+    for rows, draft, n in zip(logits.tolist(), drafts, num_draft):
+        argmax = [max(range(len(row)), key=row.__getitem__) for row in rows]
+        emitted = []
+        for j in range(n):
+            if draft[j] != argmax[j]:
+                break
+            emitted.append(draft[j])
+        emitted.append(argmax[len(emitted)])
+        out.append(emitted + [-1] * (num_rows - len(emitted)))
+    return out
+
+
+def make_batch(b: int, k: int, seed: int):
+    """Random logits; drafts match the argmax for a random prefix, then mismatch; padding
+    drafts past num_draft hold junk (-1, ids >= V)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randint(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    vocab = [2, 5, 50][randint(0, 2)]
+    logits = torch.randn(b, k + 1, vocab, generator=g) * 3
+    argmax = logits.argmax(-1).tolist()
+    drafts, num_draft = [], []
+    for r in range(b):
+        n = randint(0, k)
+        prefix = randint(0, n)
+        row = [argmax[r][j] if j < prefix else randint(0, vocab - 1) for j in range(k)]
+        if prefix < n:
+            row[prefix] = (argmax[r][prefix] + randint(1, vocab - 1)) % vocab
+        for j in range(n, k):
+            row[j] = [-1, vocab, vocab + 7, randint(0, vocab - 1)][randint(0, 3)]
+        drafts.append(row)
+        num_draft.append(n)
+    return logits, drafts, num_draft
+
+
+def check_structure(out: list[list[int]], drafts, num_draft, vocab):
+    """Accepted drafts, then one token in [0, V) (never the rejected draft), then -1."""
+    for row, draft, n in zip(out, drafts, num_draft):
+        a = (row + [-1]).index(-1) - 1  # number of accepted drafts
+        assert 0 <= a <= n and row[:a] == draft[:a]
+        assert 0 <= row[a] < vocab
+        if a < n:
+            assert row[a] != draft[a]
+        assert row[a + 1:] == [-1] * (len(row) - a - 1)
+
+
+@given(b=st.integers(1, 64), k=st.integers(1, 8), seed=st.integers(0, 2**31 - 1),
+       with_top_p=st.booleans())
+def test_greedy_rows_match_reference_in_mixed_batch(b, k, seed, with_top_p):
+    logits, drafts, num_draft = make_batch(b, k, seed)
+    g = torch.Generator().manual_seed(seed)
+    greedy = torch.rand(b, generator=g) < 0.5
+    temperature = torch.where(greedy, 0.0, 0.3 + 2 * torch.rand(b, generator=g))
+    top_p = 0.2 + 0.8 * torch.rand(b, generator=g) if with_top_p else None
+    out = rejection_sample(logits, torch.tensor(drafts, dtype=torch.int32),
+                           torch.tensor(num_draft, dtype=torch.int32), temperature, top_p,
+                           generator=g)
+    assert out.dtype == torch.int32 and out.shape == (b, k + 1)
+    out = out.tolist()
+    ref = greedy_reference(logits, drafts, num_draft)
+    for r in range(b):
+        if greedy[r]:
+            assert out[r] == ref[r]
+    check_structure(out, drafts, num_draft, logits.shape[2])
+
+
+def one_hot_logits(argmax_rows: list[list[int]], vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(argmax_rows), vocab).float()
+
+
+def test_docstring_example():
+    logits = one_hot_logits([[1, 2, 3], [1, 0, 3], [2, 0, 0]], 4)
+    out = rejection_sample(logits, torch.tensor([[1, 2], [1, 2], [0, 0]], dtype=torch.int32),
+                           torch.tensor([2, 2, 0], dtype=torch.int32), torch.zeros(3))
+    assert out.tolist() == [[1, 2, 3], [1, 0, -1], [2, -1, -1]]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_all_accepted_and_all_rejected(k):
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(8, k + 1, 11, generator=g)
+    argmax = logits.argmax(-1).int()
+    num_draft = torch.full((8,), k, dtype=torch.int32)
+    out = rejection_sample(logits, argmax[:, :k], num_draft, torch.zeros(8))
+    assert torch.equal(out, argmax)  # every draft accepted, then the bonus argmax
+    out = rejection_sample(logits, (argmax[:, :k] + 1) % 11, num_draft, torch.zeros(8))
+    expected = torch.full((8, k + 1), -1, dtype=torch.int32)
+    expected[:, 0] = argmax[:, 0]  # first draft rejected, recovered argmax
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_out_of_vocab_draft_is_rejected(temperature):
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    out = rejection_sample(logits, torch.tensor([[-1, 0], [5, 0]], dtype=torch.int32),
+                           torch.tensor([2, 2], dtype=torch.int32), torch.full((2,), temperature))
+    assert out[:, 1:].tolist() == [[-1, -1], [-1, -1]]
+    assert ((out[:, 0] >= 0) & (out[:, 0] < 5)).all()
+
+
+def test_same_seed_same_output():
+    logits, drafts, num_draft = make_batch(32, 4, seed=7)
+    args = (logits, torch.tensor(drafts, dtype=torch.int32),
+            torch.tensor(num_draft, dtype=torch.int32), torch.ones(32), torch.full((32,), 0.9))
+    first = rejection_sample(*args, generator=torch.Generator().manual_seed(3))
+    again = rejection_sample(*args, generator=torch.Generator().manual_seed(3))
+    other = rejection_sample(*args, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+# ---- distribution preservation -------------------------------------------------------------
+
+N = 20_000
+VOCAB = 6
+T = 0.8
+LOGITS = torch.tensor([[1.0, 0.5, -0.3, 0.2, 1.2, -1.0],   # row 0: verifies draft 0
+                       [0.0, 1.5, 0.3, -0.5, 0.8, 0.1],    # row 1: draft 1 or bonus
+                       [0.4, -0.2, 1.1, 0.0, 0.3, 0.9]])   # row 2: bonus when K=2
+P = torch.softmax(LOGITS.double() / T, dim=-1)
+DRAFTS = [0, 4]
+
+
+def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of integer samples to probs; a sample outside
+    the support (probs == 0) fails outright."""
+    counts = torch.bincount(samples.long(), minlength=len(probs)).double()
+    assert len(counts) == len(probs), "sample outside the vocabulary"
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sample outside the support"
+    counts, probs = counts[support], probs[support]
+    expected = counts.sum() * probs
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = torch.tensor((len(probs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
+def sample_identical(num_draft: int, top_p=None, drafts=DRAFTS, seed=0):
+    k = len(drafts)
+    logits = LOGITS[: k + 1].expand(N, k + 1, VOCAB)
+    top_p = None if top_p is None else torch.full((N,), top_p)
+    return rejection_sample(logits, torch.tensor(drafts, dtype=torch.int32).expand(N, k),
+                            torch.full((N,), num_draft, dtype=torch.int32), torch.full((N,), T),
+                            top_p, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("num_draft", [0, 1, 2])
+def test_first_token_follows_target_distribution(num_draft):
+    out = sample_identical(num_draft)
+    assert chi_square_pvalue(out[:, 0], P[0]) > P_MIN
+    if num_draft == 0:
+        assert (out[:, 1:] == -1).all()
+
+
+def test_chi_square_rejects_wrong_samplers():
+    """The same test fails for a sampler that ignores rejection, or resamples from p."""
+    d, p_d = DRAFTS[0], P[0, DRAFTS[0]]
+    always_accept = torch.full((N,), d)
+    assert chi_square_pvalue(always_accept, P[0]) < P_MIN
+    # Wrong recovery: on rejection draw from p instead of the residual (p - q)+.
+    g = torch.Generator().manual_seed(0)
+    accepted = torch.rand(N, generator=g, dtype=torch.float64) < p_d
+    resampled = torch.multinomial(P[0], N, replacement=True, generator=g)
+    assert chi_square_pvalue(torch.where(accepted, d, resampled), P[0]) < P_MIN
+
+
+@pytest.mark.parametrize("num_draft", [1, 2])
+def test_second_token_given_acceptance_follows_target(num_draft):
+    """Given draft 0 accepted, position 1 is draft 1 verified against p1 (num_draft=2) or
+    the bonus from p1 (num_draft=1): either way distributed as p1."""
+    out = sample_identical(num_draft)
+    accepted = out[:, 0] == DRAFTS[0]
+    assert accepted.sum() > N * 0.15
+    assert chi_square_pvalue(out[accepted, 1], P[1]) > P_MIN
+    assert (out[~accepted, 1] == -1).all()
+    if num_draft == 2:  # bonus after both drafts accepted
+        both = accepted & (out[:, 1] == DRAFTS[1])
+        assert chi_square_pvalue(out[both, 2], P[2]) > P_MIN
+
+
+def nucleus(probs: list[float], top_p: float) -> list[int]:
+    """Plain-Python top-p: most likely tokens until their mass reaches top_p."""
+    kept, mass = [], 0.0
+    for token in sorted(range(len(probs)), key=lambda t: -probs[t]):
+        if mass >= top_p:
+            break
+        kept.append(token)
+        mass += probs[token]
+    return kept
+
+
+@pytest.mark.parametrize("drafts", [[4, 1], [3, 1]])  # draft 0 inside / outside the nucleus
+def test_top_p_stays_in_nucleus_and_preserves_distribution(drafts):
+    top_p = 0.6
+    out = sample_identical(num_draft=2, top_p=top_p, drafts=drafts)
+    for j in range(3):
+        keep = nucleus(P[j].tolist(), top_p)
+        assert 1 < len(keep) < VOCAB
+        col = out[:, j]
+        assert torch.isin(col[col >= 0], torch.tensor(keep)).all()
+    keep = nucleus(P[0].tolist(), top_p)
+    filtered = torch.zeros(VOCAB, dtype=torch.float64)
+    filtered[keep] = P[0, keep] / P[0, keep].sum()
+    assert chi_square_pvalue(out[:, 0], filtered) > P_MIN
+    if drafts[0] not in keep:  # p(d) = 0 after filtering: always rejected
+        assert (out[:, 1] == -1).all()
+
+
+# ---- argument checks and host syncs --------------------------------------------------------
+
+def valid_args(b=3, k=2, vocab=5):
+    return dict(target_logits=torch.zeros(b, k + 1, vocab),
+                draft_token_ids=torch.zeros(b, k, dtype=torch.int32),
+                num_draft_tokens=torch.zeros(b, dtype=torch.int32),
+                temperature=torch.zeros(b), top_p=torch.ones(b))
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("target_logits", torch.zeros(3, 5)),
+    ("target_logits", torch.zeros(3, 3, 5, dtype=torch.int64)),
+    ("target_logits", torch.zeros(3, 0, 5)),
+    ("draft_token_ids", torch.zeros(3, 3, dtype=torch.int32)),  # K inconsistent with logits
+    ("draft_token_ids", torch.zeros(2, 2, dtype=torch.int32)),
+    ("draft_token_ids", torch.zeros(3, 2)),
+    ("num_draft_tokens", torch.zeros(3, 1, dtype=torch.int32)),
+    ("num_draft_tokens", torch.zeros(3, dtype=torch.bool)),
+    ("temperature", torch.zeros(4)),
+    ("temperature", torch.zeros(3, dtype=torch.int32)),
+    ("top_p", torch.ones(2)),
+    ("top_p", torch.ones(3, dtype=torch.int64)),
+])
+def test_bad_arguments_raise_value_error_naming_the_field(field, bad):
+    args = valid_args()
+    args[field] = bad
+    with pytest.raises(ValueError, match=field):
+        rejection_sample(**args)
+
+
+def test_non_tensor_argument_raises_type_error():
+    args = valid_args()
+    args["temperature"] = [0.0, 0.0, 0.0]
+    with pytest.raises(TypeError, match="temperature"):
+        rejection_sample(**args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_top_p", [False, True])
+def test_no_host_sync(device, with_top_p):
+    logits, drafts, num_draft = make_batch(16, 4, seed=1)
+    args = (logits.to(device), torch.tensor(drafts, dtype=torch.int32).to(device),
+            torch.tensor(num_draft, dtype=torch.int32).to(device),
+            torch.tensor([0.0, 1.0] * 8).to(device),
+            torch.full((16,), 0.7).to(device) if with_top_p else None)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with forbid_host_sync():
+        out = rejection_sample(*args, generator=generator)
+    check_structure(out.tolist(), drafts, num_draft, logits.shape[2])
