@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from specdec.syncs import host_side
+
 
 @dataclass
 class DPContext:
@@ -56,13 +58,12 @@ def sync_batch_across_dp(ctx: DPContext, num_tokens: int, graph: bool, *,
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     skip = ctx.size == 1 or (is_draft_model and not draft_has_cross_rank_layers)
-    if skip:
-        counts = torch.zeros(ctx.size, dtype=torch.int32)
-        counts[ctx.rank] = num_tokens
-        return DPSyncResult(num_tokens, counts, graph)
-    packed = packed_metadata(ctx, num_tokens, graph)
-    ctx.record("all_reduce", packed.shape)
-    dist.all_reduce(packed, group=ctx.group)
-    counts = packed[0]
-    # gloo tensors live on the host: reading them is not a device sync
-    return DPSyncResult(int(counts.max()), counts, bool(packed[1].min() > 0))
+    with host_side():  # gloo's buffers live in host memory: reading them is not a device sync
+        packed = packed_metadata(ctx, num_tokens, graph)
+        if not skip:
+            ctx.record("all_reduce", packed.shape)
+            dist.all_reduce(packed, group=ctx.group)
+        counts = packed[0]
+        if skip:
+            return DPSyncResult(num_tokens, counts, graph)
+        return DPSyncResult(int(counts.max()), counts, bool(packed[1].min() > 0))

@@ -99,6 +99,21 @@ def sync_op_name(func, args, kwargs) -> str | None:
     return None
 
 
+_host_side_depth = 0  # > 0 inside host_side(): the tensors there live on the host by design
+
+
+@contextmanager
+def host_side():
+    """Mark a block whose tensors live in host memory by design (e.g. gloo's CPU-group
+    all-reduce buffers): reading them is not a host-device sync, so the guards skip it."""
+    global _host_side_depth
+    _host_side_depth += 1
+    try:
+        yield
+    finally:
+        _host_side_depth -= 1
+
+
 class _SyncMode(TorchFunctionMode):
     def __init__(self, on_sync):
         super().__init__()
@@ -106,7 +121,7 @@ class _SyncMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = sync_op_name(func, args, kwargs)
+        name = sync_op_name(func, args, kwargs) if not _host_side_depth else None
         if name is not None:
             self.on_sync(name)
         return func(*args, **kwargs)

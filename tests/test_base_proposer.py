@@ -78,12 +78,13 @@ def test_constructor_validates_sizes(field, value):
         Proposer(SpeculativeConfig("mtp", 1), **kw)
 
 
-def test_propose_and_dummy_run_are_left_to_subclasses():
+def test_padding_hook_asserts_without_a_runner():
+    """Seed 000: fail fast with a clear message, not an AttributeError deep inside."""
     p = make_proposer()
-    with pytest.raises(NotImplementedError, match="Proposer.propose"):
-        p.propose()
-    with pytest.raises(NotImplementedError, match="Proposer.dummy_run"):
-        p.dummy_run(8)
+    with pytest.raises(AssertionError, match="no runner reference"):
+        p.determine_batch_execution_and_padding(6)
+    with pytest.raises(AssertionError, match="no runner reference"):
+        p.dummy_run(6)
 
 
 @given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))

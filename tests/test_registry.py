@@ -57,9 +57,3 @@ def test_unsupported_pairs_error(method, graph_mode):
 def test_table_only_holds_known_names():
     for method, graph_mode in PROPOSERS:
         assert method in METHODS and graph_mode in GRAPH_MODES
-
-
-@pytest.mark.parametrize("cls", sorted(set(PROPOSERS.values()), key=lambda c: c.__name__))
-def test_placeholders_say_where_they_land(cls):
-    with pytest.raises(NotImplementedError, match="lands with the engine issue"):
-        cls(config("mtp", "eager"))

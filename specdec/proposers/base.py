@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SpeculativeConfig
+from specdec.dp import sync_batch_across_dp
+from specdec.engine.kv_cache import AttentionMetadata, KVCache
 from specdec.kernels import (
     DraftStep,
     advance_draft_step,
@@ -25,6 +27,7 @@ from specdec.kernels import (
     prepare_next_token_ids_padded,
     shift_first_pass_input_ids,
 )
+from specdec.proposers.inputs import DraftInputs
 from specdec.kernels.ragged import (
     RaggedInputs,
     next_token_ids_ragged,
@@ -48,9 +51,14 @@ class RaggedPrep:
 
 
 class Proposer:
+    # Whether the draft model has a layer that exchanges data across DP ranks (e.g. an
+    # expert-parallel MoE). Without one, its DP sync may be skipped -- on every rank alike.
+    has_cross_rank_layers = False
+
     def __init__(self, config: SpeculativeConfig, *, max_num_reqs: int, max_num_tokens: int,
                  block_size: int, max_model_len: int, vocab_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", head=None, num_kv_blocks: int = 0,
+                 dtype: torch.dtype = torch.float32):
         sizes = dict(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens,
                      block_size=block_size, max_model_len=max_model_len, vocab_size=vocab_size)
         for name, value in sizes.items():
@@ -81,6 +89,34 @@ class Proposer:
         self.seq_lens = buf(r, torch.int32)
         self.slot_mapping = buf(r, torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
+        self.runner = None  # the model runner (padder + DP group), set by bind_runner
+        if head is not None:
+            self.attach_head(head, num_kv_blocks, dtype)
+
+    def bind_runner(self, runner) -> None:
+        """runner: anything with ``padder`` (BatchPadder) and ``dp`` (DPContext)."""
+        self.runner = runner
+
+    def determine_batch_execution_and_padding(
+            self, num_tokens: int) -> tuple[bool, int, torch.Tensor]:
+        """The one batch-padding + DP hook of every proposer, in propose and dummy_run.
+
+        SP pad -> dispatch onto a capture size -> DP sync (one packed shape, shared with the
+        target step) -> re-dispatch the synced count -> assert TP alignment.
+        Returns (graph, num_tokens_padded, num_tokens_across_dp [dp_size] int32).
+        """
+        if self.runner is None:
+            raise AssertionError(f"{type(self).__name__} has no runner reference: call "
+                                 "bind_runner(runner) before propose() or dummy_run()")
+        padder, dp = self.runner.padder, self.runner.dp
+        desc = padder.dispatch(padder.pad_for_sequence_parallel(num_tokens))
+        synced = sync_batch_across_dp(dp, desc.num_tokens, desc.graph, is_draft_model=True,
+                                      draft_has_cross_rank_layers=self.has_cross_rank_layers)
+        final = padder.dispatch(synced.num_tokens)
+        if not padder.is_aligned(final.num_tokens):
+            raise AssertionError(f"padded num_tokens={final.num_tokens} is not a multiple of "
+                                 f"tensor_parallel_size={padder.tp_size} with sequence parallelism")
+        return final.graph and synced.graph, final.num_tokens, synced.num_tokens_across_dp
 
     def prepare_padded(self, sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
                        cu_num_draft_tokens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -156,10 +192,111 @@ class Proposer:
         return DraftStep(self.positions[:rows], self.input_positions[:rows],
                          self.slot_mapping[:rows], self.seq_lens[:rows])
 
-    def propose(self, *args, **kwargs) -> torch.Tensor:
-        """Draft tokens [B, K] int32 for one step; each proposer implements it."""
-        raise NotImplementedError(f"{type(self).__name__}.propose")
+    def on_prefill_done(self, request) -> None:
+        """Host-side hook, after the step in which ``request`` finished its prefill."""
 
+    # ---- the draft loop (MTP, Eagle, Eagle3; a head with the heads.DraftHead interface) ----
+    def attach_head(self, head, num_kv_blocks: int, dtype: torch.dtype) -> None:
+        """The draft head and its own KV pages (same block table as the target)."""
+        cfg = head.config
+        self.head = head
+        self.kv = KVCache(1, num_kv_blocks, self.block_size, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype, self.device)
+        self.hidden_size = cfg.hidden_size
+
+    def first_pass_hidden(self, x: DraftInputs) -> torch.Tensor:
+        """[N, H] hidden states fed with the first pass: the target's final ones."""
+        return x.hidden_states
+
+    def sample(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens [rows] int32 in the target vocabulary."""
+        ids = self.head.compute_logits(logits_hidden).argmax(dim=-1)
+        return self.head.draft_to_target_ids(ids).to(torch.int32)
+
+    @torch.inference_mode()
+    def propose(self, x: DraftInputs) -> torch.Tensor:
+        """Draft tokens [B, K] int32 for one step (DESIGN.md's draft loop)."""
+        b = x.num_reqs
+        if self.config.is_padded:
+            prep = self.prepare_padded(x.sampled_token_ids, x.discard_mask,
+                                       x.cu_num_draft_tokens, x.attn.query_start_loc,
+                                       x.token_table, x.rows, x.attn.seq_lens)
+            ids, positions, hidden = x.input_ids, x.positions, self.first_pass_hidden(x)
+            attn, sample_idx = x.attn, prep.token_indices_to_sample.to(torch.int64)
+            next_ids, num_rejected = prep.next_token_ids, prep.num_rejected
+        else:
+            ids, positions, hidden, attn, sample_idx, next_ids = self._ragged_first_pass(x)
+            num_rejected = None
+        graph, n, _ = self.determine_batch_execution_and_padding(ids.shape[0])
+        ids, positions, hidden, attn = _pad_tokens(ids, positions, hidden, attn, n)
+        ids = self.first_pass_input_ids(ids, sample_idx, next_ids)
+        logits_h, next_h = self.head(ids, positions, hidden, kv=self.kv.bind(attn))
+        draft = self.sample(logits_h[sample_idx])
+        drafts = [draft]
+        if self.k == 1:
+            return draft[:, None]
+        _, bp, _ = self.determine_batch_execution_and_padding(b)
+        self.start_draft_loop(positions[sample_idx], attn.seq_lens[:b], num_rejected, bp)
+        table = _pad_rows(attn.block_table, bp)
+        qsl = torch.arange(bp + 1, dtype=torch.int32, device=self.device)
+        tokens, hidden = _pad_rows(draft, bp), _pad_rows(next_h[sample_idx], bp)
+        for step in range(1, self.k):
+            st = self.advance_step(b, table)
+            meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, table,
+                                     min(attn.max_seq_len + step, self.max_model_len))
+            logits_h, hidden = self.head(tokens, st.input_positions, hidden,
+                                         kv=self.kv.bind(meta))
+            tokens = self.sample(logits_h)
+            drafts.append(tokens[:b])
+        return torch.stack(drafts, dim=1)
+
+    def _ragged_first_pass(self, x: DraftInputs):
+        """disable_padded_drafter_batch=True: read the acceptance on the host (a sync by
+        design), drop the rejected drafts, rebuild the layout."""
+        b, dev = x.num_reqs, self.device
+        backup = gather_backup_tokens(x.token_table, x.rows, x.attn.seq_lens)
+        cu = x.cu_num_draft_tokens.tolist()
+        prep = self.prepare_ragged(x.sampled_token_ids.tolist(), x.discard_mask.tolist(),
+                                   backup.tolist(), x.attn.query_start_loc.cpu(),
+                                   x.attn.seq_lens.cpu(), [c - p for c, p in zip(cu, [0] + cu)])
+        r = prep.inputs
+        keep = r.token_indices.to(dev)
+        attn = AttentionMetadata(x.attn.slot_mapping[keep], r.new_query_start_loc.to(dev),
+                                 r.new_seq_lens.to(dev), x.attn.block_table,
+                                 x.attn.max_seq_len)
+        return (x.input_ids[keep], x.positions[keep], self.first_pass_hidden(x)[keep], attn,
+                r.sample_indices.to(dev, torch.int64), prep.next_token_ids)
+
+    @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:
-        """The same collectives as propose() on an idle rank; each proposer implements it."""
-        raise NotImplementedError(f"{type(self).__name__}.dummy_run")
+        """An idle DP rank's drafter call: the same hook calls (and so the same
+        collectives) as propose(), on dummy inputs whose KV writes all go to slot -1."""
+        _, n, _ = self.determine_batch_execution_and_padding(num_tokens)
+        dev = self.device
+        attn = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=dev),
+                                 torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                 torch.tensor([n], dtype=torch.int32, device=dev),
+                                 torch.zeros(1, 1, dtype=torch.int32, device=dev), n)
+        zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+        hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.k.dtype, device=dev)
+        self.head(zeros, zeros, hidden, kv=self.kv.bind(attn))
+        if self.k > 1:
+            self.determine_batch_execution_and_padding(0)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad dim 0 of t to ``rows`` rows."""
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad])
+
+
+def _pad_tokens(ids, positions, hidden, attn: AttentionMetadata, n: int):
+    """Pad a first-pass token layout to n tokens (padding tokens write to slot -1)."""
+    if ids.shape[0] == n:
+        return ids, positions, hidden, attn
+    slots = torch.cat([attn.slot_mapping, attn.slot_mapping.new_full((n - ids.shape[0],), -1)])
+    attn = AttentionMetadata(slots, attn.query_start_loc, attn.seq_lens, attn.block_table,
+                             attn.max_seq_len)
+    return _pad_rows(ids, n), _pad_rows(positions, n), _pad_rows(hidden, n), attn

@@ -1,8 +1,65 @@
-"""ExtractHiddenStatesProposer: saves the target's aux hidden states, drafts one token."""
+"""ExtractHiddenStatesProposer (method ``extract_hidden_states``, K = 1).
+
+It runs no draft model: it captures the target's aux-layer hidden states for every prompt
+token and, once a request's prefill is complete, writes ``<request_id>.safetensors`` with
+``token_ids [T]`` int64 and ``hidden_states [T, num_layers, H]`` to ``output_dir``. Its
+draft is the token just sampled (verification keeps the output lossless).
+
+Chunked prefill: each step scatters its tokens' states into a per-request device buffer at
+their positions (no host sync); the file is written once, after the last chunk, to a
+temporary name and then renamed, so no partial file is ever visible.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from specdec.proposers.base import Proposer
+from specdec.proposers.inputs import DraftInputs
 
 
 class ExtractHiddenStatesProposer(Proposer):
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("ExtractHiddenStatesProposer lands with the engine issue")
+    def __init__(self, config, *, num_aux_layers: int, hidden_size: int, dtype: torch.dtype,
+                 **sizes):
+        super().__init__(config, **sizes)
+        out = config.draft_model_config.get("output_dir")
+        if not out:
+            raise ValueError("method='extract_hidden_states' needs "
+                             "draft_model_config.output_dir (where the files are written)")
+        self.output_dir = Path(out)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        # [rows + 1 (trash), max_model_len, A, H]: the states of every prompt position
+        self.states = torch.zeros(self.max_num_reqs + 1, self.max_model_len, num_aux_layers,
+                                  hidden_size, dtype=dtype, device=self.device)
+
+    @torch.inference_mode()
+    def propose(self, x: DraftInputs) -> torch.Tensor:
+        """Stash this step's aux states; the draft [B, 1] int32 is the sampled next token."""
+        prep = self.prepare_padded(x.sampled_token_ids, x.discard_mask, x.cu_num_draft_tokens,
+                                   x.attn.query_start_loc, x.token_table, x.rows, x.attn.seq_lens)
+        n = x.input_ids.shape[0]
+        self.determine_batch_execution_and_padding(n)
+        req = x.attn.request_of_token(n)
+        # padding tokens (slot -1) go to the trash row
+        rows = torch.where(x.attn.slot_mapping < 0, self.max_num_reqs, x.rows[req])
+        cols = x.positions.clamp(max=self.max_model_len - 1)
+        self.states[rows, cols] = x.aux_hidden_states.to(self.states.dtype)
+        return prep.next_token_ids[:, None]
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> None:
+        self.determine_batch_execution_and_padding(num_tokens)
+
+    def on_prefill_done(self, request) -> None:
+        """Write the request's file (host side, after the step): write, then rename."""
+        t = request.num_prompt_tokens
+        tensors = {
+            "token_ids": torch.tensor(request.token_ids[:t], dtype=torch.int64),
+            "hidden_states": self.states[request.row, :t].cpu().contiguous(),
+        }
+        final = self.output_dir / f"{request.request_id}.safetensors"
+        tmp = final.with_suffix(".safetensors.tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, final)

@@ -1,0 +1,212 @@
+"""``specdec.LLM``: load a target (+ draft head), run continuous batching with speculation."""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.config import SpeculativeConfig
+from specdec.dp import DPContext, sync_batch_across_dp
+from specdec.engine.kv_cache import BlockAllocator
+from specdec.engine.runner import ModelRunner
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import Request, SamplingParams
+from specdec.models.llama import LlamaForCausalLM
+from specdec.padding import BatchPadder
+from specdec.proposers.factory import build_proposer
+from specdec.syncs import count_host_syncs, forbid_host_sync
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens
+    text: str | None
+    finish_reason: str
+    num_drafted: list[int]  # per draft position
+    num_accepted: list[int]  # per draft position
+    num_decode_steps: int  # target steps that verified drafts
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per verifying step: 1 + accepted / steps (1.0 = nothing accepted)."""
+        return 1.0 + sum(self.num_accepted) / max(self.num_decode_steps, 1)
+
+
+@dataclass
+class StepRecord:
+    """What one engine step cost (host wall time, seconds)."""
+
+    num_reqs: int
+    num_tokens: int
+    seconds: float
+    host_syncs: int  # inside the device part of the step (padded: 0 by construction)
+    collectives: int  # DP collectives issued during the step
+    new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, speculative_config=None, *,
+                 max_model_len: int = 512, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 256, block_size: int = 16,
+                 dtype: str | torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                 capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
+                 sequence_parallel: bool = False, dp: DPContext | None = None,
+                 target: LlamaForCausalLM | None = None, draft_head=None, tokenizer=None):
+        self.device = torch.device(device)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if target is None:
+            model = Path(model) if model is not None else DEFAULT_MODEL
+            target = LlamaForCausalLM.load_pretrained(model, dtype=dtype, device=self.device)
+            if tokenizer is None and (model / "tokenizer.json").exists():
+                from tokenizers import Tokenizer
+                tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.target = target.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_id = target.config.eos_token_id
+        self.max_model_len = max_model_len
+        self.dp = dp or DPContext()
+        if isinstance(speculative_config, str):
+            speculative_config = SpeculativeConfig.from_json(speculative_config)
+        elif isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        self.spec = speculative_config
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
+        num_blocks = max_num_seqs * -(-max_model_len // block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   self.allocator, num_lookahead_tokens=k)
+        proposer, aux_ids = None, ()
+        if self.spec is not None:
+            proposer, aux_ids = build_proposer(
+                self.spec, target, model_dir=model, draft_head=draft_head,
+                max_num_seqs=self.padder.dispatch(max_num_seqs).num_tokens,
+                max_num_tokens=self.padder.dispatch(max_num_batched_tokens).num_tokens,
+                block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+                dtype=dtype, device=self.device)
+        self.runner = ModelRunner(
+            target, proposer, num_spec_tokens=k, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
+            aux_layer_ids=aux_ids, padder=self.padder, dp=self.dp, device=self.device,
+            dtype=dtype, seed=seed)
+        self.padded = self.spec is None or self.spec.is_padded
+        self.steps: list[StepRecord] = []
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        ids = self._encode(prompt)
+        if len(ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
+                             f"max_model_len={self.max_model_len}")
+        rid = request_id if request_id is not None else str(self._next_id)
+        self._next_id += 1
+        req = Request(rid, list(ids), len(ids), params)
+        self.scheduler.add(req)
+        return req
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt is a str but the model has no tokenizer.json; "
+                                "pass token ids (list[int])")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> StepRecord | None:
+        """Run one engine step; None once every DP rank is out of work."""
+        start, ncoll = time.perf_counter(), len(self.dp.collectives)
+        scheduled = self.scheduler.schedule()
+        for s in scheduled:
+            if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
+                self.runner.write_prompt(s.request.row, s.request.token_ids)
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        num_padded = self.runner.padded_num_tokens(num_tokens)
+        if num_padded == 0:
+            return None
+        if not scheduled:  # idle DP rank: same forwards and collectives, nothing to emit
+            self.runner.dummy_run(num_padded)
+            rec = StepRecord(0, 0, time.perf_counter() - start, 0,
+                             len(self.dp.collectives) - ncoll)
+            self.steps.append(rec)
+            return rec
+        batch = self.runner.prepare(scheduled, num_padded)
+        guard = forbid_host_sync() if self.padded else count_host_syncs()
+        with guard as syncs:
+            sampled, drafts = self.runner.execute(batch)
+        sampled = sampled.tolist()  # the step's one host read (after the drafter was launched)
+        drafts = drafts.tolist() if drafts is not None else [[] for _ in scheduled]
+        new_tokens = {}
+        for s, row, draft in zip(scheduled, sampled, drafts):
+            new_tokens[s.request.request_id] = self._update(s, row, draft)
+        rec = StepRecord(len(scheduled), num_tokens, time.perf_counter() - start,
+                         0 if self.padded else syncs.count, len(self.dp.collectives) - ncoll,
+                         new_tokens)
+        self.steps.append(rec)
+        return rec
+
+    def _update(self, s, sampled: list[int], draft: list[int]) -> int:
+        """Apply one step's result to a request; returns the number of tokens emitted."""
+        r = s.request
+        if s.is_discarded:  # a partial prefill chunk: its sampled token is junk
+            r.num_computed_tokens += s.num_tokens
+            return 0
+        valid = sampled[:next((i for i, t in enumerate(sampled) if t < 0), len(sampled))]
+        d = len(s.spec_token_ids)
+        accepted = len(valid) - 1
+        if d:
+            r.num_steps_decoding += 1
+            while len(r.num_drafted) < d:
+                r.num_drafted.append(0)
+                r.num_accepted.append(0)
+            for j in range(d):
+                r.num_drafted[j] += 1
+                r.num_accepted[j] += j < accepted
+        was_prefilling = r.is_prefilling
+        r.num_computed_tokens += s.num_tokens - (d - accepted)
+        if was_prefilling and self.runner.proposer is not None:
+            self.runner.proposer.on_prefill_done(r)
+        emitted = 0
+        for tok in valid:
+            r.token_ids.append(tok)
+            emitted += 1
+            reason = self._finish_reason(r, tok)
+            if reason:
+                self.scheduler.finish(r, reason)
+                return emitted
+        r.spec_token_ids = list(draft)
+        return emitted
+
+    def _finish_reason(self, r: Request, tok: int) -> str | None:
+        p = r.params
+        if not p.ignore_eos and tok == self.eos_token_id:
+            return "eos"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                ignore_eos=ignore_eos)
+        reqs = [self.add_request(p, params) for p in prompts]
+        while self.step() is not None:
+            pass
+        return [self._output(r) for r in reqs]
+
+    def _output(self, r: Request) -> RequestOutput:
+        out = r.output_token_ids
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return RequestOutput(r.request_id, r.token_ids[:r.num_prompt_tokens], out, text,
+                             r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding)
