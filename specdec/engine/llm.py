@@ -44,6 +44,7 @@ class StepRecord:
     num_reqs: int
     num_tokens: int
     seconds: float
+    draft_seconds: float  # of which in the drafter (host wall time)
     host_syncs: int  # inside the device part of the step (padded: 0 by construction)
     collectives: int  # DP collectives issued during the step
     new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
@@ -135,7 +136,7 @@ class LLM:
             return None
         if not scheduled:  # idle DP rank: same forwards and collectives, nothing to emit
             self.runner.dummy_run(num_padded)
-            rec = StepRecord(0, 0, time.perf_counter() - start, 0,
+            rec = StepRecord(0, 0, time.perf_counter() - start, 0.0, 0,
                              len(self.dp.collectives) - ncoll)
             self.steps.append(rec)
             return rec
@@ -149,7 +150,7 @@ class LLM:
         for s, row, draft in zip(scheduled, sampled, drafts):
             new_tokens[s.request.request_id] = self._update(s, row, draft)
         rec = StepRecord(len(scheduled), num_tokens, time.perf_counter() - start,
-                         0 if self.padded else syncs.count, len(self.dp.collectives) - ncoll,
+                         self.runner.last_draft_seconds, 0 if self.padded else syncs.count, len(self.dp.collectives) - ncoll,
                          new_tokens)
         self.steps.append(rec)
         return rec

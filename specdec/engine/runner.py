@@ -6,6 +6,8 @@ only, so in padded mode it runs inside ``forbid_host_sync`` end to end.
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from specdec.dp import DPContext, sync_batch_across_dp
@@ -57,6 +59,7 @@ class ModelRunner:
         self.token_table = torch.full((max_num_seqs, max_model_len + 1), -1, dtype=torch.int32,
                                       device=device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.last_draft_seconds = 0.0  # drafter share of the last execute()
         if proposer is not None:
             proposer.bind_runner(self)
 
@@ -136,13 +139,18 @@ class ModelRunner:
                                    b.top_p, generator=self.generator)
         sampled = torch.where(b.discard_mask[:, None], -1, sampled)
         self._record_sampled(b, sampled)
+        self.last_draft_seconds = 0.0
         if self.proposer is None:
             return sampled, None
+        start = time.perf_counter()
         drafts = self.proposer.propose(DraftInputs(
             num_reqs=b.num_reqs, input_ids=b.input_ids, positions=b.positions,
             hidden_states=hidden, aux_hidden_states=aux, attn=b.attn, sampled_token_ids=sampled,
             discard_mask=b.discard_mask, cu_num_draft_tokens=b.cu_num_draft_tokens,
             token_table=self.token_table, rows=b.rows))
+        # host wall time of the drafter call (on CPU the work itself; on an accelerator the
+        # launch time only: timing the device would need a sync)
+        self.last_draft_seconds = time.perf_counter() - start
         return sampled, drafts
 
     def _record_sampled(self, b: StepBatch, sampled: torch.Tensor) -> None:
