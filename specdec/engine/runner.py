@@ -25,6 +25,7 @@ class StepBatch:
 
     num_reqs: int  # B
     num_tokens: int  # real tokens (before padding)
+    uniform_decode: bool  # every request verifies exactly K drafts
     input_ids: torch.Tensor  # [N] int64, N = padded token count
     positions: torch.Tensor  # [N] int64
     attn: AttentionMetadata
@@ -118,7 +119,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens))
         ndraft_t = t(ndraft, torch.int32)
         return StepBatch(
-            num_reqs=len(scheduled), num_tokens=qsl[-1], input_ids=t(ids, torch.int64),
+            num_reqs=len(scheduled), num_tokens=qsl[-1],
+            uniform_decode=all(len(s.spec_token_ids) == self.k for s in scheduled),
+            input_ids=t(ids, torch.int64),
             positions=t(pos, torch.int64), attn=attn, logits_indices=t(logits_idx, torch.int64),
             draft_token_ids=t(drafts, torch.int32).view(len(scheduled), self.k),
             num_draft_tokens=ndraft_t, cu_num_draft_tokens=torch.cumsum(ndraft_t, 0, dtype=torch.int32),
@@ -144,7 +147,8 @@ class ModelRunner:
             return sampled, None
         start = time.perf_counter()
         drafts = self.proposer.propose(DraftInputs(
-            num_reqs=b.num_reqs, input_ids=b.input_ids, positions=b.positions,
+            num_reqs=b.num_reqs, uniform_decode=b.uniform_decode, input_ids=b.input_ids,
+            positions=b.positions,
             hidden_states=hidden, aux_hidden_states=aux, attn=b.attn, sampled_token_ids=sampled,
             discard_mask=b.discard_mask, cu_num_draft_tokens=b.cu_num_draft_tokens,
             token_table=self.token_table, rows=b.rows))

@@ -10,6 +10,7 @@ from specdec.engine.kv_cache import AttentionMetadata
 @dataclass
 class DraftInputs:
     num_reqs: int  # host int: B, requests in the step
+    uniform_decode: bool  # host: every request verifies exactly K drafts (layout [B, 1+K])
     input_ids: torch.Tensor  # [N] int64, the target's input tokens (N = padded token count)
     positions: torch.Tensor  # [N] int64
     hidden_states: torch.Tensor  # [N, H] target final-norm hidden states
