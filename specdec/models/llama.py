@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import checkpoint
+from specdec.models.moe import MoEMLP, num_experts
 
 QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
 LLAMA_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
@@ -199,7 +200,9 @@ class DecoderLayer(nn.Module):
 
     ``attn_in`` defaults to ``input_layernorm(x)`` (or ``x`` when built with
     ``input_layernorm=False``, the EAGLE-1 layer); a head can pass its own (EAGLE-3 feeds
-    ``[norm(embeds), norm(hidden)]`` of width ``qkv_in_features = 2H``).
+    ``[norm(embeds), norm(hidden)]`` of width ``qkv_in_features = 2H``). With ``num_experts``
+    in the config the MLP is a :class:`~specdec.models.moe.MoEMLP` (heads built from a MoE
+    config get one too, like DeepSeek's MTP layer).
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int, qkv_in_features: int | None = None,
@@ -210,7 +213,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, qkv_in_features or h)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoEMLP(config) if num_experts(config) else MLP(config)  # num_experts in extra
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None,
                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
