@@ -19,6 +19,7 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.dp import sync_batch_across_dp
 from specdec.engine.kv_cache import AttentionMetadata, KVCache
+from specdec.models.moe import has_cross_rank_layers
 from specdec.kernels import (
     DraftStep,
     advance_draft_step,
@@ -51,8 +52,9 @@ class RaggedPrep:
 
 
 class Proposer:
-    # Whether the draft model has a layer that exchanges data across DP ranks (e.g. an
-    # expert-parallel MoE). Without one, its DP sync may be skipped -- on every rank alike.
+    # Whether the draft model has a layer that exchanges data across DP ranks (an
+    # expert-parallel MoE): set from the head in attach_head. Without one, the drafter's DP
+    # sync is skipped -- on every rank alike, since every rank loads the same head.
     has_cross_rank_layers = False
 
     def __init__(self, config: SpeculativeConfig, *, max_num_reqs: int, max_num_tokens: int,
@@ -200,6 +202,7 @@ class Proposer:
         """The draft head and its own KV pages (same block table as the target)."""
         cfg = head.config
         self.head = head
+        self.has_cross_rank_layers = has_cross_rank_layers(head)
         self.kv = KVCache(1, num_kv_blocks, self.block_size, cfg.num_key_value_heads,
                           cfg.head_dim, dtype, self.device)
         self.hidden_size = cfg.hidden_size
@@ -269,9 +272,20 @@ class Proposer:
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:
-        """An idle DP rank's drafter call: the same hook calls (and so the same
-        collectives) as propose(), on dummy inputs whose KV writes all go to slot -1."""
+        """An idle DP rank's drafter call: the same hook calls, head forwards and padded sizes
+        (so the same collectives) as propose(): the first pass over the synced token count,
+        then K-1 loop forwards over the synced request count (this rank contributes none).
+        Every KV write goes to slot -1."""
         _, n, _ = self.determine_batch_execution_and_padding(num_tokens)
+        self._dummy_forward(n)
+        if self.k == 1:
+            return
+        _, bp, _ = self.determine_batch_execution_and_padding(0)
+        for _ in range(1, self.k):
+            self._dummy_forward(bp)
+
+    def _dummy_forward(self, n: int) -> None:
+        """One head forward over n padding tokens (one dummy request, slots -1)."""
         dev = self.device
         attn = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=dev),
                                  torch.tensor([0, n], dtype=torch.int32, device=dev),
@@ -280,8 +294,6 @@ class Proposer:
         zeros = torch.zeros(n, dtype=torch.int64, device=dev)
         hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.k.dtype, device=dev)
         self.head(zeros, zeros, hidden, kv=self.kv.bind(attn))
-        if self.k > 1:
-            self.determine_batch_execution_and_padding(0)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
