@@ -15,6 +15,7 @@ from specdec.engine.kv_cache import AttentionMetadata, KVCache
 from specdec.engine.rejection_sampler import rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.models.llama import LlamaForCausalLM
+from specdec.models.moe import attach_parallel
 from specdec.padding import BatchPadder
 from specdec.proposers.inputs import DraftInputs
 
@@ -61,6 +62,11 @@ class ModelRunner:
                                       device=device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
+        # MoE layers (target and draft head) exchange tokens over the DP group; SP shards
+        sp = padder.tp_size if padder.sequence_parallel else 1
+        for model in (target, getattr(proposer, "head", None)):
+            if model is not None:
+                attach_parallel(model, dp, sp)
         if proposer is not None:
             proposer.bind_runner(self)
 
