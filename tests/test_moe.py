@@ -1,0 +1,142 @@
+"""MoE MLP (single process): routing, the SP shard contract, expert split, engine wiring.
+
+The multi-process dispatch (all-gather + reduce-scatter over DP ranks) is tested end to end in
+tests/test_dp.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from specdec.dp import DPContext
+from specdec.engine.llm import LLM
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.moe import MoEMLP, attach_parallel
+from test_engine import dense_greedy
+
+VOCAB = 96
+PROMPTS = [[5, 9, 13], list(range(1, 41)), [7], [(i * 7) % VOCAB for i in range(23)], [3, 3]]
+
+
+def moe_config(num_experts=6, top_k=2, norm_topk_prob=False, **kw) -> LlamaConfig:
+    extra = {"num_experts": num_experts, "num_experts_per_tok": top_k,
+             "moe_intermediate_size": 24, "norm_topk_prob": norm_topk_prob}
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
+    return LlamaConfig(**{**base, **kw}, extra=extra)
+
+
+def moe_target(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny float64 Llama whose every MLP is a 6-expert top-2 MoE."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(moe_config()).to(torch.float64).eval()
+
+
+def reference_moe(moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax router, the k most probable experts (Python sort), weighted sum."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = F.softmax(x[t] @ moe.gate.weight.T, dim=-1).tolist()
+        top = sorted(range(len(probs)), key=lambda e: -probs[e])[:moe.top_k]
+        total = sum(probs[e] for e in top) if moe.norm_topk_prob else 1.0
+        for e in top:
+            ex = moe.experts[str(e)]
+            y = ex.down_proj.weight @ (F.silu(ex.gate_proj.weight @ x[t]) * (ex.up_proj.weight @ x[t]))
+            out[t] += probs[e] / total * y
+    return out
+
+
+@given(e=st.sampled_from([1, 2, 4, 8]), k=st.integers(1, 8), n=st.integers(1, 12),
+       norm=st.booleans(), seed=st.integers(0, 2**16))
+def test_dp1_moe_equals_the_per_token_reference(e, k, n, norm, seed):
+    torch.manual_seed(seed)
+    moe = MoEMLP(moe_config(e, min(k, e), norm)).to(torch.float64)
+    x = torch.randn(n, 32, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-10, atol=1e-12)
+
+
+def test_batched_leading_dims_are_flattened():
+    torch.manual_seed(0)
+    moe = MoEMLP(moe_config()).to(torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), moe(x.view(10, 32)).view(2, 5, 32))
+
+
+def test_sp_splits_into_tp_shards_and_rejects_an_unaligned_count():
+    """Seed 000: with SP on, 6 tokens at TP=4 cannot be split (upstream's reduce_scatter
+    assertion on the idle rank); 8 can, and sharding does not change the result."""
+    torch.manual_seed(0)
+    moe = MoEMLP(moe_config()).to(torch.float64)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    plain = moe(x)
+    moe.set_parallel(DPContext(), sp_size=4)
+    torch.testing.assert_close(moe(x), plain)
+    with pytest.raises(ValueError, match="token count 6 .*tensor_parallel_size=4"):
+        moe(x[:6])
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"num_experts_per_tok": 7}, "num_experts_per_tok=7"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size=0"),
+])
+def test_bad_moe_config_names_the_field(extra, field):
+    cfg = moe_config()
+    cfg.extra.update(extra)
+    with pytest.raises(ValueError, match=field):
+        MoEMLP(cfg)
+
+
+def test_experts_split_across_dp_ranks():
+    moe = MoEMLP(moe_config(), DPContext(rank=1, size=3))
+    assert sorted(moe.experts) == ["2", "3"]
+    assert "experts.2.up_proj.weight" in moe.state_dict()  # global names are kept
+    with pytest.raises(ValueError, match=r"needs experts \[0, 1\]"):
+        moe.set_parallel(DPContext(rank=0, size=3))
+    with pytest.raises(ValueError, match="num_experts=6 .*data_parallel_size=4"):
+        MoEMLP(moe_config(), DPContext(rank=0, size=4))
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        moe.set_parallel(DPContext(rank=1, size=3), sp_size=0)
+
+
+def test_moe_target_checkpoint_round_trip(tmp_path):
+    target = moe_target()
+    target.save_pretrained(tmp_path, dtype=torch.float32)
+    loaded = LlamaForCausalLM.load_pretrained(tmp_path, dtype=torch.float64)
+    assert isinstance(loaded.model.layers[3].mlp, MoEMLP)
+    ids = torch.tensor([PROMPTS[3]])
+    pos = torch.arange(ids.shape[1])[None]
+    torch.testing.assert_close(loaded(ids, pos)[0], target(ids, pos)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_heads_of_a_moe_target_are_moe_and_the_proposer_knows(tmp_path):
+    """A head built from a MoE config has a MoE layer (like DeepSeek's MTP layer): its
+    drafter must then take part in the DP sync; a dense head or no head need not."""
+    target = moe_target()
+    mtp = build_head("mtp", target)
+    eagle3 = build_head("eagle3", target, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+                        num_experts=0)
+    assert isinstance(mtp.model.mtp_layers[0].mlp, MoEMLP)
+    assert not attach_parallel(eagle3, DPContext())
+    aux = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    cases = [("mtp", mtp, {}, True), ("eagle3", eagle3, aux, False),
+             ("extract_hidden_states", None, dict(aux, output_dir=str(tmp_path)), False)]
+    for method, head, dmc, cross in cases:
+        spec = {"method": method, "num_speculative_tokens": 1, "draft_model_config": dmc}
+        llm = LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64,
+                  max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+        assert llm.runner.proposer.has_cross_rank_layers is cross, method
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_moe_engine_with_moe_mtp_head_is_lossless(k):
+    target = moe_target()
+    torch.manual_seed(1)
+    head = build_head("mtp", target).to(torch.float64).eval()
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    llm = LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64,
+              max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, max_tokens=16)
+    assert [o.token_ids for o in outs] == [dense_greedy(target, p, 16, 64) for p in PROMPTS]
