@@ -1,0 +1,168 @@
+"""Data-parallel engine: N rank processes, one ``LLM`` each, one process group.
+
+``run_data_parallel(jobs, N)`` spawns N processes (start method ``spawn``) that join a process
+group through a file store (gloo on CPU; ``cpu:gloo,cuda:nccl`` / ``cpu:gloo,npu:hccl`` on an
+accelerator, so the packed DP metadata stays on a CPU group). For each job, every rank builds
+``LLM(**job.llm_kwargs, dp=DPContext(rank, N, group))`` from the same arguments (same seed),
+takes its share of the prompts (round-robin by index unless ``job.assignment`` says otherwise),
+and calls ``step()`` until it returns None -- every rank idle. A rank with nothing scheduled
+while others work runs ``dummy_run`` inside ``step()``, so all ranks issue the same collectives.
+
+Results (outputs, StepRecords, the (op, shape) collectives of each step) come back through a
+multiprocessing queue, never through the DP group. A rank that raises, dies, or a run that
+exceeds ``timeout`` seconds fails the call (the other ranks are killed) instead of hanging.
+
+Worked example: 5 prompts, N=2, no assignment -> rank 0 runs prompts [0, 2, 4], rank 1 [1, 3];
+``run.outputs`` lists the 5 outputs in prompt order. Request ids are the prompt indices, so
+per-request files (extract_hidden_states) do not collide across ranks.
+"""
+
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from specdec.dp import DPContext
+from specdec.engine.llm import LLM, RequestOutput, StepRecord
+from specdec.engine.sequence import SamplingParams
+
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+
+
+@dataclass
+class DPJob:
+    llm_kwargs: dict  # LLM(...) arguments, without dp / data_parallel_size
+    prompts: list  # str or list[int] each
+    params: SamplingParams
+    assignment: list[list[int]] | None = None  # rank -> prompt indices; None = round-robin
+
+
+@dataclass
+class RankResult:
+    rank: int
+    outputs: dict[int, RequestOutput]  # prompt index -> output
+    steps: list[StepRecord]  # every step that ran (the final None step excluded)
+    collectives: list[list[tuple[str, tuple[int, ...]]]]  # per step, incl. the final one
+
+
+@dataclass
+class DPRun:
+    outputs: list[RequestOutput]  # in prompt order
+    ranks: list[RankResult] = field(default_factory=list)  # by rank
+
+
+def round_robin(num_prompts: int, dp_size: int) -> list[list[int]]:
+    """Prompt i goes to rank i % dp_size: ``round_robin(5, 2) == [[0, 2, 4], [1, 3]]``."""
+    return [list(range(r, num_prompts, dp_size)) for r in range(dp_size)]
+
+
+def check_assignment(assignment: list[list[int]], num_prompts: int, dp_size: int) -> None:
+    if len(assignment) != dp_size or sorted(i for a in assignment for i in a) != list(
+            range(num_prompts)):
+        raise ValueError(f"assignment={assignment}: need {dp_size} lists (one per rank) that "
+                         f"together hold each prompt index 0..{num_prompts - 1} once")
+
+
+def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0) -> list[DPRun]:
+    """Run each job on ``dp_size`` ranks (one spawn for all jobs); one DPRun per job."""
+    if not isinstance(dp_size, int) or dp_size < 2:
+        raise ValueError(f"data_parallel_size={dp_size!r}: the DP engine needs an int >= 2")
+    jobs = [replace(job, assignment=round_robin(len(job.prompts), dp_size))
+            if job.assignment is None else job for job in jobs]
+    for job in jobs:
+        check_assignment(job.assignment, len(job.prompts), dp_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="specdec-dp-") as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(rank, dp_size, store, jobs, timeout, results))
+                 for rank in range(dp_size)]
+        for p in procs:
+            p.start()
+        try:
+            got = _collect(procs, results, len(jobs) * dp_size, timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    runs = []
+    for j, job in enumerate(jobs):
+        ranks = [got[j, r] for r in range(dp_size)]
+        outs = {i: o for rr in ranks for i, o in rr.outputs.items()}
+        runs.append(DPRun([outs[i] for i in range(len(job.prompts))], ranks))
+    return runs
+
+
+def _collect(procs, results, expected: int, timeout: float) -> dict:
+    """Gather ``expected`` rank results; raise on a rank error, a dead rank or the deadline."""
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < expected:
+        if time.monotonic() > deadline:
+            waiting = sorted({r for r in range(len(procs))} - {r for _, r in got})
+            _kill(procs)
+            raise TimeoutError(f"data-parallel run: no result from ranks {waiting} within "
+                               f"{timeout}s (a hang: do all ranks issue the same collectives?)")
+        try:
+            msg = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                _kill(procs)
+                raise RuntimeError(f"data-parallel rank(s) died: (rank, exit code) {dead}")
+            continue
+        if msg[0] == "error":
+            _kill(procs)
+            raise RuntimeError(f"data-parallel rank {msg[1]} failed:\n{msg[2]}")
+        _, job, rank, result = msg
+        got[job, rank] = result
+    return got
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+
+
+def _rank_main(rank: int, size: int, store: str, jobs: list[DPJob], timeout: float,
+               results) -> None:
+    try:
+        torch.set_num_threads(1)
+        device = torch.device(jobs[0].llm_kwargs.get("device", "cpu")).type
+        dist.init_process_group(BACKENDS[device], init_method=f"file://{store}", rank=rank,
+                                world_size=size, timeout=timedelta(seconds=timeout))
+        for j, job in enumerate(jobs):
+            results.put(("ok", j, rank, _run_job(job, rank, size, device)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _run_job(job: DPJob, rank: int, size: int, device: str) -> RankResult:
+    kwargs = dict(job.llm_kwargs)
+    if device != "cpu":  # one accelerator per rank
+        count = getattr(torch, device).device_count()
+        kwargs["device"] = f"{device}:{rank % count}"
+    dp = DPContext(rank, size, dist.group.WORLD)
+    llm = LLM(**kwargs, dp=dp)
+    reqs = {i: llm.add_request(job.prompts[i], job.params, request_id=str(i))
+            for i in job.assignment[rank]}
+    collectives = []
+    while True:
+        start = len(dp.collectives)
+        rec = llm.step()
+        collectives.append(dp.collectives[start:])
+        if rec is None:
+            break
+    outputs = {i: llm._output(r) for i, r in reqs.items()}
+    return RankResult(rank, outputs, llm.steps, collectives)
