@@ -57,7 +57,19 @@ class LLM:
                  dtype: str | torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
-                 target: LlamaForCausalLM | None = None, draft_head=None, tokenizer=None):
+                 data_parallel_size: int = 1, target: LlamaForCausalLM | None = None,
+                 draft_head=None, tokenizer=None):
+        # what each DP rank is built from (specdec.engine.dp_engine)
+        self.init_kwargs = {k: v for k, v in locals().items()
+                            if k not in ("self", "dp", "data_parallel_size")}
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size!r}: must be an int >= 1")
+        if data_parallel_size > 1 and dp is not None:
+            raise ValueError("pass dp=DPContext (this process is one rank) or "
+                             "data_parallel_size > 1 (launch the ranks), not both")
+        self.data_parallel_size = data_parallel_size
+        if data_parallel_size > 1:
+            return  # generate() launches the ranks; each builds its own engine
         self.device = torch.device(device)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if target is None:
@@ -102,6 +114,7 @@ class LLM:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
+        self._check_single_rank("add_request")
         ids = self._encode(prompt)
         if len(ids) == 0:
             raise ValueError("prompt is empty: give at least one token")
@@ -114,6 +127,11 @@ class LLM:
         self.scheduler.add(req)
         return req
 
+    def _check_single_rank(self, name: str) -> None:
+        if self.data_parallel_size > 1:
+            raise RuntimeError(f"LLM.{name}() runs one rank's engine; with data_parallel_size="
+                               f"{self.data_parallel_size} use generate()")
+
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -125,6 +143,7 @@ class LLM:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
         """Run one engine step; None once every DP rank is out of work."""
+        self._check_single_rank("step")
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
         for s in scheduled:
@@ -201,6 +220,10 @@ class LLM:
                  top_p: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 ignore_eos=ignore_eos)
+        if self.data_parallel_size > 1:  # N ranks, prompts split round-robin, prompt order back
+            from specdec.engine.dp_engine import DPJob, run_data_parallel
+            job = DPJob(self.init_kwargs, list(prompts), params)
+            return run_data_parallel([job], self.data_parallel_size)[0].outputs
         reqs = [self.add_request(p, params) for p in prompts]
         while self.step() is not None:
             pass
