@@ -9,8 +9,10 @@ and calls ``step()`` until it returns None -- every rank idle. A rank with nothi
 while others work runs ``dummy_run`` inside ``step()``, so all ranks issue the same collectives.
 
 Results (outputs, StepRecords, the (op, shape) collectives of each step) come back through a
-multiprocessing queue, never through the DP group. A rank that raises, dies, or a run that
-exceeds ``timeout`` seconds fails the call (the other ranks are killed) instead of hanging.
+multiprocessing queue, never through the DP group. A rank that raises (a ValueError or
+TypeError keeps its type, anything else becomes a RuntimeError with the rank's traceback),
+dies, or a run that exceeds ``timeout`` seconds fails the call (the other ranks are killed)
+instead of hanging.
 
 Worked example: 5 prompts, N=2, no assignment -> rank 0 runs prompts [0, 2, 4], rank 1 [1, 3];
 ``run.outputs`` lists the 5 outputs in prompt order. Request ids are the prompt indices, so
@@ -120,9 +122,12 @@ def _collect(procs, results, expected: int, timeout: float) -> dict:
                 _kill(procs)
                 raise RuntimeError(f"data-parallel rank(s) died: (rank, exit code) {dead}")
             continue
-        if msg[0] == "error":
+        if msg[0] == "error":  # a user error keeps its type (as with one rank)
             _kill(procs)
-            raise RuntimeError(f"data-parallel rank {msg[1]} failed:\n{msg[2]}")
+            _, rank, user_error, tb = msg
+            if user_error is not None:
+                raise type(user_error)(f"data-parallel rank {rank}: {user_error}")
+            raise RuntimeError(f"data-parallel rank {rank} failed:\n{tb}")
         _, job, rank, result = msg
         got[job, rank] = result
     return got
@@ -144,8 +149,9 @@ def _rank_main(rank: int, size: int, store: str, jobs: list[DPJob], timeout: flo
         for j, job in enumerate(jobs):
             results.put(("ok", j, rank, _run_job(job, rank, size, device)))
         dist.destroy_process_group()
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
+    except BaseException as e:
+        user_error = e if type(e) in (ValueError, TypeError) else None
+        results.put(("error", rank, user_error, traceback.format_exc()))
 
 
 def _run_job(job: DPJob, rank: int, size: int, device: str) -> RankResult:
