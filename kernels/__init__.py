@@ -1,19 +1,73 @@
-"""Padded-drafting formulas (imported as ``specdec.kernels``).
+"""Padded-drafting formulas (imported as ``specdec.kernels``), dispatched by device.
 
-The names below are the stable API. Today they are the pure-torch reference
-(``reference.py``); a per-device dispatch to Triton kernels will sit here later.
-``ragged.py`` holds the host-side reference for ``disable_padded_drafter_batch=True``.
+The names below are the stable API. Four of them pick their implementation from the
+device of their first tensor argument (``specdec.platform.triton_available``):
+
+    CUDA with triton, NPU with torch_npu + triton-ascend -> triton_padded.py (Triton)
+    everything else (CPU)                                -> reference.py (pure torch)
+
+``prepare_next_tokens_padded`` (one kernel: next token + valid count + backup token),
+``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``.
+``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
+``slot_mapping_for_positions`` are the torch reference on every device (the first two
+are fused in ``prepare_next_tokens_padded``). ``reference.py`` is the oracle the Triton
+kernels are tested against; ``ragged.py`` holds the host-side reference for
+``disable_padded_drafter_batch=True``.
 """
 
+import functools
+
+import torch
+
+from specdec import platform
+from specdec.kernels import reference
 from specdec.kernels.reference import (
     DraftStep,
-    advance_draft_step,
     gather_backup_tokens,
-    prepare_inputs_padded,
     prepare_next_token_ids_padded,
-    shift_first_pass_input_ids,
     slot_mapping_for_positions,
 )
+
+
+def _next_tokens_reference(sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
+                           token_table: torch.Tensor, rows: torch.Tensor,
+                           seq_lens: torch.Tensor, vocab_size: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next token, valid count and backup token per request, in one call.
+
+    sampled_token_ids: [B, K+1] int32; discard_mask: [B] bool; token_table: [R, L] int32;
+    rows: [B] int; seq_lens: [B] int32 (see gather_backup_tokens and
+    prepare_next_token_ids_padded). Returns (next_token_ids, valid_count,
+    backup_token_ids), each [B] int32.
+
+    Example: sampled = [[11,12,13], [21,-1,-1], [31,32,-1], [41,-1,-1]],
+    discard = [F,F,F,T], table = [[99]*6], rows = [0,0,0,0], seq_lens = [2,5,8,5],
+    vocab_size = 100 -> next = [13, 21, 32, 99], valid_count = [3, 1, 2, 0],
+    backup = [99, 99, -1, 99].
+    """
+    backup = gather_backup_tokens(token_table, rows, seq_lens)
+    next_token_ids, valid_count = prepare_next_token_ids_padded(
+        sampled_token_ids, discard_mask, backup, vocab_size)
+    return next_token_ids, valid_count, backup
+
+
+def _by_device(torch_impl, name: str):
+    """``name`` from triton_padded when the first argument's device runs Triton, else
+    ``torch_impl``. The Triton module is imported on first use only."""
+    @functools.wraps(torch_impl)
+    def call(first: torch.Tensor, *args, **kwargs):
+        if platform.triton_available(first.device):
+            from specdec.kernels import triton_padded
+            return getattr(triton_padded, name)(first, *args, **kwargs)
+        return torch_impl(first, *args, **kwargs)
+    return call
+
+
+prepare_next_tokens_padded = _by_device(_next_tokens_reference, "prepare_next_tokens_padded")
+prepare_inputs_padded = _by_device(reference.prepare_inputs_padded, "prepare_inputs_padded")
+shift_first_pass_input_ids = _by_device(reference.shift_first_pass_input_ids,
+                                        "shift_first_pass_input_ids")
+advance_draft_step = _by_device(reference.advance_draft_step, "advance_draft_step")
 
 __all__ = [
     "DraftStep",
@@ -21,6 +75,7 @@ __all__ = [
     "gather_backup_tokens",
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
+    "prepare_next_tokens_padded",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",
 ]

@@ -1,0 +1,61 @@
+"""The one module where optional hardware imports live.
+
+Nothing else in specdec imports ``torch_npu`` or probes for ``triton`` /
+``triton-ascend``: callers ask here. Detection uses ``importlib`` only, so asking never
+imports ``torch_npu``; it is imported when a device asks for it (``torch_device("npu")``).
+
+Which backend runs the padded kernels (``specdec.kernels``):
+
+    device type   kernels                    needs
+    cuda          Triton (triton_padded.py)  ``triton``
+    npu           Triton (triton_padded.py)  ``torch_npu`` and ``triton-ascend``
+    anything else torch reference            --
+
+The Triton interpreter (``TRITON_INTERPRET=1``) is for tests only; CPU always runs the
+torch reference.
+"""
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+
+import torch
+
+
+@functools.cache
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@functools.cache
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@functools.cache
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device`` (see the module table). An ``npu``
+    device exists only once torch_npu is imported (``torch_device``)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return _has_module("triton")
+    if kind == "npu":
+        return _has_module("torch_npu") and _has_distribution("triton-ascend")
+    return False
+
+
+def torch_device(spec: str | torch.device) -> torch.device:
+    """``torch.device(spec)``, importing ``torch_npu`` first for an ``npu`` device (it
+    registers the device type). ValueError when ``npu`` is asked for without torch_npu."""
+    name = str(spec)
+    if name.split(":")[0] == "npu":
+        if not _has_module("torch_npu"):
+            raise ValueError(f"device={name!r} needs torch_npu, which is not installed; "
+                             "allowed without it: cpu, cuda")
+        importlib.import_module("torch_npu")
+    return torch.device(spec)

@@ -1,0 +1,260 @@
+"""The Triton kernels (kernels/triton_padded.py) against their torch reference, on CPU
+under the Triton interpreter, and one compiled kernel for every batch size."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import specdec.kernels as kernels
+from specdec import platform
+from specdec.kernels import reference
+
+pytest.importorskip("triton")
+
+
+def load_interpreted():
+    """A private copy of triton_padded.py whose kernels run in the Triton interpreter.
+    Setting TRITON_INTERPRET around this one import is enough even when triton was
+    imported before (its kernels use builtins and local @jit helpers only); the variable
+    is restored, so specdec.kernels' own copy stays compiled on a GPU box."""
+    path = os.path.join(os.path.dirname(kernels.__file__), "triton_padded.py")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("triton_padded_interpreted", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+TP = load_interpreted()
+KERNELS = [TP._next_tokens_kernel, TP._prepare_inputs_kernel, TP._shift_left_kernel,
+           TP._scatter_kernel, TP._advance_draft_step_kernel]
+FEW = settings(max_examples=15)
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def randint(gen, low, high, shape, dtype=torch.int32):
+    return torch.randint(low, high, shape, generator=gen, dtype=dtype)
+
+
+def assert_same(a, b):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert torch.equal(a, b), (a, b)
+
+
+def test_kernels_are_interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+    assert all(isinstance(k, InterpretedFunction) for k in KERNELS)
+
+
+def test_dispatch_rule():
+    assert not platform.triton_available(torch.device("cpu"))
+    assert platform.triton_available(torch.device("cuda"))  # triton is installed here
+    with pytest.raises(ValueError, match="device='npu:0' needs torch_npu"):
+        platform.torch_device("npu:0")  # no torch_npu here
+    # CPU runs the reference, which takes any int dtype; the Triton wrapper takes int32.
+    cu, valid, qsl = torch.tensor([2, 4]), torch.tensor([3, 1]), torch.tensor([0, 3, 6])
+    sample_idx, _ = kernels.prepare_inputs_padded(cu, valid, qsl)
+    assert sample_idx.tolist() == [2, 3]
+    with pytest.raises(TypeError, match="cu_num_draft_tokens.dtype=torch.int64"):
+        TP.prepare_inputs_padded(cu, valid, qsl)
+
+
+def test_worked_example_fused_next_tokens():
+    args = (i32([[11, 12, 13], [21, -1, -1], [31, 32, -1], [41, -1, -1]]),
+            torch.tensor([False, False, False, True]), i32([[99] * 6]),
+            torch.zeros(4, dtype=torch.int64), i32([2, 5, 8, 5]), 100)
+    for impl in (kernels.prepare_next_tokens_padded, TP.prepare_next_tokens_padded):
+        next_ids, valid, backup = impl(*args)
+        assert next_ids.tolist() == [13, 21, 32, 99]
+        assert valid.tolist() == [3, 1, 2, 0]
+        assert backup.tolist() == [99, 99, -1, 99]
+
+
+@FEW
+@given(b=st.integers(0, 140), k=st.integers(0, 5), vocab=st.sampled_from([1, 5, 1000]),
+       rows_int64=st.booleans(), seed=st.integers(0, 2**16))
+def test_next_tokens_equals_reference(b, k, vocab, rows_int64, seed):
+    """Arbitrary sampled rows (valid entries not only as a prefix, ids at and past the
+    vocab edge), a row-strided token table, seq_lens at and past its end."""
+    gen = torch.Generator().manual_seed(seed)
+    sampled = randint(gen, -2, vocab + 2, (b, k + 1))
+    discard = randint(gen, 0, 2, (b,)).bool()
+    num_rows, length = b + 2, 7
+    table = randint(gen, -1, vocab, (num_rows, length + 3))[:, :length]
+    rows = randint(gen, 0, num_rows, (b,), torch.int64 if rows_int64 else torch.int32)
+    seq_lens = randint(gen, 0, length + 3, (b,))
+    backup = reference.gather_backup_tokens(table, rows, seq_lens)
+    next_ids, valid = reference.prepare_next_token_ids_padded(sampled, discard, backup, vocab)
+    got = TP.prepare_next_tokens_padded(sampled, discard, table, rows, seq_lens, vocab)
+    for a, e in zip(got, (next_ids, valid, backup)):
+        assert_same(a, e)
+
+
+@FEW
+@given(b=st.integers(1, 40), k=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_padded_prep_equals_reference_on_step_batches(step_batch, b, k, seed):
+    """Realistic steps (conftest.make_step_batch): fused next tokens, then sample indices."""
+    s = step_batch(b, k, seed)
+    sampled = torch.tensor(s.sampled, dtype=torch.int32)
+    discard = torch.tensor(s.discard)
+    backup = reference.gather_backup_tokens(s.token_table, s.rows, s.seq_lens)
+    next_ids, valid = reference.prepare_next_token_ids_padded(sampled, discard, backup,
+                                                              s.vocab_size)
+    got = TP.prepare_next_tokens_padded(sampled, discard, s.token_table, s.rows, s.seq_lens,
+                                        s.vocab_size)
+    for a, e in zip(got, (next_ids, valid, backup)):
+        assert_same(a, e)
+    expected = reference.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
+    got = TP.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
+    for a, e in zip(got, expected):
+        assert_same(a, e)
+
+
+@FEW
+@given(b=st.integers(0, 300), k=st.integers(0, 4), seed=st.integers(0, 2**16))
+def test_prepare_inputs_equals_reference(b, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # cu is a view one past a junk entry: the kernel must not read cu[-1] for row 0
+    cu = torch.cat([i32([10**6]), randint(gen, 0, k + 1, (b,)).cumsum(0, dtype=torch.int32)])[1:]
+    valid = randint(gen, 0, k + 2, (b,))
+    qsl = torch.cat([i32([0]), randint(gen, 1, 8, (b,)).cumsum(0, dtype=torch.int32)])
+    expected = reference.prepare_inputs_padded(cu, valid, qsl)
+    for a, e in zip(TP.prepare_inputs_padded(cu, valid, qsl), expected):
+        assert_same(a, e)
+
+
+@FEW
+@given(n=st.integers(0, 2100), b_frac=st.floats(0, 1), ids_int64=st.booleans(),
+       index_int64=st.booleans(), seed=st.integers(0, 2**16))
+def test_shift_equals_reference(n, b_frac, ids_int64, index_int64, seed):
+    """N across several 1024-token programs, B across several 128-row programs."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = randint(gen, 0, 2**31 - 1, (n,), torch.int64 if ids_int64 else torch.int32)
+    b = min(n, int(b_frac * 300))
+    index = torch.randperm(n, generator=gen)[:b]
+    index = index if index_int64 else index.to(torch.int32)
+    next_ids = randint(gen, 0, 2**31 - 1, (b,))
+    assert_same(TP.shift_first_pass_input_ids(ids, index, next_ids),
+                reference.shift_first_pass_input_ids(ids, index, next_ids))
+
+
+@FEW
+@given(rows=st.integers(0, 300), block_size=st.sampled_from([1, 2, 4, 16]),
+       max_model_len=st.integers(1, 80), short_table=st.booleans(),
+       num_reqs_kind=st.sampled_from(["int", "int32", "int64"]), seed=st.integers(0, 2**16))
+def test_advance_draft_step_equals_reference(rows, block_size, max_model_len, short_table,
+                                             num_reqs_kind, seed):
+    """Three chained steps from positions around max_model_len; padding rows; a block
+    table with too few blocks for max_model_len (the reference clamps the lookup)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-max_model_len // block_size) - (1 if short_table else 0)
+    table = randint(gen, -1, 10_000, (rows + 1, max(blocks, 1) + 2))[:, :max(blocks, 1)]
+    positions = randint(gen, 0, max_model_len + 3, (rows,), torch.int64)
+    seq_lens = randint(gen, 1, 100, (rows,))
+    num_reqs = int(randint(gen, 0, rows + 1, ()))
+    if num_reqs_kind != "int":
+        num_reqs = torch.tensor(num_reqs, dtype=getattr(torch, num_reqs_kind))
+    for _ in range(3):
+        expected = reference.advance_draft_step(positions, seq_lens, table, num_reqs,
+                                                block_size, max_model_len)
+        got = TP.advance_draft_step(positions, seq_lens, table, num_reqs, block_size,
+                                    max_model_len)
+        for a, e in zip(got, expected):
+            assert_same(a, e)
+        positions, seq_lens = got.positions, got.seq_lens
+
+
+def test_wrappers_check_their_inputs():
+    with pytest.raises(TypeError, match="sampled_token_ids.dtype=torch.int64"):
+        TP.prepare_next_tokens_padded(torch.zeros(2, 3, dtype=torch.int64),
+                                      torch.zeros(2, dtype=torch.bool), i32([[1]]),
+                                      i32([0, 0]), i32([0, 0]), 10)
+    with pytest.raises(ValueError, match="block_table.stride"):
+        TP.advance_draft_step(torch.zeros(2, dtype=torch.int64), i32([1, 1]),
+                              torch.zeros(4, 2, dtype=torch.int32).t(), 2, 4, 8)
+    with pytest.raises(ValueError, match="next_token_ids.device=meta"):
+        TP.shift_first_pass_input_ids(torch.zeros(4, dtype=torch.int64), i32([1]),
+                                      torch.zeros(1, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="query_start_loc.shape"):
+        TP.prepare_inputs_padded(i32([1, 2]), i32([1, 1]), i32([0, 2]))
+
+
+# ---- no recompilation per batch size ----
+
+def launch_args(kernel, launch, batch_sizes):
+    """(args, kwargs) of each launch of ``kernel`` made by ``launch(b)`` for each b."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+    kernel.add_pre_run_hook(record)
+    try:
+        for b in batch_sizes:
+            launch(b)
+    finally:
+        kernel.pre_run_hooks.remove(record)
+    return calls
+
+
+def compile_cache_keys(kernel, calls, **jit_options) -> set[str]:
+    """The compile-cache keys a compiled JITFunction of ``kernel``'s source would look up
+    for these launches: triton's own binder and key function, with the CUDA backend's
+    specialization rules (no GPU needed; the interpreter itself keeps no compile cache)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    jit = JITFunction(kernel.fn, **{**kernel.kwargs, **jit_options})
+    binder = create_function_from_signature(jit.signature, jit.params,
+                                            make_backend(GPUTarget("cuda", 90, 32)))
+    keys = set()
+    for args, kwargs in calls:
+        _, specialization, options = binder(*args, **kwargs)
+        keys.add(compute_cache_key({}, specialization, options))
+    return keys
+
+
+def _launchers():
+    gen = torch.Generator().manual_seed(0)
+    table = randint(gen, -1, 50, (300, 9))
+    return [
+        (TP._next_tokens_kernel, lambda b: TP.prepare_next_tokens_padded(
+            randint(gen, -1, 50, (b, 4)), torch.zeros(b, dtype=torch.bool), table,
+            torch.arange(b), randint(gen, 0, 10, (b,)), 50)),
+        (TP._prepare_inputs_kernel, lambda b: TP.prepare_inputs_padded(
+            torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
+            torch.arange(b + 1, dtype=torch.int32))),
+        (TP._shift_left_kernel, lambda b: TP.shift_first_pass_input_ids(
+            torch.arange(b, dtype=torch.int64), torch.arange(b, dtype=torch.int32),
+            torch.arange(b, dtype=torch.int32))),
+        (TP._scatter_kernel, lambda b: TP.shift_first_pass_input_ids(
+            torch.arange(b, dtype=torch.int64), torch.arange(b, dtype=torch.int32),
+            torch.arange(b, dtype=torch.int32))),
+        (TP._advance_draft_step_kernel, lambda b: TP.advance_draft_step(
+            torch.arange(b), torch.ones(b, dtype=torch.int32), table, b, 4, 30)),
+        (TP._advance_draft_step_kernel, lambda b: TP.advance_draft_step(
+            torch.arange(b), torch.ones(b, dtype=torch.int32), table, torch.tensor(b), 4, 30)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_one_compiled_kernel_for_every_batch_size(case):
+    kernel, launch = _launchers()[case]
+    calls = launch_args(kernel, launch, [1, 2, 16, 17, 64, 129])
+    assert len(compile_cache_keys(kernel, calls)) == 1
+    # Control: with triton's default specialization (B == 1, B % 16 == 0) the same
+    # launches would compile more than once.
+    assert len(compile_cache_keys(kernel, calls, do_not_specialize=None)) > 1
