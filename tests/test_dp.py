@@ -3,9 +3,9 @@ across the DP ranks, so ranks that disagree on a padded size or on the number of
 crash or hang (every run has a timeout, so a hang fails the test).
 
 Each DP size is one spawn running several jobs (one LLM each, in turn): MTP with a MoE head
-(K=3: the drafter syncs and exchanges tokens too), Eagle3 with a dense head (K=2: the
-drafter's sync is skipped on every rank alike) and extract_hidden_states; the loads are
-uneven, one rank gets no request at all.
+(K=3: the drafter syncs and exchanges tokens too; and ragged with K=2), Eagle3 with a dense
+head (K=2: the drafter's sync is skipped on every rank alike) and extract_hidden_states; the
+loads are uneven, one rank gets no request at all.
 """
 
 from dataclasses import replace
@@ -26,21 +26,24 @@ from test_moe import PROMPTS, moe_target
 TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
-K = {"mtp": 3, "eagle3": 2, "extract_hidden_states": 1}
+K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1}
 NUM_LAYERS = 4
 # uneven loads: prompt indices per rank ([] = a rank that is idle for the whole run)
 ASSIGN = {
-    2: {"mtp": [[0, 1, 2, 3, 4], []], "eagle3": [[2], [0, 1, 3, 4]],
-        "extract_hidden_states": [[1], [0, 2, 3, 4]]},
-    3: {"mtp": [[1], [0, 2, 3, 4], []], "eagle3": [[], [4], [0, 1, 2, 3]],
-        "extract_hidden_states": [[0, 1], [], [2, 3, 4]]},
+    2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
+        "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]]},
+    3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
+        "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]]},
 }
 
 
 def llm_kwargs(method, target, out_dir=None, **kw):
-    spec = {"method": method, "num_speculative_tokens": K[method]}
+    """mtp-ragged: MTP with disable_padded_drafter_batch (the drafter syncs a kept-token
+    count that differs across ranks)."""
+    spec = {"method": method.removesuffix("-ragged"), "num_speculative_tokens": K[method],
+            "disable_padded_drafter_batch": method.endswith("-ragged")}
     head = None
-    if method == "mtp":  # built from the MoE config: a MoE layer (cross-rank drafter)
+    if spec["method"] == "mtp":  # built from the MoE config: a MoE layer (cross-rank drafter)
         torch.manual_seed(1)
         head = build_head("mtp", target).to(torch.float64).eval()
     elif method == "eagle3":  # a dense head: no cross-rank layer
@@ -225,6 +228,8 @@ def test_round_robin_and_bad_assignments():
         run_data_parallel([job], 2)
     with pytest.raises(ValueError, match="data_parallel_size=1"):
         run_data_parallel([replace(job, assignment=None)], 1)
+    with pytest.raises(ValueError, match="device='meta'"):
+        run_data_parallel([DPJob({"device": "meta"}, [[1]], SamplingParams())], 2)
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         LLM(data_parallel_size=0)
     with pytest.raises(ValueError, match="not both"):

@@ -14,6 +14,9 @@ TypeError keeps its type, anything else becomes a RuntimeError with the rank's t
 dies, or a run that exceeds ``timeout`` seconds fails the call (the other ranks are killed)
 instead of hanging.
 
+Ranks start with the ``spawn`` method: a script calling this (or ``LLM(data_parallel_size=N)
+.generate``) needs the usual ``if __name__ == "__main__":`` guard.
+
 Worked example: 5 prompts, N=2, no assignment -> rank 0 runs prompts [0, 2, 4], rank 1 [1, 3];
 ``run.outputs`` lists the 5 outputs in prompt order. Request ids are the prompt indices, so
 per-request files (extract_hidden_states) do not collide across ranks.
@@ -76,6 +79,11 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
     """Run each job on ``dp_size`` ranks (one spawn for all jobs); one DPRun per job."""
     if not isinstance(dp_size, int) or dp_size < 2:
         raise ValueError(f"data_parallel_size={dp_size!r}: the DP engine needs an int >= 2")
+    for job in jobs:
+        device = torch.device(job.llm_kwargs.get("device", "cpu")).type
+        if device not in BACKENDS:
+            raise ValueError(f"device={device!r} has no data-parallel backend; allowed: "
+                             f"{sorted(BACKENDS)}")
     jobs = [replace(job, assignment=round_robin(len(job.prompts), dp_size))
             if job.assignment is None else job for job in jobs]
     for job in jobs:
