@@ -1,0 +1,208 @@
+"""The ``specdec`` command: ``specdec generate`` (one prompt) and ``specdec bench`` (ITL harness).
+
+    specdec generate --prompt "def fibonacci(n):" --method eagle3 -k 3
+    specdec generate --prompt "x = " --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
+    specdec bench --quick --out /tmp/bench
+
+A bad flag or a bad speculative config prints one line on stderr and exits with status 2.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+# --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
+METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states")
+DEFAULT_METHOD, DEFAULT_K = "eagle3", 3
+
+
+class UsageError(Exception):
+    """A bad flag or config: reported as one line, exit status 2."""
+
+    def __str__(self):
+        return " ".join(super().__str__().split())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def speculative_config(method: str, k: int, padded: bool, override: str | None = None) -> dict | None:
+    """The vLLM-style dict for ``--method/-k/--no-padded``, updated by the ``override`` JSON.
+
+    ``speculative_config("torchair-mtp", 2, True)`` ->
+    ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
+    "graph_mode": "torchair"}``; method "none" with no override -> None (no speculation).
+    """
+    if method not in METHODS:
+        raise UsageError(f"method={method!r} is not supported; allowed: {METHODS}")
+    spec = None
+    if method != "none":
+        spec = {"method": method, "num_speculative_tokens": k,
+                "disable_padded_drafter_batch": not padded}
+        if method == "torchair-mtp":
+            spec.update(method="mtp", graph_mode="torchair")
+    if override is not None:
+        try:
+            extra = json.loads(override)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--speculative-config is not valid JSON ({e}): {override!r}") from None
+        if not isinstance(extra, dict):
+            raise UsageError(f"--speculative-config must be a JSON object, got {override!r}")
+        spec = {**(spec or {}), **extra}
+    return spec
+
+
+def default_method(model: str | None) -> tuple[str, int]:
+    """eagle3 with K=3 when the model folder has an ``../eagle3`` head, else none."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    target = Path(model) if model is not None else DEFAULT_MODEL
+    if (target.parent / "eagle3" / "config.json").exists():
+        return DEFAULT_METHOD, DEFAULT_K
+    return "none", DEFAULT_K
+
+
+def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):
+    """``LLM(...)``; a config or engine construction error becomes a UsageError (one line)."""
+    from specdec.engine.llm import LLM
+    if dp < 1:
+        raise UsageError(f"--dp={dp} must be >= 1")
+    if dp > 1:  # the data-parallel engine; older engines reject the kwarg (reported, not raised)
+        kw["data_parallel_size"] = dp
+    if model is not None and not (Path(model) / "config.json").exists():
+        raise UsageError(f"--model={model!r} has no config.json (an HF-style target folder is needed)")
+    try:
+        return LLM(model, speculative_config=spec, seed=seed, **kw)
+    except (ValueError, TypeError, NotImplementedError, OSError) as e:
+        raise UsageError(f"cannot build the engine: {type(e).__name__}: {e}") from None
+
+
+def stats_table(out, seconds: float, spec: dict | None) -> Table:
+    """Acceptance length, per-position acceptance rate, tokens/s, drafted/accepted counts."""
+    table = Table(title="speculative decoding", show_header=True, header_style="bold")
+    for col in ("method", "K", "batch", "tokens", "tok/s", "accept len", "drafted", "accepted",
+                "per-position acceptance"):
+        table.add_column(col, justify="right" if col not in ("method", "batch") else "left")
+    n = len(out.token_ids)
+    if spec is None:
+        method, k, batch = "none", "-", "-"
+    else:
+        method = spec.get("method", "?") + ("/" + spec["graph_mode"] if "graph_mode" in spec else "")
+        k = str(spec.get("num_speculative_tokens", "?"))
+        batch = "ragged" if spec.get("disable_padded_drafter_batch") else "padded"
+    rates = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(out.num_accepted, out.num_drafted))
+    table.add_row(method, k, batch, str(n), f"{n / seconds:.1f}", f"{out.acceptance_length:.2f}",
+                  str(sum(out.num_drafted)), str(sum(out.num_accepted)), rates or "-")
+    return table
+
+
+def cmd_generate(args) -> int:
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens={args.max_tokens} must be >= 1")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
+    spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
+    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed)
+    start = time.perf_counter()
+    try:
+        out = llm.generate([args.prompt], max_tokens=args.max_tokens,
+                           temperature=args.temperature)[0]
+    except (ValueError, TypeError) as e:  # e.g. a str prompt for a model without a tokenizer
+        raise UsageError(f"cannot generate: {e}") from None
+    seconds = time.perf_counter() - start
+    console = Console()
+    text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+    console.print(args.prompt + text, markup=False, highlight=False)
+    console.print(stats_table(out, seconds, spec))
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text for one prompt and show the speculative statistics",
+        description="Generate text for one prompt. Without --method or --speculative-config the "
+                    f"method is {DEFAULT_METHOD} with K={DEFAULT_K} when the model folder has a "
+                    "sibling eagle3/ head (the embedded default does), else none.")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter; torchair-mtp = mtp with graph_mode torchair; "
+                        f"default: {DEFAULT_METHOD} if the model has an eagle3 head, else none")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"K, draft tokens per step (default {DEFAULT_K})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM-style dict, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'; '
+                        "its keys override --method/-k/--no-padded")
+    p.add_argument("--no-padded", action="store_true",
+                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="target folder; heads are found in its sibling mtp/, eagle/, eagle3/ "
+                        "(default: the embedded model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.set_defaults(func=cmd_generate)
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="ITL benchmark sweep (also: python -m benchmarks.itl)",
+                       description="Inter-token-latency benchmark sweep; see benchmarks/itl.py.")
+    itl = import_bench()
+    if itl is None:
+        p.set_defaults(func=_missing_bench)
+        return
+    itl.add_arguments(p)
+    p.set_defaults(func=itl.run_from_args)
+
+
+def import_bench():
+    """``benchmarks.itl``: installed, or beside ``specdec/`` in a source checkout; else None."""
+    try:
+        from benchmarks import itl
+        return itl
+    except ImportError:
+        root = Path(__file__).resolve().parent.parent
+        if not (root / "benchmarks" / "itl.py").exists():
+            return None
+        sys.path.append(str(root))
+        from benchmarks import itl
+        return itl
+
+
+def _missing_bench(args) -> int:
+    raise UsageError("the benchmarks package is not installed; run python -m benchmarks.itl "
+                     "from a source checkout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="specdec", description="Speculative decoding with padded drafters.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.func is not _missing_bench:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"specdec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The ITL harness on tiny saved models: JSON schema, per-config identities, syncs, plots."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import itl
+from specdec.cli import UsageError
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+K = 2
+SWEEP = dict(methods=["none", "mtp", "eagle", "eagle3"], modes=["padded", "ragged"], k=[K],
+             concurrency=[1, 3], prompt_len=[5], output_len=[7], repeats=2, warmup=1, seed=0)
+
+
+def save_model(root: Path, heads=("mtp", "eagle3"), zero: bool = False) -> Path:
+    """A tiny target in ``root/target`` and heads in its sibling folders; -> the target folder.
+    ``zero``: every weight 0, so target and drafts always pick token 0 (every draft accepted)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
+    target = LlamaForCausalLM(cfg).eval()
+    modules = [target]
+    for method in heads:
+        extra = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]} if method == "eagle3" else {}
+        modules.append(build_head(method, target, **extra))
+    for m in modules if zero else []:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.zero_()
+    target.save_pretrained(root / "target", dtype=torch.float32)
+    for method, head in zip(heads, modules[1:]):
+        head.save_pretrained(root / method, dtype=torch.float32)
+    return root / "target"
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One sweep (no eagle head saved: eagle is skipped), run through the command line."""
+    root = tmp_path_factory.mktemp("bench")
+    model = save_model(root / "model", zero=True)
+    (root / "sweep.json").write_text(json.dumps({**SWEEP, "model": str(model)}))
+    assert itl.main(["--sweep", str(root / "sweep.json"), "--out", str(root / "out")]) == 0
+    return root / "out", json.loads((root / "out" / "results.json").read_text())
+
+
+def ok_configs(results):
+    return [c for c in results["configs"] if c["status"] == "ok"]
+
+
+def test_schema(bench):
+    _, r = bench
+    assert r["schema_version"] == itl.SCHEMA_VERSION
+    assert {"acceptance_length", "itl", "ttft", "tpot"} <= set(r["definitions"])
+    assert {"python", "torch", "numpy", "device", "torch_threads", "cpu_count"} <= set(
+        r["environment"])
+    assert r["sweep"]["repeats"] == 2 and r["prompt_source"] == "random token ids"
+    assert set(r["phase_seconds"]) == {"build_s", "warmup_s", "measure_s", "sweep_s", "plots_s"}
+    names = [c["name"] for c in r["configs"]]
+    # none once per concurrency; every other method x mode x concurrency
+    assert len(names) == len(set(names)) == 2 + 3 * 2 * 2
+    for c in r["configs"]:
+        assert c["status"] in ("ok", "skipped")
+        if c["status"] == "ok":
+            assert len(c["repeats"]) == 2
+            assert {"itl_ms", "tpot_ms", "ttft_ms", "e2e_ms"} <= set(c["summary"])
+            assert set(c["summary"]["itl_ms"]) == {"n", "mean", "p50", "p90", "p99", "min", "max"}
+
+
+def test_missing_head_is_skipped_with_reason(bench):
+    _, r = bench
+    skipped = [c for c in r["configs"] if c["status"] == "skipped"]
+    assert {c["method"] for c in skipped} == {"eagle"} and len(skipped) == 4
+    assert all("eagle" in c["reason"] and "config.json" in c["reason"] for c in skipped)
+    assert len(ok_configs(r)) == 2 + 2 * 2 * 2
+
+
+def test_repeat_identities(bench):
+    """ITL x tokens adds up to decode time; token counts; TPOT; throughput; per request order."""
+    _, r = bench
+    for c in ok_configs(r):
+        for rep in c["repeats"]:
+            n = c["concurrency"]
+            assert rep["output_tokens"] == n * c["output_len"]  # ignore_eos: exact length
+            # the first chunk of a request is its one prefill token; every later token has an ITL
+            assert len(rep["itl_ms"]) == rep["output_tokens"] - n
+            assert sum(rep["itl_ms"]) == pytest.approx(1e3 * rep["decode_time_s"], rel=1e-9)
+            assert sum(e - t for t, e in zip(rep["ttft_ms"], rep["e2e_ms"])) == pytest.approx(
+                1e3 * rep["decode_time_s"], rel=1e-9)
+            for tpot, ttft, e2e in zip(rep["tpot_ms"], rep["ttft_ms"], rep["e2e_ms"]):
+                assert 0 < ttft <= e2e <= 1e3 * rep["wall_s"] + 1e-9
+                assert tpot * (c["output_len"] - 1) == pytest.approx(e2e - ttft)
+            assert rep["output_tokens_per_s"] * rep["wall_s"] == pytest.approx(rep["output_tokens"])
+            assert 0 <= rep["draft_seconds"] <= rep["step_seconds"] <= rep["wall_s"]
+            assert rep["collectives"] == 0  # dp = 1
+
+
+def test_acceptance_identities(bench):
+    """acceptance length = 1 + accepted / verifying steps; the all-zero model accepts every
+    draft, so it is exactly 1 + K and the decode chunks carry up to K + 1 tokens."""
+    _, r = bench
+    for c in ok_configs(r):
+        s = c["summary"]
+        reps = c["repeats"]
+        assert s["num_accepted"] == sum(sum(x["num_accepted"]) for x in reps)
+        assert s["verify_steps"] == sum(x["verify_steps"] for x in reps)
+        if c["method"] == "none":
+            assert s["num_drafted"] == s["verify_steps"] == 0 and s["acceptance_length"] == 1.0
+            assert s["drafter_share"] == 0.0 and s["acceptance_rate"] is None
+            continue
+        assert s["acceptance_length"] == pytest.approx(1 + s["num_accepted"] / s["verify_steps"])
+        for x in reps:
+            assert x["acceptance_length"] == pytest.approx(
+                1 + sum(x["num_accepted"]) / x["verify_steps"])
+        # every verifying step drafts all K positions
+        assert s["num_drafted_per_position"] == [s["verify_steps"]] * K
+        assert s["acceptance_rate"] == 1.0 and s["per_position_acceptance_rate"] == [1.0] * K
+        assert s["acceptance_length"] == 1 + K
+        assert 0 < s["drafter_share"] < 1
+
+
+def test_summary_pools_repeats(bench):
+    _, r = bench
+    for c in ok_configs(r):
+        s, reps = c["summary"], c["repeats"]
+        pooled = [x for rep in reps for x in rep["itl_ms"]]
+        assert s["itl_ms"]["n"] == len(pooled)
+        assert s["itl_ms"]["mean"] == pytest.approx(sum(pooled) / len(pooled))
+        d = s["itl_ms"]
+        assert d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+        assert d["min"] <= d["mean"] <= d["max"]
+        assert s["decode_time_s"] == pytest.approx(sum(x["decode_time_s"] for x in reps))
+        sp = s["spread"]["output_tokens_per_s"]
+        vals = [x["output_tokens_per_s"] for x in reps]
+        assert (sp["min"], sp["max"]) == (min(vals), max(vals)) and sp["std"] >= 0
+
+
+def test_padded_never_syncs_ragged_does(bench):
+    _, r = bench
+    for c in ok_configs(r):
+        syncs = [x["host_syncs"] for x in c["repeats"]]
+        if c["mode"] == "ragged":
+            assert all(s > 0 for s in syncs), c["name"]
+        else:
+            assert syncs == [0, 0] and c["summary"]["host_syncs_per_step"] == 0
+
+
+def test_plots_written(bench):
+    out, r = bench
+    assert len(r["plots"]) >= 2
+    for name in r["plots"]:
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_table_lists_every_ok_config_and_the_skips(bench):
+    from rich.console import Console
+    _, r = bench
+    console = Console(record=True, width=250)
+    console.print(itl.results_table(r))
+    text = console.export_text()
+    assert text.count("padded") == 4 and text.count("ragged") == 4
+    assert itl.skipped_lines(r) == [
+        f"skipped eagle {mode} K={K}: {c['reason']}" for mode, c in
+        [(m, next(c for c in r["configs"] if c["method"] == "eagle" and c["mode"] == m))
+         for m in ("padded", "ragged")]]
+
+
+def test_expand_and_check_sweep():
+    configs = itl.expand(itl.check_sweep(dict(methods=["none", "mtp"], modes=["padded", "ragged"],
+                                              k=[1, 3], concurrency=[1, 4])))
+    assert len(configs) == 2 + 2 * 2 * 2
+    assert [c.name for c in configs[:3]] == ["none-c1-p64-o64", "none-c4-p64-o64",
+                                             "mtp-padded-k1-c1-p64-o64"]
+    assert len({c.engine_key for c in configs}) == 1 + 4
+    for bad, match in (({"method": ["mtp"]}, "unknown sweep keys"),
+                       ({"methods": ["medusa"]}, "medusa"), ({"modes": ["fast"]}, "fast"),
+                       ({"k": [0]}, "k="), ({"concurrency": []}, "empty"),
+                       ({"repeats": 0}, "repeats"), ({"output_len": [1]}, "output_len")):
+        with pytest.raises(UsageError, match=match):
+            itl.check_sweep(bad)
+
+
+@pytest.mark.parametrize("path", sorted((Path(itl.__file__).parent / "sweeps").glob("*.*")),
+                         ids=lambda p: p.name)
+def test_example_sweep_files_are_valid(path):
+    sweep = itl.check_sweep(itl.load_sweep(path))
+    assert itl.expand(sweep)
+
+
+def test_quick_sweep_is_small():
+    """--quick: every method and both modes at one K and two concurrencies."""
+    configs = itl.expand(itl.check_sweep(dict(itl.QUICK_SWEEP)))
+    assert {c.method for c in configs} == set(itl.METHODS)
+    assert len(configs) <= 2 * (1 + 2 * (len(itl.METHODS) - 1))
+
+
+def test_bad_sweep_file_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("methods: [none\n")
+    assert itl.main(["--sweep", str(bad), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not parse" in err
+
+
+def test_prompts_are_deterministic_held_out_windows():
+    from specdec.train import data
+    texts = data.read_texts(data.list_files()[0][:3])
+    tok = data.train_tokenizer(texts, 300)
+    src = itl.PromptSource(tok, tok.get_vocab_size())
+    assert src.kind == "held-out stdlib files"
+    a, b, c = src.prompts(3, 20, 1), src.prompts(3, 20, 1), src.prompts(3, 20, 2)
+    assert a == b != c and all(len(p) == 20 for p in a)
+    stream = src.stream.tolist()
+    for p in a:  # a contiguous window of the held-out token stream
+        assert any(stream[i:i + 20] == p for i in range(len(stream) - 19))
