@@ -46,6 +46,15 @@ class TorchairMtpProposer(Proposer):
         self._warned_eager = False
         self.graph_steps = 0  # draft steps that ran the compiled graph
 
+    def bind_runner(self, runner) -> None:
+        # The graph path syncs one batch size per step, the eager path two (tokens, then
+        # requests): with a cross-rank (MoE) head under DP, ranks taking different paths
+        # would issue different collectives.
+        if runner.dp.size > 1 and self.has_cross_rank_layers:
+            raise ValueError("graph_mode='torchair' with a MoE draft head needs "
+                             f"data_parallel_size=1, got {runner.dp.size}")
+        super().bind_runner(runner)
+
     @torch.inference_mode()
     def propose(self, x: DraftInputs) -> torch.Tensor:
         if not x.uniform_decode:  # prefill chunks or truncated drafts: no static layout
