@@ -51,9 +51,20 @@ def _next_tokens_reference(sampled_token_ids: torch.Tensor, discard_mask: torch.
     return next_token_ids, valid_count, backup
 
 
-def _by_device(torch_impl, name: str):
-    """``name`` from triton_padded when the first argument's device runs Triton, else
-    ``torch_impl``. The Triton module is imported on first use only."""
+# The torch implementation of each dispatched name (the CPU path and the oracle).
+TORCH_IMPLS = {
+    "prepare_next_tokens_padded": _next_tokens_reference,
+    "prepare_inputs_padded": reference.prepare_inputs_padded,
+    "shift_first_pass_input_ids": reference.shift_first_pass_input_ids,
+    "advance_draft_step": reference.advance_draft_step,
+}
+
+
+def _by_device(name: str):
+    """``name`` from triton_padded when the first argument's device runs Triton, else its
+    torch implementation. The Triton module is imported on first use only."""
+    torch_impl = TORCH_IMPLS[name]
+
     @functools.wraps(torch_impl)
     def call(first: torch.Tensor, *args, **kwargs):
         if platform.triton_available(first.device):
@@ -63,14 +74,14 @@ def _by_device(torch_impl, name: str):
     return call
 
 
-prepare_next_tokens_padded = _by_device(_next_tokens_reference, "prepare_next_tokens_padded")
-prepare_inputs_padded = _by_device(reference.prepare_inputs_padded, "prepare_inputs_padded")
-shift_first_pass_input_ids = _by_device(reference.shift_first_pass_input_ids,
-                                        "shift_first_pass_input_ids")
-advance_draft_step = _by_device(reference.advance_draft_step, "advance_draft_step")
+prepare_next_tokens_padded = _by_device("prepare_next_tokens_padded")
+prepare_inputs_padded = _by_device("prepare_inputs_padded")
+shift_first_pass_input_ids = _by_device("shift_first_pass_input_ids")
+advance_draft_step = _by_device("advance_draft_step")
 
 __all__ = [
     "DraftStep",
+    "TORCH_IMPLS",
     "advance_draft_step",
     "gather_backup_tokens",
     "prepare_inputs_padded",

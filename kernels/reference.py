@@ -1,5 +1,8 @@
 """Pure-torch reference for the padded-drafting formulas (any device).
 
+The CPU path, and the oracle of the Triton kernels in ``triton_padded.py`` (the device
+dispatch is in ``__init__.py``; tests/test_kernels_triton.py compares the two).
+
 Every function runs on the device with no host-device synchronization: no
 `.item()`, no boolean-mask indexing, no data-dependent shapes. Worked example used
 throughout (K=2, B=4; r3 is a discarded 5-token prefill chunk):

@@ -38,7 +38,7 @@ def load_interpreted():
 TP = load_interpreted()
 KERNELS = [TP._next_tokens_kernel, TP._prepare_inputs_kernel, TP._shift_left_kernel,
            TP._scatter_kernel, TP._advance_draft_step_kernel]
-FEW = settings(max_examples=15)
+FEW = settings(max_examples=25)
 
 
 def i32(x):
