@@ -106,6 +106,10 @@ def prepare_next_tokens_padded(sampled_token_ids: torch.Tensor, discard_mask: to
     _check("rows", rows, (torch.int32, torch.int64), 1, dev)
     _check("seq_lens", seq_lens, (torch.int32,), 1, dev)
     b, cols = sampled_token_ids.shape
+    for name, t in (("discard_mask", discard_mask), ("rows", rows), ("seq_lens", seq_lens)):
+        if t.shape[0] != b:
+            raise ValueError(f"{name}.shape={tuple(t.shape)} must be ({b},) like the rows of "
+                             "sampled_token_ids")
     next_ids, valid, backup = (torch.empty(b, dtype=torch.int32, device=dev) for _ in range(3))
     _next_tokens_kernel[_grid(b, ROWS_PER_PROGRAM)](
         sampled_token_ids, sampled_token_ids.stride(0), cols, discard_mask.view(torch.int8),

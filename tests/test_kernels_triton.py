@@ -188,6 +188,10 @@ def test_wrappers_check_their_inputs():
     with pytest.raises(ValueError, match="next_token_ids.device=meta"):
         TP.shift_first_pass_input_ids(torch.zeros(4, dtype=torch.int64), i32([1]),
                                       torch.zeros(1, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"seq_lens.shape=\(3,\) must be \(2,\)"):
+        TP.prepare_next_tokens_padded(torch.zeros(2, 3, dtype=torch.int32),
+                                      torch.zeros(2, dtype=torch.bool), i32([[1]]),
+                                      i32([0, 0]), i32([0, 0, 0]), 10)
     with pytest.raises(ValueError, match="query_start_loc.shape"):
         TP.prepare_inputs_padded(i32([1, 2]), i32([1, 1]), i32([0, 2]))
 
