@@ -87,10 +87,14 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
 
 def stats_table(out, seconds: float, spec: dict | None) -> Table:
     """Acceptance length, per-position acceptance rate, tokens/s, drafted/accepted counts."""
-    table = Table(title="speculative decoding", show_header=True, header_style="bold")
+    table = Table(title="speculative decoding", header_style="bold",
+                  caption="tok/s: output tokens / wall time of the request (prefill included; "
+                          "with --dp also the rank start-up); accept len = 1 + accepted / "
+                          "verifying steps")
     for col in ("method", "K", "batch", "tokens", "tok/s", "accept len", "drafted", "accepted",
-                "per-position acceptance"):
-        table.add_column(col, justify="right" if col not in ("method", "batch") else "left")
+                "accept rate per position"):
+        table.add_column(col, justify="right" if col not in ("method", "batch") else "left",
+                         no_wrap=True)
     n = len(out.token_ids)
     if spec is None:
         method, k, batch = "none", "-", "-"
@@ -120,7 +124,7 @@ def cmd_generate(args) -> int:
     except (ValueError, TypeError) as e:  # e.g. a str prompt for a model without a tokenizer
         raise UsageError(f"cannot generate: {e}") from None
     seconds = time.perf_counter() - start
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
     console.print(args.prompt + text, markup=False, highlight=False)
     console.print(stats_table(out, seconds, spec))

@@ -218,3 +218,20 @@ def test_prompts_are_deterministic_held_out_windows():
     stream = src.stream.tolist()
     for p in a:  # a contiguous window of the held-out token stream
         assert any(stream[i:i + 20] == p for i in range(len(stream) - 19))
+
+
+def test_data_parallel_sweep_counts_collectives(tmp_path):
+    """dp=2: rank processes run the requests; one packed DP all_reduce per step, no host sync
+    in padded mode; the per-rank figures pool into the same identities."""
+    model = save_model(tmp_path / "model", heads=("mtp",))
+    sweep = itl.check_sweep(dict(methods=["none", "mtp"], modes=["padded"], k=[K],
+                                 concurrency=[3], prompt_len=[5], output_len=[4], repeats=1,
+                                 warmup=0, dp=2, model=str(model)))
+    from rich.console import Console
+    r = itl.run_sweep(sweep, Console(quiet=True))
+    assert [c["status"] for c in r["configs"]] == ["ok", "ok"]
+    for c in r["configs"]:
+        s, rep = c["summary"], c["repeats"][0]
+        assert rep["output_tokens"] == 3 * 4 and len(rep["itl_ms"]) == 3 * 3
+        assert sum(rep["itl_ms"]) == pytest.approx(1e3 * rep["decode_time_s"], rel=1e-9)
+        assert s["collectives_per_step"] == 1.0 and s["host_syncs"] == 0

@@ -1,0 +1,132 @@
+"""``specdec generate``: text and table on a tiny saved model; bad input is one line, exit 2."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.cli import main, speculative_config
+from specdec.engine.llm import LLM
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.train import data
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A tiny random target with a byte-level BPE tokenizer, and mtp/eagle/eagle3 heads beside it."""
+    root = tmp_path_factory.mktemp("cli")
+    tok = data.train_tokenizer(data.read_texts(data.list_files()[0][:3]), 300)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      eos_token_id=0)
+    target = LlamaForCausalLM(cfg).eval()
+    target.save_pretrained(root / "target", dtype=torch.float32)
+    tok.save(str(root / "target" / "tokenizer.json"))
+    for method in ("mtp", "eagle", "eagle3"):
+        extra = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]} if method == "eagle3" else {}
+        build_head(method, target, **extra).save_pretrained(root / method, dtype=torch.float32)
+    return root / "target"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_speculative_config_worked_example():
+    assert speculative_config("torchair-mtp", 2, True) == {
+        "method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
+        "graph_mode": "torchair"}
+    assert speculative_config("none", 3, True) is None
+    assert speculative_config("eagle", 3, False, '{"num_speculative_tokens": 5}') == {
+        "method": "eagle", "num_speculative_tokens": 5, "disable_padded_drafter_batch": True}
+
+
+@pytest.mark.parametrize("method,k,padded", [("mtp", 2, True), ("eagle3", 3, False)])
+def test_generate_prints_the_engines_text_and_the_table(model, capsys, method, k, padded):
+    argv = ["generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "12",
+            "--method", method, "-k", str(k)] + ([] if padded else ["--no-padded"])
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == ""
+    spec = {"method": method, "num_speculative_tokens": k, "disable_padded_drafter_batch": not padded}
+    ref = LLM(model, speculative_config=spec).generate([PROMPT], max_tokens=12)[0]
+    assert out.startswith(PROMPT + ref.text)
+    row = next(line for line in out.splitlines() if f"│ {method} " in line)
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[:4] == [method, str(k), "padded" if padded else "ragged", str(len(ref.token_ids))]
+    assert cells[5:8] == [f"{ref.acceptance_length:.2f}", str(sum(ref.num_drafted)),
+                          str(sum(ref.num_accepted))]
+    assert len(cells[8].split()) == k  # one acceptance rate per draft position
+
+
+def test_speculative_config_json_overrides_flags(model, capsys):
+    code, out, _ = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
+                       "--max-tokens", "4", "--method", "eagle3", "--speculative-config",
+                       json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
+    assert code == 0 and "│ mtp " in out and "eagle3" not in out
+
+
+def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsys):
+    code, out, _ = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
+                       "--max-tokens", "4")
+    assert code == 0 and "│ eagle3 │ 3 │ padded" in out
+    shutil.copytree(model, tmp_path / "target")  # no sibling heads: no speculation
+    code, out, _ = run(capsys, "generate", "--model", str(tmp_path / "target"), "--prompt",
+                       PROMPT, "--max-tokens", "4")
+    assert code == 0 and "│ none " in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--speculative-config", "{bad"], "not valid JSON"),
+    (["--speculative-config", "[1, 2]"], "must be a JSON object"),
+    (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'], "medusa"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, "x": 1}'],
+     "unknown speculative config keys"),
+    (["--method", "torchair-mtp", "--no-padded"], "graph_mode='torchair'"),
+    (["-k", "0", "--method", "mtp"], "num_speculative_tokens=0"),
+    (["--max-tokens", "0"], "--max-tokens=0"),
+    (["--temperature", "-1"], "--temperature=-1"),
+    (["--dp", "0"], "--dp=0"),
+])
+def test_bad_config_is_one_line_exit_2(model, capsys, argv, match):
+    code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("specdec generate: error: ") and match in err
+    assert "Traceback" not in err
+
+
+def test_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", PROMPT)
+    assert code == 2 and err.count("\n") == 1 and "config.json" in err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--method", "medusa"],
+                                  ["generate", "--prompt", "x", "--bogus"], ["generate"], []])
+def test_argparse_errors_are_one_line_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error:" in err
+
+
+def test_installed_entry_point(model):
+    """The ``specdec`` console script (setup.cfg entry point) runs, and passes exit status 2 on."""
+    exe = shutil.which("specdec")
+    assert exe is not None, "specdec is not installed (pip install -e .)"
+    ok = subprocess.run([exe, "generate", "--model", str(model), "--prompt", PROMPT,
+                         "--max-tokens", "6", "--method", "eagle", "-k", "2"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(PROMPT) and "│ eagle " in ok.stdout and "accept" in ok.stdout
+    bad = subprocess.run([exe, "generate", "--model", str(model), "--prompt", PROMPT,
+                          "--speculative-config", '{"method": 3}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
