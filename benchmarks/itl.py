@@ -1,7 +1,7 @@
 """ITL (inter-token latency) harness: speculative methods x padded/ragged x K x concurrency.
 
     specdec bench --quick --out /tmp/bench           # or: python -m benchmarks.itl --quick ...
-    specdec bench --sweep benchmarks/sweeps/cpu_small.yaml --out /tmp/bench
+    specdec bench --sweep benchmarks/sweeps/concurrency.yaml --out /tmp/bench
     specdec bench --methods none,eagle3 --modes padded,ragged -k 1,3 --concurrency 1,4,16
 
 How one run is measured: ``concurrency`` requests (held-out prompts of ``prompt_len`` tokens,
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -40,6 +41,7 @@ from rich.table import Table
 from specdec.cli import UsageError, build_llm, speculative_config
 from specdec.engine.llm import DEFAULT_MODEL
 from specdec.engine.sequence import SamplingParams
+from specdec.train import data
 
 SCHEMA_VERSION = 1
 METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp")
@@ -64,9 +66,12 @@ DEFINITIONS = {
                          "RequestOutput.acceptance_length, pooled)",
     "acceptance_rate": "accepted / drafted tokens",
     "per_position_acceptance_rate": "accepted[j] / drafted[j] for draft position j",
-    "drafter_share": "sum of drafter host wall time / sum of step wall time",
+    "drafter_share": "sum of drafter host wall time / sum of step wall time (on an accelerator "
+                     "the drafter's launch time only)",
     "host_syncs_per_step": "host-device syncs inside the device part of a step (padded: 0)",
     "collectives_per_step": "DP collectives issued per step",
+    "dp": "with dp > 1 each rank runs its share of the requests (round-robin); its chunk "
+          "arrivals are its cumulative step seconds; steps and requests are pooled over ranks",
     "spread": "std / min / max over repeats of the per-repeat value",
 }
 
@@ -102,12 +107,8 @@ def load_sweep(path: str | Path) -> dict:
         raise UsageError(f"--sweep={str(path)!r} does not exist")
     text = path.read_text()
     try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise UsageError(f"--sweep={str(path)!r} does not parse: {e}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--sweep={str(path)!r} must hold a mapping, got {type(data).__name__}")
@@ -163,7 +164,6 @@ class PromptSource:
         self.vocab_size = vocab_size
         self.stream = None
         if tokenizer is not None:
-            from specdec.train import data
             _, held = data.list_files()
             self.stream = data.encode_stream(tokenizer, data.read_texts(held))
         self.kind = "held-out stdlib files" if self.stream is not None else "random token ids"
@@ -172,8 +172,7 @@ class PromptSource:
         gen = torch.Generator().manual_seed(seed)
         if self.stream is None or len(self.stream) <= length:
             return torch.randint(1, self.vocab_size, (n, length), generator=gen).tolist()
-        from specdec.train.data import sample_windows
-        return sample_windows(self.stream, n, length, gen).tolist()
+        return data.sample_windows(self.stream, n, length, gen).tolist()
 
 
 # ---- one run ----------------------------------------------------------------------------------
@@ -636,9 +635,10 @@ def run_from_args(args) -> int:
     console = Console(width=max(Console().width, 170))
     console.print(results_table(results))
     for line in skipped_lines(results):
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots']) or 'no plots'} "
-                  f"in {results['wall_seconds']:.1f} s", markup=False, highlight=False)
+                  f"in {results['wall_seconds']:.1f} s", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0
 
 
