@@ -75,7 +75,7 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
     from specdec.engine.llm import LLM
     if dp < 1:
         raise UsageError(f"--dp={dp} must be >= 1")
-    if dp > 1:  # the data-parallel engine; older engines reject the kwarg (reported, not raised)
+    if dp > 1:  # the data-parallel engine launches the rank processes
         kw["data_parallel_size"] = dp
     if model is not None and not (Path(model) / "config.json").exists():
         raise UsageError(f"--model={model!r} has no config.json (an HF-style target folder is needed)")
@@ -99,7 +99,9 @@ def stats_table(out, seconds: float, spec: dict | None) -> Table:
     if spec is None:
         method, k, batch = "none", "-", "-"
     else:
-        method = spec.get("method", "?") + ("/" + spec["graph_mode"] if "graph_mode" in spec else "")
+        method, graph = spec.get("method", "?"), spec.get("graph_mode", "eager")
+        method = ("torchair-mtp" if graph == "torchair" else
+                  method if graph == "eager" else f"{method}/{graph}")
         k = str(spec.get("num_speculative_tokens", "?"))
         batch = "ragged" if spec.get("disable_padded_drafter_batch") else "padded"
     rates = " ".join(f"{a / d:.2f}" if d else "-" for a, d in zip(out.num_accepted, out.num_drafted))
