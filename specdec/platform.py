@@ -59,3 +59,13 @@ def torch_device(spec: str | torch.device) -> torch.device:
                              "allowed without it: cpu, cuda")
         importlib.import_module("torch_npu")
     return torch.device(spec)
+
+
+def compile_graph(fn, backend: str = "inductor"):
+    """``fn`` compiled as one static graph per input shape: torchair's NPU backend when
+    ``torch_npu`` and ``torchair`` are installed, else ``torch.compile`` with ``backend``
+    ("inductor", "aot_eager", "eager", ...)."""
+    if _has_module("torch_npu") and _has_module("torchair"):
+        torchair = importlib.import_module("torchair")
+        backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)

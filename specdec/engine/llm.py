@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from specdec import platform
 from specdec.config import SpeculativeConfig
 from specdec.dp import DPContext, sync_batch_across_dp
 from specdec.engine.kv_cache import BlockAllocator
@@ -70,7 +71,7 @@ class LLM:
         self.data_parallel_size = data_parallel_size
         if data_parallel_size > 1:
             return  # generate() launches the ranks; each builds its own engine
-        self.device = torch.device(device)
+        self.device = platform.torch_device(device)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if target is None:
             model = Path(model) if model is not None else DEFAULT_MODEL

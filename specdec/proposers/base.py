@@ -25,7 +25,7 @@ from specdec.kernels import (
     advance_draft_step,
     gather_backup_tokens,
     prepare_inputs_padded,
-    prepare_next_token_ids_padded,
+    prepare_next_tokens_padded,
     shift_first_pass_input_ids,
 )
 from specdec.proposers.inputs import DraftInputs
@@ -128,9 +128,9 @@ class Proposer:
         discard_mask [B] bool, cu_num_draft_tokens [B] int32, query_start_loc [B+1]
         int32, token_table [R, L] int32, rows [B] int, seq_lens [B] int32 (target step)."""
         b = sampled_token_ids.shape[0]
-        self.backup_token_ids[:b] = gather_backup_tokens(token_table, rows, seq_lens)
-        next_ids, valid = prepare_next_token_ids_padded(
-            sampled_token_ids, discard_mask, self.backup_token_ids[:b], self.vocab_size)
+        next_ids, valid, backup = prepare_next_tokens_padded(
+            sampled_token_ids, discard_mask, token_table, rows, seq_lens, self.vocab_size)
+        self.backup_token_ids[:b] = backup
         sample_idx, rejected = prepare_inputs_padded(cu_num_draft_tokens, valid, query_start_loc)
         self.next_token_ids[:b] = next_ids
         self.valid_count[:b] = valid

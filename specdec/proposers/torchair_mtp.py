@@ -9,12 +9,12 @@ elsewhere. Prefill and mixed batches run the eager draft loop; batches above the
 bucket too, with a one-time warning. Padded mode only (the config rejects ragged + graph).
 """
 
-import importlib.util
 import logging
 
 import torch
 
 from specdec.engine.kv_cache import AttentionMetadata
+from specdec.platform import compile_graph
 from specdec.kernels import (
     advance_draft_step,
     gather_backup_tokens,
@@ -26,16 +26,6 @@ from specdec.proposers.base import Proposer, _pad_rows
 from specdec.proposers.inputs import DraftInputs
 
 logger = logging.getLogger(__name__)
-
-
-def compile_graph(fn, backend: str):
-    """One static graph per input shape: torchair's NPU backend when torch_npu and torchair
-    are installed, else ``torch.compile`` with ``backend`` (e.g. "inductor", "eager")."""
-    if importlib.util.find_spec("torch_npu") and importlib.util.find_spec("torchair"):
-        import torchair  # optional, NPU only
-
-        backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
 
 
 class TorchairMtpProposer(Proposer):
