@@ -51,8 +51,9 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu")
 # --quick: every method and mode at one K, two concurrencies, short requests (< 2 min on 2 CPUs)
-QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[24],
-                   repeats=2)
+# (about 1 min on the embedded default, most of it compiling the torchair-mtp graphs in warm-up)
+QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
+                   repeats=4)
 LIST_KEYS = ("methods", "modes", "k", "concurrency", "prompt_len", "output_len")
 DEFINITIONS = {
     "itl": "per output token after a request's first chunk: (gap to the previous chunk) / "
@@ -586,7 +587,7 @@ def _words(s: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="the quick sweep: every method and mode, K=3, concurrency 1,4, "
-                        "32-token prompts, 24 output tokens, 2 repeats (< 2 min on 2 CPUs)")
+                        "32-token prompts, 32 output tokens, 4 repeats (< 2 min on 2 CPUs)")
     p.add_argument("--sweep", metavar="FILE", help="YAML or JSON sweep file (keys: "
                    + ", ".join(DEFAULT_SWEEP) + "); flags given on the command line override it")
     p.add_argument("--out", default="bench-results", metavar="DIR",

@@ -88,9 +88,7 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
 def stats_table(out, seconds: float, spec: dict | None) -> Table:
     """Acceptance length, per-position acceptance rate, tokens/s, drafted/accepted counts."""
     table = Table(title="speculative decoding", header_style="bold",
-                  caption="tok/s: output tokens / wall time of the request (prefill included; "
-                          "with --dp also the rank start-up); accept len = 1 + accepted / "
-                          "verifying steps")
+                  caption="accept len = 1 + accepted / verifying steps; tok/s includes prefill")
     for col in ("method", "K", "batch", "tokens", "tok/s", "accept len", "drafted", "accepted",
                 "accept rate per position"):
         table.add_column(col, justify="right" if col not in ("method", "batch") else "left",
@@ -128,7 +126,7 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     console = Console(width=max(Console().width, 120))
     text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
-    console.print(args.prompt + text, markup=False, highlight=False)
+    console.print(args.prompt + text + "\n", markup=False, highlight=False)
     console.print(stats_table(out, seconds, spec))
     return 0
 
