@@ -10,9 +10,10 @@ device of their first tensor argument (``specdec.platform.triton_available``):
 ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
-are fused in ``prepare_next_tokens_padded``). ``reference.py`` is the oracle the Triton
-kernels are tested against; ``ragged.py`` holds the host-side reference for
-``disable_padded_drafter_batch=True``.
+are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
+graph) the torch formulas are traced instead, so the graph holds no opaque launch.
+``reference.py`` is the oracle the Triton kernels are tested against; ``ragged.py`` holds
+the host-side reference for ``disable_padded_drafter_batch=True``.
 """
 
 import functools
@@ -67,7 +68,8 @@ def _by_device(name: str):
 
     @functools.wraps(torch_impl)
     def call(first: torch.Tensor, *args, **kwargs):
-        if platform.triton_available(first.device):
+        # inside torch.compile (graph mode) the compiler fuses the torch formulas itself
+        if not torch.compiler.is_compiling() and platform.triton_available(first.device):
             from specdec.kernels import triton_padded
             return getattr(triton_padded, name)(first, *args, **kwargs)
         return torch_impl(first, *args, **kwargs)

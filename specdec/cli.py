@@ -162,30 +162,14 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="ITL benchmark sweep (also: python -m benchmarks.itl)",
                        description="Inter-token-latency benchmark sweep; see benchmarks/itl.py.")
     itl = import_bench()
-    if itl is None:
-        p.set_defaults(func=_missing_bench)
-        return
     itl.add_arguments(p)
     p.set_defaults(func=itl.run_from_args)
 
 
 def import_bench():
-    """``benchmarks.itl``: installed, or beside ``specdec/`` in a source checkout; else None."""
-    try:
-        from benchmarks import itl
-        return itl
-    except ImportError:
-        root = Path(__file__).resolve().parent.parent
-        if not (root / "benchmarks" / "itl.py").exists():
-            return None
-        sys.path.append(str(root))
-        from benchmarks import itl
-        return itl
-
-
-def _missing_bench(args) -> int:
-    raise UsageError("the benchmarks package is not installed; run python -m benchmarks.itl "
-                     "from a source checkout")
+    """The ITL harness (``benchmarks/itl.py``, installed as ``specdec.benchmarks``)."""
+    from specdec.benchmarks import itl
+    return itl
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,9 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.func is not _missing_bench:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except UsageError as e:
