@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdec.train import data
-from specdec.train.acceptance import acceptance_stats, draft_chain, greedy_generate
+from specdec.train.acceptance import (acceptance_stats, draft_chain, greedy_generate,
+                                      real_text_agreement, repeated_ngram_share)
 from specdec.train.kv import UnrolledKV
 from specdec.train.train_default import head_loss, lr_at, make_optimizer
 from test_models import ReferenceKV, head_inputs, tiny_head, tiny_target
@@ -108,3 +109,34 @@ def test_lr_schedule_warms_up_then_decays_to_ten_percent():
     assert lr_at(0, 100, 1.0, warmup=10) == pytest.approx(0.1)
     assert lr_at(10, 100, 1.0, warmup=10) == pytest.approx(1.0)
     assert lr_at(100, 100, 1.0, warmup=10) == pytest.approx(0.1)
+
+
+def test_repeated_ngram_share_example():
+    assert repeated_ngram_share(torch.tensor([[1, 2, 1, 2, 1]]), start=2, n=2) == 1.0
+    assert repeated_ngram_share(torch.tensor([[1, 2, 3, 4, 5]]), start=0, n=2) == 0.0
+
+
+def test_real_text_agreement_of_a_perfect_head_is_one():
+    """A 'head' that returns the target's own next-position logits agrees everywhere."""
+    target = tiny_target()
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden, _ = target(x, torch.arange(9))
+
+    class Oracle(torch.nn.Module):  # drafts at slot i what the target predicts after x[i+1]
+        aux_layer_ids = ()
+
+        def combine_hidden_states(self, h):
+            return h
+
+        def forward(self, ids, positions, h, kv=None):
+            nxt = torch.cat((hidden[:, 1:], hidden[:, -1:]), dim=1).reshape(-1, h.shape[-1])
+            return nxt, nxt
+
+        compute_logits = staticmethod(target.compute_logits)
+
+        def draft_to_target_ids(self, ids):
+            return ids
+
+    assert real_text_agreement(target, Oracle(), x) == 1.0
+    assert real_text_agreement(target, tiny_head("eagle", target), x) < 1.0

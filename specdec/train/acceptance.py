@@ -76,6 +76,46 @@ def acceptance_stats(x: torch.Tensor, drafts: torch.Tensor, prompt_len: int) -> 
             "slots": int(run.shape[0] * run.shape[1])}
 
 
+@torch.no_grad()
+def real_text_agreement(target: LlamaForCausalLM, head: DraftHead, x: torch.Tensor) -> float:
+    """Share of slots of real text ``x [B, T]`` whose first draft equals the target's greedy token
+    there (step 1 of a round started inside a prompt; exact, no greedy-continuation assumption)."""
+    hidden, _ = target(x, torch.arange(x.shape[1]))
+    greedy = target.compute_logits(hidden).argmax(-1)  # [B, T]: greedy[:, j] follows x[:, j]
+    first = draft_chain(target, head, x, 1)[..., 0]  # [:, i] proposes the token after x[:, i+1]
+    return (first[:, :-2] == greedy[:, 1:-1]).double().mean().item()
+
+
+def repeated_ngram_share(x: torch.Tensor, start: int, n: int = 4) -> float:
+    """Share of n-grams starting at or after ``start`` that already occurred earlier in their row.
+
+    Example: row [1, 2, 1, 2, 1], n = 2, start = 2: [1, 2] seen, [2, 1] seen -> 1.0.
+    """
+    hits = total = 0
+    for row in x.tolist():
+        seen = set()
+        for i in range(len(row) - n + 1):
+            gram = tuple(row[i:i + n])
+            if i >= start:
+                hits, total = hits + (gram in seen), total + 1
+            seen.add(gram)
+    return hits / max(total, 1)
+
+
+def evaluate(target: LlamaForCausalLM, heads: dict[str, DraftHead], tok: Tokenizer, prompts: int = 64,
+             prompt_len: int = 64, new_tokens: int = 192, k: int = 3, seed: int = 0) -> dict:
+    """The held-out estimate: greedy-chain acceptance per head, real-text step-1 agreement per
+    head (32 held-out windows of ``prompt_len + new_tokens``, seed + 1), and how repetitive the
+    target's greedy continuations are (share of repeated 4-grams)."""
+    x = greedy_generate(target, heldout_prompts(tok, prompts, prompt_len, seed), new_tokens)
+    real = heldout_prompts(tok, 32, prompt_len + new_tokens, seed + 1)
+    result = {"repeated_4gram_share": repeated_ngram_share(x, prompt_len)}
+    for name, head in heads.items():
+        result[name] = acceptance_stats(x, draft_chain(target, head, x, k), prompt_len)
+        result[name]["real_text_step1_agreement"] = real_text_agreement(target, head, real)
+    return result
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assets", default="specdec/assets/default")
@@ -89,11 +129,8 @@ def main(argv=None) -> None:
     root = Path(args.assets)
     target = load_pretrained(root / "target")
     tok = Tokenizer.from_file(str(root / "target" / "tokenizer.json"))
-    prompts = heldout_prompts(tok, args.prompts, args.prompt_len, args.seed)
-    x = greedy_generate(target, prompts, args.new_tokens)
-    result = {name: acceptance_stats(x, draft_chain(target, load_head(root / name, target), x, args.k),
-                                     args.prompt_len)
-              for name in ("mtp", "eagle", "eagle3")}
+    heads = {name: load_head(root / name, target) for name in ("mtp", "eagle", "eagle3")}
+    result = evaluate(target, heads, tok, args.prompts, args.prompt_len, args.new_tokens, args.k, args.seed)
     print(json.dumps(result, indent=2))
 
 

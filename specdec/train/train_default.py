@@ -30,7 +30,7 @@ from specdec.models import checkpoint
 from specdec.models.heads import DraftHead, build_head, load_head
 from specdec.models.llama import LlamaConfig, LlamaForCausalLM, load_pretrained
 from specdec.train import data
-from specdec.train.acceptance import acceptance_stats, draft_chain, greedy_generate
+from specdec.train.acceptance import evaluate, greedy_generate
 from specdec.train.kv import UnrolledKV
 
 HEADS = ("mtp", "eagle", "eagle3")
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-batch", type=int, default=16)
     ap.add_argument("--target-lr", type=float, default=3e-3)
-    ap.add_argument("--head-steps", type=int, default=300)
+    ap.add_argument("--head-steps", type=int, default=400)
     ap.add_argument("--head-batch", type=int, default=8)
     ap.add_argument("--head-lr", type=float, default=3e-3)
     ap.add_argument("--unroll", type=int, default=3)
@@ -260,12 +260,23 @@ def write_report(out: Path, args, argv, stats: dict) -> None:
         "chain teacher-forced (`acceptance.draft_chain`, draft KV as the engine holds it). "
         "Per-position = P(draft s accepted | drafts 1..s-1 accepted); mean acceptance length "
         "counts the bonus token (1 = nothing accepted). Weights loaded from the saved fp16 files.", "",
-        "| head | position 1 | position 2 | position 3 | mean acceptance length | slots |",
-        "|---|---|---|---|---|---|",
+        "| head | position 1 | position 2 | position 3 | mean acceptance length | slots | "
+        "real-text step-1 agreement |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, r in stats["acceptance"].items():
+    acc = stats["acceptance"]
+    for name in HEADS:
+        r = acc[name]
         pp = " | ".join(f"{a:.3f}" for a in r["per_position"])
-        lines.append(f"| {name} | {pp} | {r['mean_acceptance_length']:.3f} | {r['slots']} |")
+        lines.append(f"| {name} | {pp} | {r['mean_acceptance_length']:.3f} | {r['slots']} | "
+                     f"{r['real_text_step1_agreement']:.3f} |")
+    lines += [
+        "", f"Caveat: the tiny target's greedy continuations are repetitive ({acc['repeated_4gram_share']:.0%} "
+        "of their 4-grams already occurred earlier in the same sequence), which is what a greedy "
+        "engine run sees and what makes late positions easy. The last column is a harder, exact "
+        "number: on 32 real held-out windows, how often the first draft equals the target's greedy "
+        "next token (a round started inside real text).",
+    ]
     (out / "TRAINING.md").write_text("\n".join(lines) + "\n")
 
 
@@ -313,13 +324,10 @@ def main(argv=None) -> None:
         head.save_pretrained(out / name, torch.float16)
     heads_s = time.time() - t0 - target_s - gen_s
 
-    eval_prompts = data.heldout_prompts(tok, args.eval_prompts, args.prompt_len, seed=0)
-    x = greedy_generate(target, eval_prompts, args.seq - args.prompt_len)
-    acceptance = {}
-    for name in HEADS:
-        acceptance[name] = acceptance_stats(x, draft_chain(target, load_head(out / name, target), x, 3),
-                                            args.prompt_len)
-        log(f"acceptance {name}: {acceptance[name]}")
+    heads = {name: load_head(out / name, target) for name in HEADS}  # as saved (fp16)
+    acceptance = evaluate(target, heads, tok, args.eval_prompts, args.prompt_len,
+                          args.seq - args.prompt_len)
+    log(f"acceptance {acceptance}")
     folders = {}
     for name in ("target",) + HEADS:
         arch = checkpoint.load_config(out / name)["architectures"][0]
