@@ -1,15 +1,18 @@
 """Proposer: the base every drafter builds on.
 
 It owns the persistent device buffers the draft step reads (fixed addresses, so a
-captured graph can replay them) and the acceptance-dependent bookkeeping of both
-modes. The formulas live in `specdec.kernels`; this class only calls them.
+captured graph can replay them), the acceptance-dependent bookkeeping of both modes, the
+draft loop every head-based proposer shares (``propose``/``dummy_run``), and the ONE
+batch-padding + DP hook, ``determine_batch_execution_and_padding``, that every proposer
+calls in both. The formulas live in `specdec.kernels`; this class only calls them.
 
-Padded flow of one step (no host-device sync):
+Padded flow of one step (``propose``, no host-device sync):
     prep  = prepare_padded(...)             # next tokens, sample indices, num_rejected
+    hook(num_tokens)                        # SP pad, dispatch, DP sync, re-dispatch
     ids   = first_pass_input_ids(target_ids, prep.token_indices_to_sample, prep.next_token_ids)
-    ...first pass: draft token 1 from the logits at prep.token_indices_to_sample...
-    start_draft_loop(positions_at_sample, seq_lens, prep.num_rejected, batch_size_padded)
-    for steps 2..K: step = advance_step(num_reqs, block_table); ...one draft token each...
+    first pass of the head -> draft token 1 from the logits at the sample indices
+    hook(num_reqs); start_draft_loop(positions_at_sample, seq_lens, prep.num_rejected, Bp)
+    for steps 2..K: step = advance_step(num_reqs, block_table); one draft token each
 """
 
 from dataclasses import dataclass
@@ -19,7 +22,6 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.dp import sync_batch_across_dp
 from specdec.engine.kv_cache import AttentionMetadata, KVCache
-from specdec.models.moe import has_cross_rank_layers
 from specdec.kernels import (
     DraftStep,
     advance_draft_step,
@@ -28,13 +30,14 @@ from specdec.kernels import (
     prepare_next_tokens_padded,
     shift_first_pass_input_ids,
 )
-from specdec.proposers.inputs import DraftInputs
 from specdec.kernels.ragged import (
     RaggedInputs,
     next_token_ids_ragged,
     prepare_inputs_ragged,
     valid_counts_ragged,
 )
+from specdec.models.moe import has_cross_rank_layers
+from specdec.proposers.inputs import DraftInputs
 
 
 @dataclass
