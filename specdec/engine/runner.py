@@ -37,7 +37,7 @@ class StepBatch:
     discard_mask: torch.Tensor  # [B] bool
     rows: torch.Tensor  # [B] int64 token-table rows
     temperature: torch.Tensor  # [B] float32
-    top_p: torch.Tensor  # [B] float32
+    top_p: torch.Tensor | None  # [B] float32; None when no request filters (skips a sort)
 
 
 class ModelRunner:
@@ -134,7 +134,8 @@ class ModelRunner:
             discard_mask=t([s.is_discarded for s in scheduled], torch.bool),
             rows=t([s.request.row for s in scheduled], torch.int64),
             temperature=t([s.request.params.temperature for s in scheduled], torch.float32),
-            top_p=t([s.request.params.top_p for s in scheduled], torch.float32))
+            top_p=None if all(s.request.params.top_p == 1.0 for s in scheduled)
+            else t([s.request.params.top_p for s in scheduled], torch.float32))
 
     # ---- device side -----------------------------------------------------------------------
     @torch.inference_mode()
