@@ -58,7 +58,11 @@ def torch_device(spec: str | torch.device) -> torch.device:
             raise ValueError(f"device={name!r} needs torch_npu, which is not installed; "
                              "allowed without it: cpu, cuda")
         importlib.import_module("torch_npu")
-    return torch.device(spec)
+    try:
+        return torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"device={name!r} is not a torch device; allowed: cpu, cuda[:i], "
+                         "npu[:i] (with torch_npu)") from e
 
 
 def compile_graph(fn, backend: str = "inductor"):

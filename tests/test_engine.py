@@ -235,3 +235,12 @@ def test_speculative_sampling_preserves_the_target_distribution():
     broken[torch.arange(4), joint.argmax(1)] = joint.sum(1) * n
     stat_broken = ((broken - expected) ** 2 / expected).sum()
     assert torch.special.gammaincc(df / 2, stat_broken / 2) < 1e-3
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_model_len": 0}, "max_model_len"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"block_size": 0}, "block_size"), ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"dtype": "float8"}, "dtype"), ({"device": "tpu"}, "device")])
+def test_bad_engine_arguments_name_the_field(target, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(target=target, **kwargs)

@@ -18,6 +18,8 @@ from specdec.padding import BatchPadder
 from specdec.proposers.factory import build_proposer
 from specdec.syncs import count_host_syncs, forbid_host_sync
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
 
 
@@ -71,8 +73,16 @@ class LLM:
         self.data_parallel_size = data_parallel_size
         if data_parallel_size > 1:
             return  # generate() launches the ranks; each builds its own engine
+        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype={dtype!r}: allowed {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
         self.device = platform.torch_device(device)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if target is None:
             model = Path(model) if model is not None else DEFAULT_MODEL
             target = LlamaForCausalLM.load_pretrained(model, dtype=dtype, device=self.device)
