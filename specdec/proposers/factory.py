@@ -9,15 +9,13 @@ from specdec.models.heads import load_head
 from specdec.models.llama import LlamaForCausalLM
 from specdec.registry import get_proposer_class
 
-HEAD_FOLDER = {"mtp": "mtp", "eagle": "eagle", "eagle3": "eagle3"}  # sibling of the target folder
-
 
 def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     """``speculative_config.model``, else ``<target folder>/../<method>``."""
     if spec.model is not None:
         path = Path(spec.model)
     elif model_dir is not None:
-        path = Path(model_dir).parent / HEAD_FOLDER[spec.method]
+        path = Path(model_dir).parent / spec.method  # e.g. assets/default/{target,eagle3}
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
