@@ -11,8 +11,9 @@ Padded flow of one step (``propose``, no host-device sync):
     hook(num_tokens)                        # SP pad, dispatch, DP sync, re-dispatch
     ids   = first_pass_input_ids(target_ids, prep.token_indices_to_sample, prep.next_token_ids)
     first pass of the head -> draft token 1 from the logits at the sample indices
-    hook(num_reqs); start_draft_loop(positions_at_sample, seq_lens, prep.num_rejected, Bp)
-    for steps 2..K: step = advance_step(num_reqs, block_table); one draft token each
+    hook(num_reqs); draft_loop_steps(...)   # start_draft_loop (seq_lens -= num_rejected,
+                                            # once), then advance_step + one token per step
+Torchair-MTP compiles the same pieces (padded prep, first pass, draft_loop_steps) as one graph.
 """
 
 from dataclasses import dataclass
@@ -242,19 +243,37 @@ class Proposer:
         if self.k == 1:
             return draft[:, None]
         _, bp, _ = self.determine_batch_execution_and_padding(b)
-        self.start_draft_loop(positions[sample_idx], attn.seq_lens[:b], num_rejected, bp)
-        table = _pad_rows(attn.block_table, bp)
-        qsl = torch.arange(bp + 1, dtype=torch.int32, device=self.device)
-        tokens, hidden = _pad_rows(draft, bp), _pad_rows(next_h[sample_idx], bp)
+        drafts += self.draft_loop_steps(
+            _pad_rows(draft, bp), _pad_rows(next_h[sample_idx], bp), positions[sample_idx],
+            attn.seq_lens[:b], num_rejected, b, _pad_rows(attn.block_table, bp),
+            attn.max_seq_len)
+        return torch.stack([d[:b] for d in drafts], dim=1)
+
+    def draft_loop_steps(self, tokens: torch.Tensor, hidden: torch.Tensor,
+                         positions: torch.Tensor, seq_lens: torch.Tensor,
+                         num_rejected: torch.Tensor | None, num_reqs: int | torch.Tensor,
+                         block_table: torch.Tensor, max_seq_len: int) -> list[torch.Tensor]:
+        """Draft steps 2..K over Bp rows (B real, the rest graph padding), one token each.
+
+        tokens [Bp] int32 (draft 1), hidden [Bp, H] (the head's output at the sample index),
+        positions [B] int64 and seq_lens [B] int32 at the sample index (num_rejected [B] in
+        padded mode, None when seq_lens are already the ragged ones), block_table [Bp, M],
+        max_seq_len: host bound on seq_lens before step 2. Returns K-1 tensors [Bp] int32.
+        Used eagerly by propose() and inside Torchair-MTP's compiled graph.
+        """
+        bp = tokens.shape[0]
+        self.start_draft_loop(positions, seq_lens, num_rejected, bp)
+        qsl = torch.arange(bp + 1, dtype=torch.int32, device=tokens.device)
+        drafts = []
         for step in range(1, self.k):
-            st = self.advance_step(b, table)
-            meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, table,
-                                     min(attn.max_seq_len + step, self.max_model_len))
+            st = self.advance_step(num_reqs, block_table)
+            meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, block_table,
+                                     min(max_seq_len + step, self.max_model_len))
             logits_h, hidden = self.head(tokens, st.input_positions, hidden,
                                          kv=self.kv.bind(meta))
             tokens = self.sample(logits_h)
-            drafts.append(tokens[:b])
-        return torch.stack(drafts, dim=1)
+            drafts.append(tokens)
+        return drafts
 
     def _ragged_first_pass(self, x: DraftInputs):
         """disable_padded_drafter_batch=True: read the acceptance on the host (a sync by

@@ -16,7 +16,6 @@ import torch
 from specdec.engine.kv_cache import AttentionMetadata
 from specdec.platform import compile_graph
 from specdec.kernels import (
-    advance_draft_step,
     gather_backup_tokens,
     prepare_inputs_padded,
     prepare_next_token_ids_padded,
@@ -95,16 +94,7 @@ class TorchairMtpProposer(Proposer):
         attn = AttentionMetadata(slots, qsl, seq_lens, block_table, self.max_model_len)
         logits_h, next_h = self.head(ids, positions, hidden, kv=self.kv.bind(attn))
         token = self.sample(logits_h[sample_idx])
-        drafts = [token]
-        pos, lens, h = positions[sample_idx], seq_lens - num_rejected, next_h[sample_idx]
-        one_each = torch.arange(bp + 1, dtype=torch.int32, device=dev)
-        for _ in range(1, k1 - 1):
-            st = advance_draft_step(pos, lens, block_table, num_reqs, self.block_size,
-                                    self.max_model_len)
-            pos, lens = st.positions, st.seq_lens
-            attn = AttentionMetadata(st.slot_mapping, one_each, st.seq_lens, block_table,
-                                     self.max_model_len)
-            logits_h, h = self.head(token, st.input_positions, h, kv=self.kv.bind(attn))
-            token = self.sample(logits_h)
-            drafts.append(token)
+        drafts = [token] + self.draft_loop_steps(
+            token, next_h[sample_idx], positions[sample_idx], seq_lens, num_rejected, num_reqs,
+            block_table, self.max_model_len)
         return torch.stack(drafts, dim=1)
