@@ -106,7 +106,9 @@ def lm_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq: int) -> float:
 def train_target(args, stream: torch.Tensor, gen: torch.Generator, log) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=1024)
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=1024,
+                         # vLLM's MiMo MTP builds its layer from the TARGET's config
+                         extra={"num_nextn_predict_layers": 1})
     model = LlamaForCausalLM(config)
     init_weights(model, args.layers)
     opt = make_optimizer(model, args.target_lr)
