@@ -44,6 +44,15 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     max_seq_len: int  # host upper bound on seq_lens (shapes the gather; never read from device)
 
+    @classmethod
+    def dummy(cls, num_tokens: int, device) -> "AttentionMetadata":
+        """An idle rank's layout: one request of num_tokens padding tokens, every write to -1."""
+        return cls(slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+                   query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+                   seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+                   block_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+                   max_seq_len=num_tokens)
+
     def request_of_token(self, num_tokens: int) -> torch.Tensor:
         """[N] int64 request index of each token; tokens past the last request map to it."""
         tok = torch.arange(num_tokens, device=self.query_start_loc.device, dtype=torch.int32)

@@ -178,13 +178,8 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:
         """An idle DP rank's step: the same forwards and collectives as a busy rank's."""
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            block_table=torch.zeros(1, 1, dtype=torch.int32, device=dev), max_seq_len=num_tokens)
-        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        attn = AttentionMetadata.dummy(num_tokens, self.device)
+        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.target(zeros, zeros, kv=self.kv.bind(attn), aux_layer_ids=self.aux_layer_ids)
         if self.proposer is not None:
             self.proposer.dummy_run(num_tokens)

@@ -308,14 +308,9 @@ class Proposer:
 
     def _dummy_forward(self, n: int) -> None:
         """One head forward over n padding tokens (one dummy request, slots -1)."""
-        dev = self.device
-        attn = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=dev),
-                                 torch.tensor([0, n], dtype=torch.int32, device=dev),
-                                 torch.tensor([n], dtype=torch.int32, device=dev),
-                                 torch.zeros(1, 1, dtype=torch.int32, device=dev), n)
-        zeros = torch.zeros(n, dtype=torch.int64, device=dev)
-        hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.k.dtype, device=dev)
-        self.head(zeros, zeros, hidden, kv=self.kv.bind(attn))
+        zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
+        hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.k.dtype, device=self.device)
+        self.head(zeros, zeros, hidden, kv=self.kv.bind(AttentionMetadata.dummy(n, self.device)))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
