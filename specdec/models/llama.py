@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import checkpoint
-from specdec.models.moe import MoEMLP, num_experts
 
 QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
 LLAMA_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
@@ -182,11 +181,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, [..., H] -> [..., H] (also each MoE expert)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = hidden_size, intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
@@ -213,7 +212,11 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, qkv_in_features or h)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = MoEMLP(config) if num_experts(config) else MLP(config)  # num_experts in extra
+        if config.extra.get("num_experts"):
+            from specdec.models.moe import MoEMLP  # moe builds its experts from MLP
+            self.mlp = MoEMLP(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None,
                 attn_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.dp import DPContext
+from specdec.models.llama import MLP
 
 # torch >= 2.13 names; older torch has the *_tensor spellings
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,19 +42,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def num_experts(config) -> int:
     """E from ``config.extra`` (0 = dense MLP)."""
     return config.extra.get("num_experts", 0) or 0
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert: ``down(silu(gate(x)) * up(x))``, [..., H] -> [..., H]."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEMLP(nn.Module):
@@ -72,7 +60,7 @@ class MoEMLP(nn.Module):
         self.norm_topk_prob = bool(extra.get("norm_topk_prob", False))
         h = config.hidden_size
         self.gate = nn.Linear(h, e, bias=False)
-        self.experts = nn.ModuleDict({str(i): Expert(h, inter) for i in range(e)})
+        self.experts = nn.ModuleDict({str(i): MLP(h, inter) for i in range(e)})
         self.dp = DPContext()
         self.sp_size = 1
         if dp is not None:
