@@ -159,16 +159,16 @@ def add_generate_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="ITL benchmark sweep (also: python -m benchmarks.itl)",
-                       description="Inter-token-latency benchmark sweep; see benchmarks/itl.py.")
+    p = sub.add_parser("bench", help="ITL benchmark sweep (also: python -m specdec.bench.itl)",
+                       description="Inter-token-latency benchmark sweep; see specdec/bench/itl.py.")
     itl = import_bench()
     itl.add_arguments(p)
     p.set_defaults(func=itl.run_from_args)
 
 
 def import_bench():
-    """The ITL harness (``benchmarks/itl.py``, installed as ``specdec.benchmarks``)."""
-    from specdec.benchmarks import itl
+    """The ITL harness (``specdec/bench/itl.py``)."""
+    from specdec.bench import itl
     return itl
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import itl
+from specdec.bench import itl
 from specdec.cli import UsageError
 from specdec.models.heads import build_head
 from specdec.models.llama import LlamaConfig, LlamaForCausalLM

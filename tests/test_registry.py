@@ -10,7 +10,7 @@ from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
 from specdec.proposers.torchair_mtp import TorchairMtpProposer
-from specdec.registry import PROPOSERS, get_proposer_class, lookup
+from specdec.proposers.registry import PROPOSERS, get_proposer_class, lookup
 
 EXPECTED = {  # written out independently of the registry's table
     "mtp": MtpProposer,

@@ -9,7 +9,7 @@ import torch
 from specdec import platform
 from specdec.config import SpeculativeConfig
 from specdec.dp import DPContext, sync_batch_across_dp
-from specdec.engine.kv_cache import BlockAllocator
+from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams

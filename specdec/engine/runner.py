@@ -11,7 +11,7 @@ import time
 import torch
 
 from specdec.dp import DPContext, sync_batch_across_dp
-from specdec.engine.kv_cache import AttentionMetadata, KVCache
+from specdec.attention import AttentionMetadata, KVCache
 from specdec.engine.rejection_sampler import rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.models.llama import LlamaForCausalLM

@@ -8,7 +8,7 @@ fill what is left of the budget. A prefill chunk that stops short of the prompt'
 from collections import deque
 from dataclasses import dataclass
 
-from specdec.engine.kv_cache import BlockAllocator
+from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.sequence import Request, Status
 
 

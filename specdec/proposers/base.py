@@ -22,7 +22,7 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.dp import sync_batch_across_dp
-from specdec.engine.kv_cache import AttentionMetadata, KVCache
+from specdec.attention import AttentionMetadata, KVCache
 from specdec.kernels import (
     DraftStep,
     advance_draft_step,

@@ -7,7 +7,7 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.models.heads import load_head
 from specdec.models.llama import LlamaForCausalLM
-from specdec.registry import get_proposer_class
+from specdec.proposers.registry import get_proposer_class
 
 
 def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:

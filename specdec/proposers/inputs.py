@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.engine.kv_cache import AttentionMetadata
+from specdec.attention import AttentionMetadata
 
 
 @dataclass

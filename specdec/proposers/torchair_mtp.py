@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from specdec.engine.kv_cache import AttentionMetadata
+from specdec.attention import AttentionMetadata
 from specdec.platform import compile_graph
 from specdec.kernels import (
     gather_backup_tokens,

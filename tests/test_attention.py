@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from specdec.engine.kv_cache import AttentionMetadata, BlockAllocator, KVCache
+from specdec.attention import AttentionMetadata, KVCache
+from specdec.engine.block_allocator import BlockAllocator
 
 BS = 4
 

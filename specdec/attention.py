@@ -1,4 +1,4 @@
-"""Paged KV cache: a block allocator, per-model cache tensors and paged attention.
+"""Attention metadata, per-model paged KV cache tensors and paged attention.
 
 Slot of a token at position ``pos`` of request ``r``:
 ``block_table[r, pos // block_size] * block_size + pos % block_size``; slot ``-1`` means
@@ -10,28 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-
-class BlockAllocator:
-    """Hands out KV block ids; every model (target and draft) shares one block table."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
-
-    def ensure(self, block_ids: list[int], num_positions: int) -> None:
-        """Grow ``block_ids`` in place to cover positions ``[0, num_positions)``."""
-        needed = -(-num_positions // self.block_size) - len(block_ids)
-        if needed > len(self.free):
-            raise RuntimeError(
-                f"out of KV blocks: need {needed}, {len(self.free)} free; raise num_kv_blocks"
-            )
-        for _ in range(max(needed, 0)):
-            block_ids.append(self.free.pop())
-
-    def release(self, block_ids: list[int]) -> None:
-        self.free.extend(reversed(block_ids))
-        block_ids.clear()
 
 
 @dataclass

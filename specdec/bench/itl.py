@@ -1,7 +1,7 @@
 """ITL (inter-token latency) harness: speculative methods x padded/ragged x K x concurrency.
 
-    specdec bench --quick --out /tmp/bench           # or: python -m benchmarks.itl --quick ...
-    specdec bench --sweep benchmarks/sweeps/concurrency.yaml --out /tmp/bench
+    specdec bench --quick --out /tmp/bench           # or: python -m specdec.bench.itl --quick ...
+    specdec bench --sweep specdec/bench/sweeps/concurrency.yaml --out /tmp/bench
     specdec bench --methods none,eagle3 --modes padded,ragged -k 1,3 --concurrency 1,4,16
 
 How one run is measured: ``concurrency`` requests (held-out prompts of ``prompt_len`` tokens,
@@ -645,7 +645,7 @@ def run_from_args(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.cli import OneLineParser
-    p = OneLineParser(prog="python -m benchmarks.itl", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="specdec bench", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:

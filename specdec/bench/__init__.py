@@ -1,0 +1,1 @@
+"""The ITL benchmark harness (`specdec bench`): methods x padded/ragged x K x concurrency."""
