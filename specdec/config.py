@@ -18,8 +18,10 @@ MTP_ALIASES = (
     "inkling_mtp", "glm5_next_mtp",
 )
 METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states")
-# "eager": no graph capture; "full_cuda_graph": the whole draft step is captured;
-# "torchair": the Ascend Torchair graph (MTP only).
+# The step wrapper backend (specdec.graphs) of capturable steps: "eager": none;
+# "torchair": one compiled graph per bucket (torchair on Ascend, torch.compile elsewhere;
+# "torchair" + "mtp" is Torchair-MTP); "full_cuda_graph": the target step and the draft step
+# each captured as one CUDA graph per bucket (CUDA only).
 GRAPH_MODES = ("eager", "torchair", "full_cuda_graph")
 FULL_GRAPH_MODES = ("torchair", "full_cuda_graph")
 # Methods whose head reads the target's intermediate ("aux") hidden states.
@@ -58,9 +60,9 @@ class SpeculativeConfig:
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode={self.graph_mode!r} is not supported; "
                              f"allowed: {GRAPH_MODES}")
-        if self.graph_mode == "torchair" and self.method != "mtp":
-            raise ValueError(f"graph_mode='torchair' needs method='mtp', "
-                             f"got method={self.method!r}")
+        if self.graph_mode != "eager" and self.method == "extract_hidden_states":
+            raise ValueError(f"graph_mode={self.graph_mode!r} with method='extract_hidden_states'"
+                             " (it runs no draft step); allowed: 'eager'")
         if self.disable_padded_drafter_batch and self.graph_mode in FULL_GRAPH_MODES:
             # A ragged batch has a data-dependent token count: it cannot replay a full graph.
             raise ValueError(f"disable_padded_drafter_batch=True cannot run with "

@@ -1,13 +1,18 @@
-"""Data-parallel coordination: one packed int32 all-reduce of one fixed shape per call.
+"""Data-parallel coordination: one packed int32 all-reduce of one fixed shape per step.
 
-Every DP collective on the CPU group goes through :func:`sync_batch_across_dp`, so a second
-tensor shape on the same group within a step (upstream's gloo ``8 vs 4`` crash) cannot be built.
-The packed tensor is ``[2, dp_size]`` int32: row 0 holds each rank's token count in its own
-column, row 1 each rank's graph flag (1 = can run a captured graph). After a SUM all-reduce:
-``max(row 0)`` is the padded count every rank runs, ``min(row 1)`` the synced mode.
+The step planner (:mod:`specdec.padding`) is the only caller of :func:`sync_step_across_dp`,
+once per engine step, before the target runs; the drafter reuses that plan and issues no
+sync of its own. So one tensor shape on the DP group per step (upstream's gloo ``8 vs 4``
+crash cannot be built) and one all-reduce per rank per step.
 
-Worked example (dp_size=2): rank 0 sends ``[[6, 0], [1, 0]]``, rank 1 ``[[0, 0], [0, 1]]``
-(an idle rank, graph mode); both get ``[[6, 0], [1, 1]]`` -> 6 tokens, graph mode on.
+The packed tensor is ``[3, dp_size]`` int32: row 0 holds each rank's padded token count in its
+own column, row 1 its padded request count, row 2 its capturable flag (1 = uniform decode
+within a capture bucket, or idle). After a SUM all-reduce: ``max(row 0)`` and ``max(row 1)``
+are what every rank runs, ``min(row 2)`` says whether every rank can replay a captured step.
+
+Worked example (dp_size=2): rank 0 sends ``[[8, 0], [2, 0], [1, 0]]``, rank 1 (idle)
+``[[0, 0], [0, 0], [0, 1]]``; both get ``[[8, 0], [2, 0], [1, 1]]`` -> 8 tokens, 2 requests,
+capturable.
 """
 
 from dataclasses import dataclass, field
@@ -34,36 +39,31 @@ class DPContext:
 @dataclass(frozen=True, slots=True)
 class DPSyncResult:
     num_tokens: int  # max padded token count over ranks: every rank runs this many
-    num_tokens_across_dp: torch.Tensor  # [dp_size] int32, each rank's own count
-    graph: bool  # True only if every rank can run a captured graph
+    num_reqs: int  # max padded request count over ranks
+    capturable: bool  # True only if every rank can replay a captured step
+    num_tokens_across_dp: tuple[int, ...]  # [dp_size] each rank's own padded token count
 
 
-def packed_metadata(ctx: DPContext, num_tokens: int, graph: bool) -> torch.Tensor:
-    """The one tensor shape ever all-reduced on the DP group: [2, dp_size] int32."""
-    packed = torch.zeros(2, ctx.size, dtype=torch.int32)
+def packed_metadata(ctx: DPContext, num_tokens: int, num_reqs: int,
+                    capturable: bool) -> torch.Tensor:
+    """The one tensor shape ever all-reduced on the DP group: [3, dp_size] int32."""
+    packed = torch.zeros(3, ctx.size, dtype=torch.int32)
     packed[0, ctx.rank] = num_tokens
-    packed[1, ctx.rank] = int(graph)
+    packed[1, ctx.rank] = num_reqs
+    packed[2, ctx.rank] = int(capturable)
     return packed
 
 
-def sync_batch_across_dp(ctx: DPContext, num_tokens: int, graph: bool, *,
-                         is_draft_model: bool = False,
-                         draft_has_cross_rank_layers: bool = True) -> DPSyncResult:
-    """Agree on one padded size and mode across DP ranks.
-
-    The target step and every drafter call use this function. ``is_draft_model=True`` skips
-    the collective only when the draft model has no cross-rank layer; that property is a
-    model property, identical on every rank, so all ranks skip alike.
-    """
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    skip = ctx.size == 1 or (is_draft_model and not draft_has_cross_rank_layers)
+def sync_step_across_dp(ctx: DPContext, num_tokens: int, num_reqs: int,
+                        capturable: bool) -> DPSyncResult:
+    """Agree on one padded step size and mode across DP ranks (no collective at DP=1)."""
+    if num_tokens < 0 or num_reqs < 0:
+        raise ValueError(f"num_tokens={num_tokens}, num_reqs={num_reqs}: must be >= 0")
+    if ctx.size == 1:
+        return DPSyncResult(num_tokens, num_reqs, capturable, (num_tokens,))
     with host_side():  # gloo's buffers live in host memory: reading them is not a device sync
-        packed = packed_metadata(ctx, num_tokens, graph)
-        if not skip:
-            ctx.record("all_reduce", packed.shape)
-            dist.all_reduce(packed, group=ctx.group)
-        counts = packed[0]
-        if skip:
-            return DPSyncResult(num_tokens, counts, graph)
-        return DPSyncResult(int(counts.max()), counts, bool(packed[1].min() > 0))
+        packed = packed_metadata(ctx, num_tokens, num_reqs, capturable)
+        ctx.record("all_reduce", packed.shape)
+        dist.all_reduce(packed, group=ctx.group)
+        return DPSyncResult(int(packed[0].max()), int(packed[1].max()),
+                            bool(packed[2].min() > 0), tuple(packed[0].tolist()))

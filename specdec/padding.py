@@ -1,4 +1,8 @@
-"""Batch padding: sequence-parallel alignment and graph-capture-size dispatch.
+"""Batch padding and the step plan: SP alignment, capture-size dispatch, one DP sync.
+
+``StepPlanner.plan`` is called once per engine step, by the runner, before the target runs;
+the plan it returns sizes the target forward, the sampler and the whole drafter step, on
+every DP rank alike (see :class:`StepPlan`).
 
 Worked example (TP=4 with sequence parallelism, capture sizes [1, 2, 4, 8, 16]):
 ``pad_for_sequence_parallel(6) == 8`` (so SP's reduce-scatter splits evenly); the sizes
@@ -9,6 +13,8 @@ Worked example (TP=4 with sequence parallelism, capture sizes [1, 2, 4, 8, 16]):
 import logging
 from bisect import bisect_left
 from dataclasses import dataclass
+
+from specdec.dp import DPContext, sync_step_across_dp
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +68,74 @@ class BatchPadder:
 
     def is_aligned(self, num_tokens: int) -> bool:
         return not self.sequence_parallel or num_tokens % self.tp_size == 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """How one engine step runs, the same on every DP rank (from one packed all-reduce).
+
+    Worked example (K=3, capture sizes [1, 2, 4, 8], DP=1): 3 decode requests verifying 3
+    drafts each (12 tokens) -> num_reqs_padded=4, num_tokens_padded=16, capturable=True;
+    a prefill chunk of 5 tokens plus one decode request (9 tokens) -> num_reqs_padded=2,
+    num_tokens_padded=16 (dispatch(9)), capturable=False.
+    """
+
+    num_reqs: int  # B, requests this rank runs (0: an idle rank)
+    num_tokens: int  # real tokens this rank runs
+    num_reqs_padded: int  # Bp: rows of the logits, the sampler and the draft loop
+    num_tokens_padded: int  # Np: the target forward and the drafter's first pass; 0 = all idle
+    capturable: bool  # every rank is a uniform decode within a capture bucket (or idle):
+    #                   Np == Bp * (1 + K), the step can replay a captured graph of bucket Bp
+    num_tokens_across_dp: tuple[int, ...]  # [dp_size] each rank's own padded token count
+
+    @property
+    def all_idle(self) -> bool:
+        return self.num_tokens_padded == 0
+
+
+def largest_step(padder: BatchPadder, num_speculative_tokens: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> tuple[int, int]:
+    """(tokens, requests) of the largest padded step a planner can return: the step buffers'
+    and the proposer's sizes."""
+    reqs = padder.dispatch(padder.pad_for_sequence_parallel(max_num_seqs)).num_tokens
+    tokens = padder.dispatch(padder.pad_for_sequence_parallel(max_num_batched_tokens + 1))
+    return max(tokens.num_tokens, reqs * (1 + num_speculative_tokens)), reqs
+
+
+class StepPlanner:
+    """Plans each step: SP pad -> dispatch -> one DP sync -> re-dispatch -> TP check."""
+
+    def __init__(self, padder: BatchPadder, dp: DPContext, num_speculative_tokens: int,
+                 allow_capture: bool):
+        self.padder = padder
+        self.dp = dp
+        self.tokens_per_req = 1 + num_speculative_tokens  # of a uniform decode request
+        self.allow_capture = allow_capture  # False: no graph backend, or cross-rank layers
+
+    def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> StepPlan:
+        """num_tokens / num_reqs: this rank's real counts; uniform_decode: every request
+        verifies exactly K drafts (layout [B, 1+K])."""
+        pad, dispatch = self.padder.pad_for_sequence_parallel, self.padder.dispatch
+        if num_reqs == 0:  # an idle rank can run any shape the others pick
+            tokens, reqs, capturable = 0, 0, True
+        else:
+            bucket = dispatch(pad(num_reqs))
+            reqs = bucket.num_tokens
+            capturable = uniform_decode and bucket.graph
+            # padding requests (Bp > B) sample at the last token: keep one padding token
+            spare = int(self.dp.size > 1 or reqs > num_reqs)
+            tokens = (reqs * self.tokens_per_req if capturable
+                      else dispatch(pad(num_tokens + spare)).num_tokens)
+        synced = sync_step_across_dp(self.dp, tokens, reqs, capturable and self.allow_capture)
+        if synced.num_tokens == 0:
+            return StepPlan(0, 0, 0, 0, False, synced.num_tokens_across_dp)
+        reqs_padded = dispatch(synced.num_reqs).num_tokens
+        tokens_padded = (reqs_padded * self.tokens_per_req if synced.capturable
+                         else dispatch(synced.num_tokens).num_tokens)
+        for n in (reqs_padded, tokens_padded):
+            if not self.padder.is_aligned(n):
+                raise AssertionError(f"padded size {n} is not a multiple of "
+                                     f"tensor_parallel_size={self.padder.tp_size} with "
+                                     "sequence parallelism")
+        return StepPlan(num_reqs, num_tokens, reqs_padded, tokens_padded, synced.capturable,
+                        synced.num_tokens_across_dp)

@@ -1,12 +1,16 @@
 """Shared test set-up: a seeded hypothesis profile and a random speculative-step batch."""
 
 import math
+import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import settings
+
+# every engine step of the suite runs under the host-sync guard (padded: none allowed)
+os.environ.setdefault("SPECDEC_CHECK_HOST_SYNCS", "1")
 
 settings.register_profile("specdec", deadline=None, max_examples=50, derandomize=True)
 settings.load_profile("specdec")

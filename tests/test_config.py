@@ -115,11 +115,15 @@ def test_ragged_with_full_graph(mode):
     assert not make(graph_mode="eager", disable_padded_drafter_batch=True).is_padded
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_torchair_needs_mtp(method):
-    msg = assert_error(ValueError, "graph_mode", method=method, graph_mode="torchair")
-    assert method in msg
-    assert make(method="deepseek_mtp", graph_mode="torchair").graph_mode == "torchair"
+@pytest.mark.parametrize("mode", ["torchair", "full_cuda_graph"])
+def test_graph_modes_wrap_every_drafting_method_but_not_extraction(mode):
+    """Graph mode is a step wrapper, not a class: any drafting method takes it."""
+    for method in ("eagle", "eagle3", "deepseek_mtp"):
+        assert make(method=method, graph_mode=mode).graph_mode == mode
+    msg = assert_error(ValueError, "graph_mode", method="extract_hidden_states",
+                       graph_mode=mode, draft_model_config={
+                           "eagle_aux_hidden_state_layer_ids": [1]})
+    assert "extract_hidden_states" in msg
 
 
 def test_extract_hidden_states_needs_k_one():

@@ -20,8 +20,8 @@ from specdec.engine.dp_engine import DPJob, round_robin, run_data_parallel
 from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.models.heads import build_head
-from test_engine import dense_greedy
-from test_moe import PROMPTS, moe_target
+
+from helpers import PROMPTS, dense_greedy, moe_target
 
 TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20

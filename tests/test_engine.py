@@ -7,55 +7,7 @@ from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.llama import LlamaConfig, LlamaForCausalLM
 
-VOCAB = 96
-AUX = [1, 2, 3]
-# a batch mixing short and long prompts; a 16-token budget forces chunked prefill
-PROMPTS = [[5, 9, 13], list(range(1, 41)), [7], [(i * 7) % VOCAB for i in range(23)], [3, 3]]
-
-
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      eos_token_id=VOCAB - 1)
-    return LlamaForCausalLM(cfg).to(torch.float64).eval()
-
-
-def tiny_head(method: str, target: LlamaForCausalLM, seed: int = 1):
-    torch.manual_seed(seed)
-    extra = {"eagle_aux_hidden_state_layer_ids": AUX} if method == "eagle3" else {}
-    return build_head(method, target, **extra).to(torch.float64).eval()
-
-
-def dense_greedy(target: LlamaForCausalLM, prompt: list[int], max_tokens: int,
-                 max_model_len: int) -> list[int]:
-    """Plain greedy decoding with full dense recomputation (no KV cache, no engine)."""
-    ids = list(prompt)
-    out = []
-    with torch.inference_mode():
-        while len(out) < max_tokens and len(ids) < max_model_len:
-            x = torch.tensor([ids])
-            hidden, _ = target(x, torch.arange(len(ids))[None])
-            tok = int(target.compute_logits(hidden[0, -1]).argmax())
-            ids.append(tok)
-            out.append(tok)
-            if tok == target.config.eos_token_id:
-                break
-    return out
-
-
-def make_llm(target, method, k, padded, head=None, **kw):
-    spec = None
-    if method is not None:
-        spec = {"method": method, "num_speculative_tokens": k,
-                "disable_padded_drafter_batch": not padded}
-        if method == "eagle3":
-            spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
-    kw.setdefault("max_num_batched_tokens", 16)
-    kw.setdefault("max_model_len", 64)
-    kw.setdefault("max_num_seqs", 4)
-    return LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64, **kw)
-
+from helpers import VOCAB, AUX, PROMPTS, tiny_target, tiny_head, dense_greedy, make_llm
 
 @pytest.fixture(scope="module")
 def target():
@@ -173,19 +125,42 @@ def test_all_drafts_accepted(padded):
 
 
 def test_padded_step_runs_inside_the_sync_guard(target):
-    """The engine really guards the padded step: a drafter that syncs makes it fail."""
+    """check_host_syncs=True really guards the padded step: a drafter that syncs fails."""
     from specdec.syncs import HostSyncError
-    llm = make_llm(target, "eagle", 2, True, head=tiny_head("eagle", target))
+    llm = make_llm(target, "eagle", 2, True, head=tiny_head("eagle", target),
+                   check_host_syncs=True)
     proposer = llm.runner.proposer
     original = proposer.first_pass_hidden
 
-    def syncing_first_pass_hidden(x):
-        x.sampled_token_ids[0, 0].item()  # a host read of device data
-        return original(x)
+    def syncing_first_pass_hidden(features):
+        features[0, 0].item()  # a host read of device data
+        return original(features)
 
     proposer.first_pass_hidden = syncing_first_pass_hidden
     with pytest.raises(HostSyncError, match="Tensor.item"):
         llm.generate([PROMPTS[0]], max_tokens=4)
+
+
+def test_default_generation_runs_without_the_sync_guard(target, monkeypatch):
+    """The proof machinery stays out of the production hot loop: no TorchFunctionMode and
+    no CUDA sync-debug mode during a default step, and no sync count is reported."""
+    from torch.overrides import _get_current_function_mode_stack
+    monkeypatch.delenv("SPECDEC_CHECK_HOST_SYNCS")
+    llm = make_llm(target, "eagle", 2, True, head=tiny_head("eagle", target))
+    seen = []
+    original = llm.runner.proposer.first_pass_hidden
+
+    def spy(features):
+        seen.append(len(_get_current_function_mode_stack()))
+        if torch.cuda.is_available():
+            seen.append(torch.cuda.get_sync_debug_mode())
+        return original(features)
+
+    llm.runner.proposer.first_pass_hidden = spy
+    llm.generate([PROMPTS[0]], max_tokens=8)
+    assert seen and set(seen) == {0}
+    assert {r.host_syncs for r in llm.steps} == {None}
+    assert make_llm(target, None, 0, True, check_host_syncs=True).check_host_syncs
 
 
 def test_padded_steps_report_zero_syncs_and_ragged_steps_count_them(target):

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
-from test_engine import dense_greedy, tiny_target
-from test_moe import PROMPTS
+
+from helpers import PROMPTS, tiny_target, dense_greedy
 
 LAYER_IDS = [0, 2, 3]
 BUDGET = 7  # tokens per step: the 40-token prompt takes 6 chunks

@@ -12,52 +12,7 @@ from specdec.models.heads import (Eagle3Head, EagleHead, MtpHead, build_head, he
                                   load_head)
 from specdec.models.llama import LlamaConfig, LlamaForCausalLM, apply_rope, load_pretrained
 
-
-def tiny_config(**kw) -> LlamaConfig:
-    d = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2)
-    d.update(kw)
-    return LlamaConfig(**d)
-
-
-def tiny_target(seed=0, **kw) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(**kw))
-    with torch.no_grad():  # non-trivial norms and biases so every tensor matters
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else torch.randn_like(p))
-    return model.eval()
-
-
-def tiny_head(method, target, seed=1):
-    extra = dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3], draft_vocab_size=40) if method == "eagle3" else {}
-    torch.manual_seed(seed)
-    head = build_head(method, target, **extra)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-        if method == "eagle3":
-            head.d2t.copy_(torch.randint(0, 21, (40,)).sort().values)
-    return head.eval()
-
-
-class ReferenceKV:
-    """One sequence: concatenate k/v per layer on every call; causal within the new tokens."""
-
-    def __init__(self):
-        self.k, self.v = {}, {}
-
-    def attend(self, layer_idx, q, k, v):
-        k = torch.cat((self.k.get(layer_idx, k[:0]), k))
-        v = torch.cat((self.v.get(layer_idx, v[:0]), v))
-        self.k[layer_idx], self.v[layer_idx] = k, v
-        n, total, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-        scores = torch.einsum("nhd,mhd->hnm", q, k.repeat_interleave(rep, 1)) / q.shape[-1] ** 0.5
-        allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        return torch.einsum("hnm,mhd->nhd", probs, v.repeat_interleave(rep, 1))
+from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_inputs
 
 
 # ---------------------------------------------------------------- config
@@ -102,7 +57,7 @@ def test_config_missing_key_is_named():
 
 
 def test_target_parameter_names_are_hf():
-    names = set(tiny_target().state_dict())
+    names = set(tiny_model().state_dict())
     per_layer = {f"model.layers.{i}.{n}" for i in range(4) for n in (
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -112,7 +67,7 @@ def test_target_parameter_names_are_hf():
 
 @pytest.mark.parametrize("save_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_save_load_round_trip_is_bit_exact(tmp_path, save_dtype):
-    model = tiny_target()
+    model = tiny_model()
     model.save_pretrained(tmp_path, dtype=save_dtype)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == str(save_dtype)[6:]
     loaded = load_pretrained(tmp_path, dtype=torch.float32)
@@ -124,7 +79,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, save_dtype):
 
 
 def test_tied_embeddings_save_without_lm_head(tmp_path):
-    model = tiny_target(tie_word_embeddings=True)
+    model = tiny_model(tie_word_embeddings=True)
     model.save_pretrained(tmp_path, dtype=torch.float32)
     loaded = load_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
@@ -133,7 +88,7 @@ def test_tied_embeddings_save_without_lm_head(tmp_path):
 
 def test_unknown_and_missing_tensors_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
-    tiny_target().save_pretrained(tmp_path)
+    tiny_model().save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.9.extra.weight"] = torch.zeros(1)
     del tensors["model.norm.weight"]
@@ -144,7 +99,7 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
 
 def test_wrong_shape_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
-    tiny_target().save_pretrained(tmp_path)
+    tiny_model().save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.norm.weight"] = torch.zeros(5, dtype=torch.float16)
     save_file(tensors, tmp_path / "model.safetensors")
@@ -165,7 +120,7 @@ def test_rope_position_zero_is_identity_and_scores_are_relative():
 @given(t=st.integers(2, 12), cut=st.integers(1, 11), seed=st.integers(0, 3))
 def test_dense_forward_is_causal(t, cut, seed):
     cut = min(cut, t - 1)
-    model = tiny_target(seed)
+    model = tiny_model(seed)
     ids = torch.randint(0, 61, (2, t), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         full, full_aux = model(ids, torch.arange(t), aux_layer_ids=(1, 3))
@@ -175,7 +130,7 @@ def test_dense_forward_is_causal(t, cut, seed):
 
 
 def test_aux_layer0_is_the_embedding_and_last_hidden_is_normed_stream():
-    model = tiny_target()
+    model = tiny_model()
     ids = torch.randint(0, 61, (2, 5))
     with torch.no_grad():
         hidden, aux = model(ids, torch.arange(5), aux_layer_ids=(0, 2))
@@ -193,7 +148,7 @@ def test_aux_layer0_is_the_embedding_and_last_hidden_is_normed_stream():
 @given(t=st.integers(1, 10), chunk=st.integers(1, 4), seed=st.integers(0, 3))
 def test_kv_contract_matches_dense(t, chunk, seed):
     """Feeding chunks through a kv object gives the dense forward's hidden states."""
-    model = tiny_target(seed, attention_bias=False)
+    model = tiny_model(seed, attention_bias=False)
     ids = torch.randint(0, 61, (t,), generator=torch.Generator().manual_seed(seed))
     kv, outs, auxs = ReferenceKV(), [], []
     with torch.no_grad():
@@ -222,7 +177,7 @@ def test_qwen2_target_kv_matches_dense():
 
 
 def test_compute_logits_is_float32():
-    model = tiny_target().to(torch.bfloat16)
+    model = tiny_model().to(torch.bfloat16)
     hidden, _ = model(torch.randint(0, 61, (1, 3)), torch.arange(3))
     assert hidden.dtype == torch.bfloat16 and model.compute_logits(hidden).dtype == torch.float32
 
@@ -253,8 +208,8 @@ ARCHS = {"mtp": "MiMoForCausalLM", "eagle": "LlamaForCausalLM", "eagle3": "Llama
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
 def test_head_layout_and_round_trip(tmp_path, method):
     from safetensors.torch import load_file
-    target = tiny_target()
-    head = tiny_head(method, target)
+    target = tiny_model()
+    head = tiny_model_head(method, target)
     head.save_pretrained(tmp_path, torch.float16)
     tensors = load_file(tmp_path / "model.safetensors")
     assert set(tensors) == LAYOUTS[method]
@@ -278,8 +233,8 @@ def test_head_layout_and_round_trip(tmp_path, method):
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
 def test_head_rejects_unknown_tensor(tmp_path, method):
     from safetensors.torch import load_file, save_file
-    target = tiny_target()
-    tiny_head(method, target).save_pretrained(tmp_path)
+    target = tiny_model()
+    tiny_model_head(method, target).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["layers.0.input_layernorm.weight"] = torch.ones(32, dtype=torch.float16)
     save_file(tensors, tmp_path / "model.safetensors")
@@ -288,23 +243,16 @@ def test_head_rejects_unknown_tensor(tmp_path, method):
 
 
 def test_head_must_match_target_sizes(tmp_path):
-    tiny_head("eagle", tiny_target()).save_pretrained(tmp_path)
+    tiny_model_head("eagle", tiny_model()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="hidden_size/vocab_size"):
-        load_head(tmp_path, tiny_target(vocab_size=62))
-
-
-def head_inputs(method, target, ids):
-    """Target states for a head: [1, T, H] final hidden or [1, T, 3, H] aux."""
-    t = ids.shape[-1]
-    hidden, aux = target(ids, torch.arange(t), aux_layer_ids=(1, 2, 3) if method == "eagle3" else ())
-    return aux if method == "eagle3" else hidden
+        load_head(tmp_path, tiny_model(vocab_size=62))
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
 def test_head_kv_matches_dense_and_chains(method):
     """Token-by-token through a kv object == dense causal; a 2-step chain reuses next_hidden."""
-    target = tiny_target()
-    head = tiny_head(method, target)
+    target = tiny_model()
+    head = tiny_model_head(method, target)
     ids = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         hidden = head.combine_hidden_states(head_inputs(method, target, ids))
@@ -326,21 +274,21 @@ def test_head_kv_matches_dense_and_chains(method):
 
 
 def test_logits_hidden_vs_next_hidden_per_layout():
-    target = tiny_target()
+    target = tiny_model()
     ids = torch.randint(0, 61, (1, 5))
     with torch.no_grad():
         for method in ("mtp", "eagle"):  # one output for logits and the next step
-            head = tiny_head(method, target)
+            head = tiny_model_head(method, target)
             a, b = head(ids, torch.arange(5), torch.randn(1, 5, 32))
             assert torch.equal(a, b)
-        head = tiny_head("eagle3", target)  # logits from norm(next_hidden)
+        head = tiny_model_head("eagle3", target)  # logits from norm(next_hidden)
         a, b = head(ids, torch.arange(5), torch.randn(1, 5, 32))
         torch.testing.assert_close(a, head.norm(b))
 
 
 def test_mtp_zeroes_the_embedding_at_position_zero():
-    target = tiny_target()
-    head = tiny_head("mtp", target)
+    target = tiny_model()
+    head = tiny_model_head("mtp", target)
     hidden = torch.randn(1, 1, 32)
     with torch.no_grad():
         outs = [head(torch.tensor([[tok]]), torch.tensor([0]), hidden)[0] for tok in (3, 17)]
@@ -350,7 +298,7 @@ def test_mtp_zeroes_the_embedding_at_position_zero():
 
 
 def test_eagle3_combine_accepts_stacked_or_flat_aux():
-    head = tiny_head("eagle3", tiny_target())
+    head = tiny_model_head("eagle3", tiny_model())
     aux = torch.randn(4, 3, 32)
     torch.testing.assert_close(head.combine_hidden_states(aux), head.combine_hidden_states(aux.flatten(-2)))
     torch.testing.assert_close(head.combine_hidden_states(aux), aux.flatten(-2) @ head.fc.weight.T)
@@ -359,8 +307,8 @@ def test_eagle3_combine_accepts_stacked_or_flat_aux():
 
 
 def test_d2t_maps_draft_to_target_ids():
-    target = tiny_target()
-    head = tiny_head("eagle3", target)
+    target = tiny_model()
+    head = tiny_model_head("eagle3", target)
     with torch.no_grad():
         head.d2t.zero_()
         head.d2t[1:3] = 4
@@ -372,7 +320,7 @@ def test_d2t_maps_draft_to_target_ids():
 
 
 def test_eagle3_config_validation():
-    target = tiny_target()
+    target = tiny_model()
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         build_head("eagle3", target, eagle_aux_hidden_state_layer_ids=[1, 2, 4])
     with pytest.raises(ValueError, match="draft_vocab_size"):

@@ -12,27 +12,10 @@ from hypothesis import given, strategies as st
 from specdec.dp import DPContext
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.moe import MoEMLP, attach_parallel
-from test_engine import dense_greedy
 
-VOCAB = 96
-PROMPTS = [[5, 9, 13], list(range(1, 41)), [7], [(i * 7) % VOCAB for i in range(23)], [3, 3]]
-
-
-def moe_config(num_experts=6, top_k=2, norm_topk_prob=False, **kw) -> LlamaConfig:
-    extra = {"num_experts": num_experts, "num_experts_per_tok": top_k,
-             "moe_intermediate_size": 24, "norm_topk_prob": norm_topk_prob}
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
-    return LlamaConfig(**{**base, **kw}, extra=extra)
-
-
-def moe_target(seed: int = 0) -> LlamaForCausalLM:
-    """A tiny float64 Llama whose every MLP is a 6-expert top-2 MoE."""
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(moe_config()).to(torch.float64).eval()
-
+from helpers import PROMPTS, dense_greedy, moe_config, moe_target
 
 def reference_moe(moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     """Token by token: softmax router, the k most probable experts (Python sort), weighted sum."""

@@ -1,16 +1,17 @@
-"""registry: every valid (method, graph_mode) resolves to its class; the rest error."""
+"""registry: every method (and MTP alias) resolves to its class, whatever the graph mode."""
 
 import itertools
 
 import pytest
+import torch
 
 from specdec.config import GRAPH_MODES, METHODS, MTP_ALIASES, SpeculativeConfig
-from specdec.proposers.base import Proposer
+from specdec.graphs import resolve_backend
+from specdec.proposers.base import DraftModelProposer, Proposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
-from specdec.proposers.torchair_mtp import TorchairMtpProposer
-from specdec.proposers.registry import PROPOSERS, get_proposer_class, lookup
+from specdec.proposers.registry import PROPOSERS, get_proposer_class
 
 EXPECTED = {  # written out independently of the registry's table
     "mtp": MtpProposer,
@@ -20,40 +21,37 @@ EXPECTED = {  # written out independently of the registry's table
 }
 
 
-def config(method, graph_mode):
-    k = 1 if method == "extract_hidden_states" else 3
-    return SpeculativeConfig(method, k, graph_mode=graph_mode,
-                             draft_model_config={"eagle_aux_hidden_state_layer_ids": [0]})
-
-
 @pytest.mark.parametrize("method,graph_mode",
                          list(itertools.product(METHODS + MTP_ALIASES, GRAPH_MODES)))
-def test_every_valid_config_resolves(method, graph_mode):
+def test_every_method_resolves_to_one_class_in_every_graph_mode(method, graph_mode):
+    k = 1 if method == "extract_hidden_states" else 3
     try:
-        c = config(method, graph_mode)
+        c = SpeculativeConfig(method, k, graph_mode=graph_mode,
+                              draft_model_config={"eagle_aux_hidden_state_layer_ids": [0]})
     except ValueError:
-        assert graph_mode == "torchair" and method in ("eagle", "eagle3", "extract_hidden_states")
+        assert method == "extract_hidden_states" and graph_mode != "eager"
         return
     cls = get_proposer_class(c)
-    if graph_mode == "torchair":
-        assert cls is TorchairMtpProposer
-    else:
-        assert cls is EXPECTED[c.method]
+    assert cls is EXPECTED[c.method]
+    assert issubclass(cls, DraftModelProposer) == (c.method != "extract_hidden_states")
     assert issubclass(cls, Proposer)
 
 
-@pytest.mark.parametrize("method,graph_mode", [
-    ("eagle", "torchair"), ("extract_hidden_states", "torchair"), ("ngram", "eager"),
-    ("deepseek_mtp", "eager"), ("mtp", "piecewise"),
-])
-def test_unsupported_pairs_error(method, graph_mode):
-    with pytest.raises(ValueError) as info:
-        lookup(method, graph_mode)
-    msg = str(info.value)
-    assert f"method={method!r}" in msg and f"graph_mode={graph_mode!r}" in msg
-    assert "('mtp', 'torchair')" in msg  # lists what is supported
+def test_the_table_is_exactly_the_config_methods():
+    assert set(PROPOSERS) == set(METHODS)
 
 
-def test_table_only_holds_known_names():
-    for method, graph_mode in PROPOSERS:
-        assert method in METHODS and graph_mode in GRAPH_MODES
+@pytest.mark.parametrize("mode,backend", [("eager", "eager"), ("torchair", "torchair"),
+                                          (None, "eager")])
+def test_graph_mode_picks_the_wrapper_backend(mode, backend):
+    assert resolve_backend(mode, None, torch.device("cpu")) == backend
+
+
+def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
+    with pytest.raises(ValueError, match="full_cuda_graph.*needs a CUDA device.*cpu"):
+        resolve_backend("full_cuda_graph", None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="graph_backend='replay' conflicts"):
+        resolve_backend("torchair", "replay", torch.device("cpu"))
+    with pytest.raises(ValueError, match="graph_backend='tensorrt'.*allowed"):
+        resolve_backend(None, "tensorrt", torch.device("cpu"))
+    assert resolve_backend(None, "replay", torch.device("cpu")) == "replay"

@@ -10,7 +10,8 @@ from specdec.train.acceptance import (acceptance_stats, draft_chain, greedy_gene
                                       real_text_agreement, repeated_ngram_share)
 from specdec.train.kv import UnrolledKV
 from specdec.train.train_default import head_loss, lr_at, make_optimizer
-from test_models import ReferenceKV, head_inputs, tiny_head, tiny_target
+
+from helpers import tiny_model, tiny_model_head, ReferenceKV, head_inputs
 
 
 def test_split_rule_is_a_fixed_hash():
@@ -35,8 +36,8 @@ def test_acceptance_stats_worked_example():
 def test_unrolled_chain_equals_sequential_engine_chain(method):
     """UnrolledKV step s at slot i == the engine's draft: cache of step-1 entries 0..i, then the
     chain's own entries at positions i+1.. (checked for every slot, 3 steps)."""
-    target = tiny_target()
-    head = tiny_head(method, target)
+    target = tiny_model()
+    head = tiny_model_head(method, target)
     x = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         drafts = draft_chain(target, head, x, 3)[0]  # [T, 3]
@@ -56,7 +57,7 @@ def test_unrolled_chain_equals_sequential_engine_chain(method):
 
 @given(b=st.integers(1, 3), p=st.integers(1, 5), n=st.integers(1, 4))
 def test_greedy_generate_matches_dense_argmax_loop(b, p, n):
-    target = tiny_target()
+    target = tiny_model()
     prompts = torch.randint(0, 61, (b, p), generator=torch.Generator().manual_seed(b * 10 + p))
     got = greedy_generate(target, prompts, n, chunk=2)
     seq = prompts
@@ -79,16 +80,16 @@ def test_unrolled_kv_mask_example():
 
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
 def test_head_loss_decreases_and_keeps_target_frozen(method):
-    target = tiny_target()
+    target = tiny_model()
     for p in target.parameters():
         p.requires_grad_(False)
-    head = tiny_head(method, target)
+    head = tiny_model_head(method, target)
     head.train()
     x = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden, aux = target(x, torch.arange(12), aux_layer_ids=(1, 2, 3))
         teacher = target.compute_logits(hidden)
-    draft_ids = torch.arange(40) if method == "eagle3" else None  # tiny_head: draft vocab 40
+    draft_ids = torch.arange(40) if method == "eagle3" else None  # tiny_model_head: draft vocab 40
     opt = make_optimizer(head, 1e-2)
     losses = []
     for _ in range(20):
@@ -118,7 +119,7 @@ def test_repeated_ngram_share_example():
 
 def test_real_text_agreement_of_a_perfect_head_is_one():
     """A 'head' that returns the target's own next-position logits agrees everywhere."""
-    target = tiny_target()
+    target = tiny_model()
     x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         hidden, _ = target(x, torch.arange(9))
@@ -139,4 +140,4 @@ def test_real_text_agreement_of_a_perfect_head_is_one():
             return ids
 
     assert real_text_agreement(target, Oracle(), x) == 1.0
-    assert real_text_agreement(target, tiny_head("eagle", target), x) < 1.0
+    assert real_text_agreement(target, tiny_model_head("eagle", target), x) < 1.0

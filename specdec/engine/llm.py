@@ -6,17 +6,22 @@ from pathlib import Path
 
 import torch
 
+import os
+
 from specdec import platform
 from specdec.config import SpeculativeConfig
-from specdec.dp import DPContext, sync_batch_across_dp
+from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.models.llama import LlamaForCausalLM
-from specdec.padding import BatchPadder
+from specdec.graphs import resolve_backend
+from specdec.padding import BatchPadder, largest_step
 from specdec.proposers.factory import build_proposer
 from specdec.syncs import count_host_syncs, forbid_host_sync
+
+CHECK_HOST_SYNCS_ENV = "SPECDEC_CHECK_HOST_SYNCS"  # "1": check every step (the tests set it)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -48,7 +53,7 @@ class StepRecord:
     num_tokens: int
     seconds: float
     draft_seconds: float  # of which in the drafter (host wall time)
-    host_syncs: int  # inside the device part of the step (padded: 0 by construction)
+    host_syncs: int | None  # in the device part of the step; None unless syncs are checked
     collectives: int  # DP collectives issued during the step
     new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
 
@@ -61,7 +66,8 @@ class LLM:
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
                  data_parallel_size: int = 1, target: LlamaForCausalLM | None = None,
-                 draft_head=None, tokenizer=None):
+                 draft_head=None, tokenizer=None, graph_backend: str | None = None,
+                 check_host_syncs: bool | None = None):
         # what each DP rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items()
                             if k not in ("self", "dp", "data_parallel_size")}
@@ -100,6 +106,13 @@ class LLM:
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.spec = speculative_config
         k = self.spec.num_speculative_tokens if self.spec else 0
+        self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
+                                             graph_backend, self.device)
+        if check_host_syncs is None:
+            check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
+        if not isinstance(check_host_syncs, bool):
+            raise TypeError(f"check_host_syncs={check_host_syncs!r}: must be a bool")
+        self.check_host_syncs = check_host_syncs
         self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
         num_blocks = max_num_seqs * -(-max_model_len // block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -107,17 +120,19 @@ class LLM:
                                    self.allocator, num_lookahead_tokens=k)
         proposer, aux_ids = None, ()
         if self.spec is not None:
+            max_tokens, max_reqs = largest_step(self.padder, k, max_num_seqs,
+                                                max_num_batched_tokens)
             proposer, aux_ids = build_proposer(
                 self.spec, target, model_dir=model, draft_head=draft_head,
-                max_num_seqs=self.padder.dispatch(max_num_seqs).num_tokens,
-                max_num_tokens=self.padder.dispatch(max_num_batched_tokens).num_tokens,
+                max_num_seqs=max_reqs, max_num_tokens=max_tokens,
                 block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                dtype=dtype, device=self.device)
+                dtype=dtype, device=self.device, graph_backend=self.graph_backend)
         self.runner = ModelRunner(
-            target, proposer, num_spec_tokens=k, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
-            aux_layer_ids=aux_ids, padder=self.padder, dp=self.dp, device=self.device,
-            dtype=dtype, seed=seed)
+            target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
+            padder=self.padder, dp=self.dp, device=self.device, dtype=dtype,
+            graph_backend=self.graph_backend, seed=seed)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0
@@ -160,27 +175,31 @@ class LLM:
         for s in scheduled:
             if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
-        num_tokens = sum(s.num_tokens for s in scheduled)
-        num_padded = self.runner.padded_num_tokens(num_tokens)
-        if num_padded == 0:
+        plan = self.runner.plan(scheduled)  # the step's one DP all-reduce
+        if plan.all_idle:
             return None
         if not scheduled:  # idle DP rank: same forwards and collectives, nothing to emit
-            self.runner.dummy_run(num_padded)
-            rec = StepRecord(0, 0, time.perf_counter() - start, 0.0, 0,
+            self.runner.dummy_run(plan)
+            rec = StepRecord(0, 0, time.perf_counter() - start, 0.0,
+                             0 if self.check_host_syncs else None,
                              len(self.dp.collectives) - ncoll)
             self.steps.append(rec)
             return rec
-        batch = self.runner.prepare(scheduled, num_padded)
-        guard = forbid_host_sync() if self.padded else count_host_syncs()
-        with guard as syncs:
+        batch = self.runner.prepare(scheduled, plan)
+        syncs = None
+        if self.check_host_syncs:  # proof machinery, only when asked (tests, a flag)
+            with (forbid_host_sync() if self.padded else count_host_syncs()) as counter:
+                sampled, drafts = self.runner.execute(batch)
+            syncs = 0 if self.padded else counter.count
+        else:
             sampled, drafts = self.runner.execute(batch)
         sampled = sampled.tolist()  # the step's one host read (after the drafter was launched)
         drafts = drafts.tolist() if drafts is not None else [[] for _ in scheduled]
         new_tokens = {}
         for s, row, draft in zip(scheduled, sampled, drafts):
             new_tokens[s.request.request_id] = self._update(s, row, draft)
-        rec = StepRecord(len(scheduled), num_tokens, time.perf_counter() - start,
-                         self.runner.last_draft_seconds, 0 if self.padded else syncs.count, len(self.dp.collectives) - ncoll,
+        rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
+                         self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
                          new_tokens)
         self.steps.append(rec)
         return rec

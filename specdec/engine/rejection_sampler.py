@@ -99,6 +99,19 @@ def rejection_sample(
     return out.to(torch.int32)
 
 
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                  num_draft_tokens: torch.Tensor) -> torch.Tensor:
+    """rejection_sample for an all-greedy batch, without random draws (a capturable step):
+    accept while the draft equals the target's argmax, then emit the argmax.
+    Shapes as in rejection_sample; the docstring example there holds here too."""
+    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    k = argmax.shape[1] - 1
+    rows = torch.arange(k + 1, device=argmax.device)
+    accept = (draft_token_ids.long() == argmax[:, :k]) & (rows[None, :k] < num_draft_tokens[:, None])
+    num_accepted = accept.to(torch.int32).cumprod(dim=1).sum(dim=1)  # [B], 0..K
+    return torch.where(rows[None] <= num_accepted[:, None], argmax, -1).to(torch.int32)
+
+
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise.
 

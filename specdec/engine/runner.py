@@ -1,185 +1,234 @@
-"""The model runner: turns a scheduled step into device tensors, runs target, sampler, drafter.
+"""The model runner: plans a step, fills the static step buffers, runs target, sampler, drafter.
 
-``prepare`` is host work (Python lists -> one copy per tensor); ``execute`` is device work
-only, so in padded mode it runs inside ``forbid_host_sync`` end to end.
+One engine step (``LLM.step``):
+    plan    = runner.plan(scheduled)        # the one DP all-reduce of the step (StepPlan)
+    batch   = runner.prepare(scheduled, plan)   # host work: fill the buffers, 3 copies
+    sampled, drafts = runner.execute(batch)     # device work only, no host-device sync
+A capturable step (uniform decode in a bucket, every request greedy) runs the target step
+through the graph wrapper (`specdec.graphs`) and the proposer's padded step through its own:
+on CUDA with ``graph_mode="full_cuda_graph"`` that is two graph replays per step.
 """
 
+import functools
+import time
 from dataclasses import dataclass
 
-import time
-
+import numpy as np
 import torch
 
-from specdec.dp import DPContext, sync_batch_across_dp
 from specdec.attention import AttentionMetadata, KVCache
-from specdec.engine.rejection_sampler import rejection_sample
+from specdec.dp import DPContext
+from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.engine.step_buffers import StepBuffers, StepInputs
+from specdec.graphs import StepGraph
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.moe import attach_parallel
-from specdec.padding import BatchPadder
+from specdec.models.moe import attach_parallel, has_cross_rank_layers
+from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
 from specdec.proposers.inputs import DraftInputs
 
 
 @dataclass
 class StepBatch:
-    """One target step's inputs, already on the device."""
+    """One planned step's inputs, on the device (views of the runner's StepBuffers)."""
 
-    num_reqs: int  # B
-    num_tokens: int  # real tokens (before padding)
-    uniform_decode: bool  # every request verifies exactly K drafts
-    input_ids: torch.Tensor  # [N] int64, N = padded token count
-    positions: torch.Tensor  # [N] int64
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [B, K+1] int64, token row of each verified position
-    draft_token_ids: torch.Tensor  # [B, K] int32 drafts being verified (0-padded)
-    num_draft_tokens: torch.Tensor  # [B] int32
-    cu_num_draft_tokens: torch.Tensor  # [B] int32 inclusive cumsum
-    discard_mask: torch.Tensor  # [B] bool
-    rows: torch.Tensor  # [B] int64 token-table rows
-    temperature: torch.Tensor  # [B] float32
-    top_p: torch.Tensor | None  # [B] float32; None when no request filters (skips a sort)
+    plan: StepPlan
+    inputs: StepInputs  # [Np] tokens, [Bp] requests
+    max_seq_len: int  # host bound on seq_lens (eager attention); graphs use max_model_len
+    all_greedy: bool  # every real request decodes greedily (host-known)
+    filters_top_p: bool  # some request has top_p < 1 (host-known; else the sort is skipped)
 
 
 class ModelRunner:
-    def __init__(self, target: LlamaForCausalLM, proposer, *, num_spec_tokens: int,
-                 max_num_seqs: int, max_model_len: int, block_size: int, num_kv_blocks: int,
-                 aux_layer_ids: tuple[int, ...], padder: BatchPadder, dp: DPContext,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, target: LlamaForCausalLM, proposer, *, num_speculative_tokens: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
+                 padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
+                 graph_backend: str = "eager", seed: int = 0):
         cfg = target.config
         self.target = target
         self.proposer = proposer
-        self.k = num_spec_tokens
+        self.k = num_speculative_tokens
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks_per_req = -(-max_model_len // block_size)
         self.aux_layer_ids = aux_layer_ids
-        self.padder = padder
         self.dp = dp
         self.device = device
         self.kv = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size,
                           cfg.num_key_value_heads, cfg.head_dim, dtype, device)
-        self.token_table = torch.full((max_num_seqs, max_model_len + 1), -1, dtype=torch.int32,
-                                      device=device)
+        # one row per request slot, plus a trash row of zeros for padding rows (their backup
+        # token is 0, a valid id)
+        self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,
+                                      dtype=torch.int32, device=device)
+        self.token_table[max_num_seqs] = 0
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
         # MoE layers (target and draft head) exchange tokens over the DP group; SP shards
         sp = padder.tp_size if padder.sequence_parallel else 1
+        cross_rank = False
         for model in (target, getattr(proposer, "head", None)):
             if model is not None:
                 attach_parallel(model, dp, sp)
-        if proposer is not None:
-            proposer.bind_runner(self)
+                cross_rank |= dp.size > 1 and has_cross_rank_layers(model)
+        # host-side gloo collectives cannot run inside a captured or compiled step
+        self.planner = StepPlanner(padder, dp, self.k,
+                                   allow_capture=graph_backend != "eager" and not cross_rank)
+        max_tokens, max_reqs = largest_step(padder, self.k, max_num_seqs, max_num_batched_tokens)
+        self.buffers = StepBuffers(max_tokens, max_reqs, self.k,
+                                   -(-max_model_len // block_size), device)
+        self.target_graph = StepGraph(
+            functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend)
 
     # ---- host side -------------------------------------------------------------------------
     def write_prompt(self, row: int, token_ids: list[int]) -> None:
         self.token_table[row].fill_(-1)
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
 
-    def padded_num_tokens(self, num_tokens: int) -> int:
-        """SP pad, dispatch, DP sync, re-dispatch: the count every DP rank runs the target at.
+    def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+        """The step's one planning call (one DP all-reduce); all ranks get the same sizes."""
+        greedy = all(s.request.params.temperature < GREEDY_TEMPERATURE for s in scheduled)
+        uniform = greedy and all(s.num_tokens == 1 + self.k == 1 + len(s.spec_token_ids)
+                                 for s in scheduled)
+        return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform)
 
-        0 means every rank is idle (an idle rank contributes 0, not a padded size).
+    def prepare(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> StepBatch:
+        """Fill the step buffers for the plan's [Np] tokens and [Bp] requests.
+
+        Padding tokens get id 0, position 0, slot -1. Padding request i >= B owns the next
+        1 + K padding tokens (the last one owns the rest), is discarded, greedy, and reads
+        the token table's trash row.
         """
-        desc = self.padder.dispatch(self.padder.pad_for_sequence_parallel(num_tokens))
-        synced = sync_batch_across_dp(self.dp, desc.num_tokens if num_tokens else 0, desc.graph)
-        if synced.num_tokens == 0:
-            return 0
-        padded = self.padder.dispatch(synced.num_tokens).num_tokens
-        if not self.padder.is_aligned(padded):
-            raise AssertionError(f"padded num_tokens={padded} is not TP-aligned")
-        return padded
-
-    def prepare(self, scheduled: list[ScheduledRequest], num_padded: int) -> StepBatch:
-        ids, pos, slots, qsl, seq_lens, logits_idx, drafts, ndraft = [], [], [], [0], [], [], [], []
-        table = torch.zeros(len(scheduled), self.max_blocks_per_req, dtype=torch.int32)
+        h, k, bs = self.buffers.host, self.k, self.block_size
+        b, bp, np_ = len(scheduled), plan.num_reqs_padded, plan.num_tokens_padded
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        h["block_table"][:bp] = 0
         for i, s in enumerate(scheduled):
             r, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
+            lo, hi = qsl[i], qsl[i] + n
             if s.spec_token_ids:  # decode: the last known token, then the drafts to verify
-                ids += [r.token_ids[start]] + s.spec_token_ids
+                h["input_ids"][lo:hi] = [r.token_ids[start]] + s.spec_token_ids
             else:
-                ids += r.token_ids[start:start + n]
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(r.block_ids[p // self.block_size] * self.block_size
-                             + p % self.block_size)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
+                h["input_ids"][lo:hi] = r.token_ids[start:start + n]
+            pos = np.arange(start, start + n)
+            blocks = np.asarray(r.block_ids, dtype=np.int64)
+            h["positions"][lo:hi] = pos
+            h["slot_mapping"][lo:hi] = blocks[pos // bs] * bs + pos % bs
+            qsl[i + 1] = hi
+            h["seq_lens"][i] = start + n
             d = len(s.spec_token_ids)
-            last = qsl[-1] - 1
-            logits_idx.append([last - d + min(j, d) for j in range(self.k + 1)])
-            drafts.append(s.spec_token_ids + [0] * (self.k - d))
-            ndraft.append(d)
-            table[i, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        pad = num_padded - len(ids)
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [-1] * pad
-        dev = self.device
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
-        attn = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64), query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_table=table.to(dev),
-            max_seq_len=max(seq_lens))
-        ndraft_t = t(ndraft, torch.int32)
-        return StepBatch(
-            num_reqs=len(scheduled), num_tokens=qsl[-1],
-            uniform_decode=all(len(s.spec_token_ids) == self.k for s in scheduled),
-            input_ids=t(ids, torch.int64),
-            positions=t(pos, torch.int64), attn=attn, logits_indices=t(logits_idx, torch.int64),
-            draft_token_ids=t(drafts, torch.int32).view(len(scheduled), self.k),
-            num_draft_tokens=ndraft_t, cu_num_draft_tokens=torch.cumsum(ndraft_t, 0, dtype=torch.int32),
-            discard_mask=t([s.is_discarded for s in scheduled], torch.bool),
-            rows=t([s.request.row for s in scheduled], torch.int64),
-            temperature=t([s.request.params.temperature for s in scheduled], torch.float32),
-            top_p=None if all(s.request.params.top_p == 1.0 for s in scheduled)
-            else t([s.request.params.top_p for s in scheduled], torch.float32))
+            h["logits_indices"][i] = hi - 1 - d + np.minimum(np.arange(k + 1), d)
+            h["draft_token_ids"][i, :d] = s.spec_token_ids
+            h["draft_token_ids"][i, d:] = 0
+            h["num_draft_tokens"][i] = d
+            h["block_table"][i, :len(blocks)] = blocks
+            h["discard_mask"][i] = s.is_discarded
+            h["rows"][i] = r.row
+            h["temperature"][i] = r.params.temperature
+            h["top_p"][i] = r.params.top_p
+        n = qsl[b]
+        h["input_ids"][n:np_] = 0
+        h["positions"][n:np_] = 0
+        h["slot_mapping"][n:np_] = -1
+        if bp > b:  # padding tokens past the last request's end stay unowned otherwise
+            qsl[b + 1:bp + 1] = np.minimum(n + (np.arange(b, bp) + 1 - b) * (1 + k), np_)
+            qsl[bp] = np_
+        h["seq_lens"][b:bp] = np.maximum(np.diff(qsl[b:bp + 1]), 1)
+        h["logits_indices"][b:bp] = np_ - 1
+        h["draft_token_ids"][b:bp] = 0
+        h["num_draft_tokens"][b:bp] = 0
+        h["discard_mask"][b:bp] = True
+        h["rows"][b:bp] = self.max_num_seqs
+        h["temperature"][b:bp] = 0.0
+        h["top_p"][b:bp] = 1.0
+        h["cu_num_draft_tokens"][:bp] = np.cumsum(h["num_draft_tokens"][:bp])
+        self.buffers.copy_to_device()
+        params = [s.request.params for s in scheduled]
+        return StepBatch(plan, self.buffers.view(np_, bp), int(h["seq_lens"][:bp].max()),
+                         all(p.temperature < GREEDY_TEMPERATURE for p in params),
+                         any(p.top_p < 1.0 for p in params))
 
     # ---- device side -----------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (sampled_token_ids [B, K+1] int32 with -1 for discarded rows, drafts [B, K] int32)."""
-        hidden, aux = self.target(b.input_ids, b.positions, kv=self.kv.bind(b.attn),
+    def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                      block_table, logits_indices, max_seq_len: int):
+        """Target forward over [Np] tokens -> (logits [Bp, K+1, V] float32, hidden [Np, H],
+        aux [Np, A, H] or None)."""
+        attn = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_table,
+                                 max_seq_len)
+        hidden, aux = self.target(input_ids, positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
-        logits = self.target.compute_logits(hidden[b.logits_indices.flatten()])
-        logits = logits.view(b.num_reqs, self.k + 1, -1)
-        sampled = rejection_sample(logits, b.draft_token_ids, b.num_draft_tokens, b.temperature,
-                                   b.top_p, generator=self.generator)
-        sampled = torch.where(b.discard_mask[:, None], -1, sampled)
-        self._record_sampled(b, sampled)
+        logits = self.target.compute_logits(hidden[logits_indices.flatten()])
+        return logits.view(logits_indices.shape[0], self.k + 1, -1), hidden, aux
+
+    def target_step(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                    block_table, logits_indices, draft_token_ids, num_draft_tokens,
+                    discard_mask, rows, *, max_seq_len: int) -> tuple[torch.Tensor, ...]:
+        """The greedy target step, a static-shape step function of [Np] tokens, [Bp] requests:
+        forward, verification, token-table update. -> (sampled [Bp, K+1] int32, hidden
+        [Np, H][, aux [Np, A, H]])."""
+        logits, hidden, aux = self.target_logits(input_ids, positions, slot_mapping,
+                                                 query_start_loc, seq_lens, block_table,
+                                                 logits_indices, max_seq_len)
+        sampled = greedy_verify(logits, draft_token_ids, num_draft_tokens)
+        sampled = self._finish_sampled(sampled, discard_mask, rows, seq_lens, num_draft_tokens)
+        return (sampled, hidden) + ((aux,) if aux is not None else ())
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (sampled_token_ids [B, K+1] int32, -1 for discarded rows; drafts [B, K] int32)."""
+        x, plan = batch.inputs, batch.plan
+        step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
+                     x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
+                     x.discard_mask, x.rows)
+        if batch.all_greedy:
+            out = (self.target_graph(plan.num_reqs_padded, *step_args) if plan.capturable
+                   else self.target_step(*step_args, max_seq_len=batch.max_seq_len))
+            sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
+        else:
+            logits, hidden, aux = self.target_logits(*step_args[:7], batch.max_seq_len)
+            sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
+                                       x.temperature, x.top_p if batch.filters_top_p else None,
+                                       generator=self.generator)
+            sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, x.seq_lens,
+                                           x.num_draft_tokens)
         self.last_draft_seconds = 0.0
+        b = plan.num_reqs
         if self.proposer is None:
-            return sampled, None
+            return sampled[:b], None
         start = time.perf_counter()
         drafts = self.proposer.propose(DraftInputs(
-            num_reqs=b.num_reqs, uniform_decode=b.uniform_decode, input_ids=b.input_ids,
-            positions=b.positions,
-            hidden_states=hidden, aux_hidden_states=aux, attn=b.attn, sampled_token_ids=sampled,
-            discard_mask=b.discard_mask, cu_num_draft_tokens=b.cu_num_draft_tokens,
-            token_table=self.token_table, rows=b.rows))
+            plan=plan, input_ids=x.input_ids, positions=x.positions, hidden_states=hidden,
+            aux_hidden_states=aux,
+            attn=AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens,
+                                   x.block_table, batch.max_seq_len),
+            sampled_token_ids=sampled, discard_mask=x.discard_mask,
+            cu_num_draft_tokens=x.cu_num_draft_tokens, token_table=self.token_table,
+            rows=x.rows))
         # host wall time of the drafter call (on CPU the work itself; on an accelerator the
         # launch time only: timing the device would need a sync)
         self.last_draft_seconds = time.perf_counter() - start
-        return sampled, drafts
+        return sampled[:b], drafts[:b]
 
-    def _record_sampled(self, b: StepBatch, sampled: torch.Tensor) -> None:
-        """Append valid sampled tokens to the device token table (no host round trip)."""
+    def _finish_sampled(self, sampled, discard_mask, rows, seq_lens, num_draft_tokens):
+        """-1 for discarded rows; append the valid sampled tokens to the device token table
+        (no host round trip). sampled[r, j] is the token at position seq_len - num_draft + j."""
+        sampled = torch.where(discard_mask[:, None], -1, sampled)
         width = self.token_table.shape[1]
-        # sampled[r, j] is the token at position seq_len - num_draft + j
-        first = (b.attn.seq_lens - b.num_draft_tokens).to(torch.int64)
+        first = (seq_lens - num_draft_tokens).to(torch.int64)
         cols = (first[:, None] + torch.arange(sampled.shape[1], device=sampled.device))
         cols = cols.clamp_(max=width - 1)
-        rows = b.rows[:, None].expand_as(cols)
+        rows = rows[:, None].expand_as(cols)
         old = self.token_table[rows, cols]
         self.token_table[rows, cols] = torch.where(sampled >= 0, sampled, old)
+        return sampled
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int) -> None:
-        """An idle DP rank's step: the same forwards and collectives as a busy rank's."""
-        attn = AttentionMetadata.dummy(num_tokens, self.device)
-        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+    def dummy_run(self, plan: StepPlan) -> None:
+        """An idle DP rank's step: the same forwards (so the same collectives) as a busy rank."""
+        n = plan.num_tokens_padded
+        attn = AttentionMetadata.dummy(n, self.device)
+        zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.target(zeros, zeros, kv=self.kv.bind(attn), aux_layer_ids=self.aux_layer_ids)
         if self.proposer is not None:
-            self.proposer.dummy_run(num_tokens)
+            self.proposer.dummy_run(plan)

@@ -1,6 +1,7 @@
 """ExtractHiddenStatesProposer (method ``extract_hidden_states``, K = 1).
 
-It runs no draft model: it captures the target's aux-layer hidden states for every prompt
+It runs no draft model (so it builds on the plain ``Proposer`` base, not the draft step): it
+captures the target's aux-layer hidden states for every prompt
 token and, once a request's prefill is complete, writes ``<request_id>.safetensors`` with
 ``token_ids [T]`` int64 and ``hidden_states [T, num_layers, H]`` to ``output_dir``. Its
 draft is the token just sampled (verification keeps the output lossless).
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdec.proposers.base import Proposer
+from specdec.padding import StepPlan
 from specdec.proposers.inputs import DraftInputs
 
 
@@ -36,21 +38,21 @@ class ExtractHiddenStatesProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, x: DraftInputs) -> torch.Tensor:
-        """Stash this step's aux states; the draft [B, 1] int32 is the sampled next token."""
-        prep = self.prepare_padded(x.sampled_token_ids, x.discard_mask, x.cu_num_draft_tokens,
-                                   x.attn.query_start_loc, x.token_table, x.rows, x.attn.seq_lens)
+        """Stash this step's aux states; the draft [Bp, 1] int32 is the sampled next token."""
+        next_ids, *_ = self.prepare_padded(
+            x.sampled_token_ids, x.discard_mask, x.cu_num_draft_tokens, x.attn.query_start_loc,
+            x.token_table, x.rows, x.attn.seq_lens)
         n = x.input_ids.shape[0]
-        self.determine_batch_execution_and_padding(n)
         req = x.attn.request_of_token(n)
-        # padding tokens (slot -1) go to the trash row
+        # padding tokens (slot -1) go to the trash row; a padding request's row is the token
+        # table's trash row, never a real one
         rows = torch.where(x.attn.slot_mapping < 0, self.max_num_reqs, x.rows[req])
         cols = x.positions.clamp(max=self.max_model_len - 1)
         self.states[rows, cols] = x.aux_hidden_states.to(self.states.dtype)
-        return prep.next_token_ids[:, None]
+        return next_ids[:, None]
 
-    @torch.inference_mode()
-    def dummy_run(self, num_tokens: int) -> None:
-        self.determine_batch_execution_and_padding(num_tokens)
+    def dummy_run(self, plan: StepPlan) -> None:
+        """No draft model, so no forward and no collective to match."""
 
     def on_prefill_done(self, request) -> None:
         """Write the request's file (host side, after the step): write, then rename."""

@@ -1,33 +1,19 @@
-"""Which proposer class runs a (method, graph_mode) pair: one table, one lookup."""
+"""Which proposer class runs a method: one table, one lookup. Graph mode is not a class: it
+picks the step wrapper's backend (`specdec.graphs`)."""
 
 from specdec.config import SpeculativeConfig
 from specdec.proposers.base import Proposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
-from specdec.proposers.torchair_mtp import TorchairMtpProposer
 
-PROPOSERS: dict[tuple[str, str], type[Proposer]] = {
-    ("mtp", "eager"): MtpProposer,
-    ("mtp", "full_cuda_graph"): MtpProposer,
-    ("mtp", "torchair"): TorchairMtpProposer,
-    ("eagle", "eager"): EagleProposer,
-    ("eagle", "full_cuda_graph"): EagleProposer,
-    ("eagle3", "eager"): EagleProposer,
-    ("eagle3", "full_cuda_graph"): EagleProposer,
-    ("extract_hidden_states", "eager"): ExtractHiddenStatesProposer,
-    ("extract_hidden_states", "full_cuda_graph"): ExtractHiddenStatesProposer,
+PROPOSERS: dict[str, type[Proposer]] = {
+    "mtp": MtpProposer,
+    "eagle": EagleProposer,
+    "eagle3": EagleProposer,
+    "extract_hidden_states": ExtractHiddenStatesProposer,
 }
 
 
-def lookup(method: str, graph_mode: str) -> type[Proposer]:
-    """The class for a normalised method and a graph mode; ValueError if none."""
-    cls = PROPOSERS.get((method, graph_mode))
-    if cls is None:
-        raise ValueError(f"no proposer for method={method!r} with graph_mode={graph_mode!r}; "
-                         f"supported (method, graph_mode): {sorted(PROPOSERS)}")
-    return cls
-
-
 def get_proposer_class(config: SpeculativeConfig) -> type[Proposer]:
-    return lookup(config.method, config.graph_mode)
+    return PROPOSERS[config.method]

@@ -1,0 +1,80 @@
+"""The runner's persistent step inputs: fixed device addresses, filled in place every step.
+
+Every field is a view into one flat tensor per dtype, on the device and (pinned on CUDA) on
+the host; ``fill`` writes the host twin with numpy and copies each flat tensor once, so a step
+costs three host->device copies however many fields it has. ``view(num_tokens, num_reqs)``
+gives the leading ``[Np]`` / ``[Bp]`` slices the padded step runs on; a captured graph of
+bucket Bp reads exactly those addresses.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepInputs:
+    """Views of the buffers for one step: N = num_tokens_padded, B = num_reqs_padded."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slot_mapping: torch.Tensor  # [N] int64, -1 = don't write (padding tokens)
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    logits_indices: torch.Tensor  # [B, K+1] int64, token row of each verified position
+    draft_token_ids: torch.Tensor  # [B, K] int32 drafts being verified (0-padded)
+    num_draft_tokens: torch.Tensor  # [B] int32
+    cu_num_draft_tokens: torch.Tensor  # [B] int32 inclusive cumsum
+    discard_mask: torch.Tensor  # [B] bool: partial prefills and padding rows
+    rows: torch.Tensor  # [B] int64 token-table rows (padding rows: the trash row)
+    temperature: torch.Tensor  # [B] float32
+    top_p: torch.Tensor  # [B] float32
+
+
+def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
+    """field -> (dtype, shape at the largest step)."""
+    n, b = max_tokens, max_reqs
+    return {
+        "input_ids": (torch.int64, (n,)), "positions": (torch.int64, (n,)),
+        "slot_mapping": (torch.int64, (n,)), "logits_indices": (torch.int64, (b, k + 1)),
+        "rows": (torch.int64, (b,)),
+        "query_start_loc": (torch.int32, (b + 1,)), "seq_lens": (torch.int32, (b,)),
+        "block_table": (torch.int32, (b, max_blocks)), "draft_token_ids": (torch.int32, (b, k)),
+        "num_draft_tokens": (torch.int32, (b,)), "cu_num_draft_tokens": (torch.int32, (b,)),
+        "discard_mask": (torch.bool, (b,)),
+        "temperature": (torch.float32, (b,)), "top_p": (torch.float32, (b,)),
+    }
+
+
+class StepBuffers:
+    def __init__(self, max_tokens: int, max_reqs: int, k: int, max_blocks: int,
+                 device: torch.device):
+        layout = _layout(max_tokens, max_reqs, k, max_blocks)
+        sizes: dict[torch.dtype, int] = {}
+        offsets = {}
+        for name, (dtype, shape) in layout.items():
+            offsets[name] = sizes.get(dtype, 0)
+            sizes[dtype] = offsets[name] + int(np.prod(shape))
+        pin = device.type == "cuda"
+        self.flat_host = {d: torch.zeros(s, dtype=d, pin_memory=pin) for d, s in sizes.items()}
+        self.flat_device = {d: torch.zeros(s, dtype=d, device=device) for d, s in sizes.items()}
+        self.host: dict[str, np.ndarray] = {}
+        self.device: dict[str, torch.Tensor] = {}
+        for name, (dtype, shape) in layout.items():
+            o, size = offsets[name], int(np.prod(shape))
+            self.host[name] = self.flat_host[dtype][o:o + size].view(shape).numpy()
+            self.device[name] = self.flat_device[dtype][o:o + size].view(shape)
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+
+    def copy_to_device(self) -> None:
+        for dtype, host in self.flat_host.items():
+            self.flat_device[dtype].copy_(host, non_blocking=True)
+
+    def view(self, num_tokens: int, num_reqs: int) -> StepInputs:
+        d, n, b = self.device, num_tokens, num_reqs
+        per_token = ("input_ids", "positions", "slot_mapping")
+        fields = {name: t[:n] if name in per_token else t[:b] for name, t in d.items()}
+        fields["query_start_loc"] = d["query_start_loc"][:b + 1]
+        return StepInputs(**fields)

@@ -1,0 +1,127 @@
+"""Graph mode as a wrapper: run a static-shape step function once per bucket with a backend.
+
+A *step function* takes only tensors whose shapes are fixed by the bucket (the padded request
+count Bp) and returns a tensor or a tuple of tensors; it reads nothing on the host. The
+runner's target step and every proposer's padded draft step are such functions, so one
+wrapper gives each of them every backend:
+
+    backend      what a call does
+    eager        fn(*args)
+    compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per bucket
+    torchair     the same through torchair's NPU backend when torch_npu + torchair are
+                 installed (specdec.platform.compile_graph), torch.compile elsewhere
+    cuda_graph   per bucket: copy args into static inputs, warm up, capture once with
+                 torch.cuda.CUDAGraph (one memory pool shared by every bucket); later calls
+                 copy args into the static inputs and replay. Returns the static outputs.
+    replay       the cuda_graph code path without a graph (static inputs and outputs per
+                 bucket, fn run eagerly on the static inputs): proves the capture logic on CPU
+
+With cuda_graph/replay the returned tensors are the bucket's static outputs: read them before
+the next call of the same bucket.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from specdec import platform
+
+BACKENDS = ("eager", "compile", "torchair", "cuda_graph", "replay")
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+class _Captured:
+    """One bucket's static inputs and outputs (and its CUDA graph, on cuda_graph)."""
+
+    def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], use_cuda_graph: bool,
+                 pool):
+        self.inputs = tuple(a.clone() for a in args)
+        self.graph = None
+        if use_cuda_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy inits and allocator pools outside capture
+                    fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = _as_tuple(fn(*self.inputs))
+            self.graph.replay()  # capturing does not run the work
+        else:
+            self.outputs = tuple(o.clone() for o in _as_tuple(fn(*self.inputs)))
+
+    def load(self, args: tuple[torch.Tensor, ...]) -> None:
+        for static, a in zip(self.inputs, args):
+            if static.data_ptr() != a.data_ptr():
+                static.copy_(a)
+
+
+class StepGraph:
+    """``StepGraph(fn, backend)(bucket, *args)``: fn's result for args, through the backend.
+
+    ``bucket`` (an int, e.g. Bp) keys the captured graphs; every arg must be a tensor whose
+    shape is fixed by the bucket (a Python value would be baked into a captured graph).
+    """
+
+    def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
+        if backend not in BACKENDS:
+            raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
+        self.fn = fn
+        self.backend = backend
+        self.captured: dict[int, _Captured] = {}
+        self.pool = None
+        if backend == "compile":
+            self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
+        elif backend == "torchair":
+            self.run = platform.compile_graph(fn, compile_backend)
+        else:
+            self.run = fn
+        self.calls = 0  # calls that went through the backend (graph replays on cuda_graph)
+
+    def __call__(self, bucket: int, *args: torch.Tensor):
+        bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
+        if bad:
+            raise TypeError(f"step arguments must be tensors (a Python value would be baked "
+                            f"into a captured graph); got {bad}")
+        self.calls += 1
+        if self.backend not in ("cuda_graph", "replay"):
+            return self.run(*args)
+        entry = self.captured.get(bucket)
+        if entry is None:
+            use_graph = self.backend == "cuda_graph"
+            if use_graph and self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            entry = self.captured[bucket] = _Captured(self.fn, args, use_graph, self.pool)
+        else:
+            entry.load(args)
+            if entry.graph is not None:
+                entry.graph.replay()
+            else:
+                for static, out in zip(entry.outputs, _as_tuple(self.fn(*entry.inputs))):
+                    static.copy_(out)
+        out = entry.outputs
+        return out if len(out) > 1 else out[0]
+
+GRAPH_MODE_BACKENDS = {"eager": "eager", "torchair": "torchair", "full_cuda_graph": "cuda_graph"}
+
+
+def resolve_backend(graph_mode: str | None, graph_backend: str | None,
+                    device: torch.device) -> str:
+    """The step wrapper backend: ``graph_backend`` if given, else the one of
+    ``speculative_config.graph_mode`` (eager when neither is set). ValueError on a conflict
+    or on cuda_graph off CUDA."""
+    from_mode = GRAPH_MODE_BACKENDS[graph_mode] if graph_mode is not None else None
+    if graph_backend is not None and graph_backend not in BACKENDS:
+        raise ValueError(f"graph_backend={graph_backend!r}; allowed: {BACKENDS}")
+    if graph_backend is not None and from_mode not in (None, "eager", graph_backend):
+        raise ValueError(f"graph_backend={graph_backend!r} conflicts with speculative_config "
+                         f"graph_mode={graph_mode!r} (backend {from_mode!r})")
+    backend = graph_backend or from_mode or "eager"
+    if backend == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"graph_mode='full_cuda_graph' (backend 'cuda_graph') needs a CUDA "
+                         f"device, got device={str(device)!r}; allowed here: eager, torchair")
+    return backend

@@ -1,0 +1,129 @@
+"""Shared test builders: tiny seeded models and heads, engines over them, dense references.
+
+Engine tests use ``tiny_target``/``tiny_head`` (float64, vocab 96) and ``moe_target``; model
+tests use ``tiny_model``/``tiny_model_head`` (float32, vocab 61, non-trivial norms and biases).
+"""
+
+import torch
+
+from specdec.engine.llm import LLM
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 96
+
+AUX = [1, 2, 3]
+# a batch mixing short and long prompts; a 16-token budget forces chunked prefill
+PROMPTS = [[5, 9, 13], list(range(1, 41)), [7], [(i * 7) % VOCAB for i in range(23)], [3, 3]]
+
+
+def tiny_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      eos_token_id=VOCAB - 1)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def tiny_head(method: str, target: LlamaForCausalLM, seed: int = 1):
+    torch.manual_seed(seed)
+    extra = {"eagle_aux_hidden_state_layer_ids": AUX} if method == "eagle3" else {}
+    return build_head(method, target, **extra).to(torch.float64).eval()
+
+
+def dense_greedy(target: LlamaForCausalLM, prompt: list[int], max_tokens: int,
+                 max_model_len: int) -> list[int]:
+    """Plain greedy decoding with full dense recomputation (no KV cache, no engine)."""
+    ids = list(prompt)
+    out = []
+    with torch.inference_mode():
+        while len(out) < max_tokens and len(ids) < max_model_len:
+            x = torch.tensor([ids])
+            hidden, _ = target(x, torch.arange(len(ids))[None])
+            tok = int(target.compute_logits(hidden[0, -1]).argmax())
+            ids.append(tok)
+            out.append(tok)
+            if tok == target.config.eos_token_id:
+                break
+    return out
+
+
+def make_llm(target, method, k, padded, head=None, **kw):
+    spec = None
+    if method is not None:
+        spec = {"method": method, "num_speculative_tokens": k,
+                "disable_padded_drafter_batch": not padded}
+        if method == "eagle3":
+            spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
+    kw.setdefault("max_num_batched_tokens", 16)
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64, **kw)
+
+
+def moe_config(num_experts=6, top_k=2, norm_topk_prob=False, **kw) -> LlamaConfig:
+    extra = {"num_experts": num_experts, "num_experts_per_tok": top_k,
+             "moe_intermediate_size": 24, "norm_topk_prob": norm_topk_prob}
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
+    return LlamaConfig(**{**base, **kw}, extra=extra)
+
+
+def moe_target(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny float64 Llama whose every MLP is a 6-expert top-2 MoE."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(moe_config()).to(torch.float64).eval()
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    d = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2)
+    d.update(kw)
+    return LlamaConfig(**d)
+
+
+def tiny_model(seed=0, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**kw))
+    with torch.no_grad():  # non-trivial norms and biases so every tensor matters
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else torch.randn_like(p))
+    return model.eval()
+
+
+def tiny_model_head(method, target, seed=1):
+    extra = dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3], draft_vocab_size=40) if method == "eagle3" else {}
+    torch.manual_seed(seed)
+    head = build_head(method, target, **extra)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        if method == "eagle3":
+            head.d2t.copy_(torch.randint(0, 21, (40,)).sort().values)
+    return head.eval()
+
+
+class ReferenceKV:
+    """One sequence: concatenate k/v per layer on every call; causal within the new tokens."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def attend(self, layer_idx, q, k, v):
+        k = torch.cat((self.k.get(layer_idx, k[:0]), k))
+        v = torch.cat((self.v.get(layer_idx, v[:0]), v))
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        n, total, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+        scores = torch.einsum("nhd,mhd->hnm", q, k.repeat_interleave(rep, 1)) / q.shape[-1] ** 0.5
+        allowed = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        return torch.einsum("hnm,mhd->nhd", probs, v.repeat_interleave(rep, 1))
+
+
+def head_inputs(method, target, ids):
+    """Target states for a head: [1, T, H] final hidden or [1, T, 3, H] aux."""
+    t = ids.shape[-1]
+    hidden, aux = target(ids, torch.arange(t), aux_layer_ids=(1, 2, 3) if method == "eagle3" else ())
+    return aux if method == "eagle3" else hidden
