@@ -46,7 +46,7 @@ def main(argv=None):
         result = {}
         for mode in ("eager", "torchair"):
             spec = {"method": "mtp", "num_speculative_tokens": args.k, "graph_mode": mode,
-                    "draft_model_config": {"compile_backend": args.backend}}
+                    }
             llm = LLM(args.model, spec, max_num_seqs=b, max_num_batched_tokens=256, max_model_len=128,
                       capture_sizes=args.buckets)
             draft_times(llm, b, 8)  # warm-up (and compile the bucket)

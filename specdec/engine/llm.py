@@ -67,7 +67,7 @@ class LLM:
                  sequence_parallel: bool = False, dp: DPContext | None = None,
                  data_parallel_size: int = 1, target: LlamaForCausalLM | None = None,
                  draft_head=None, tokenizer=None, graph_backend: str | None = None,
-                 check_host_syncs: bool | None = None):
+                 compile_backend: str = "inductor", check_host_syncs: bool | None = None):
         # what each DP rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items()
                             if k not in ("self", "dp", "data_parallel_size")}
@@ -126,13 +126,14 @@ class LLM:
                 self.spec, target, model_dir=model, draft_head=draft_head,
                 max_num_seqs=max_reqs, max_num_tokens=max_tokens,
                 block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                dtype=dtype, device=self.device, graph_backend=self.graph_backend)
+                dtype=dtype, device=self.device, graph_backend=self.graph_backend,
+                compile_backend=compile_backend)
         self.runner = ModelRunner(
             target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
             padder=self.padder, dp=self.dp, device=self.device, dtype=dtype,
-            graph_backend=self.graph_backend, seed=seed)
+            graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0

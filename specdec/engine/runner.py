@@ -44,7 +44,7 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
-                 graph_backend: str = "eager", seed: int = 0):
+                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0):
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -78,7 +78,8 @@ class ModelRunner:
         self.buffers = StepBuffers(max_tokens, max_reqs, self.k,
                                    -(-max_model_len // block_size), device)
         self.target_graph = StepGraph(
-            functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend)
+            functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend,
+            compile_backend)
 
     # ---- host side -------------------------------------------------------------------------
     def write_prompt(self, row: int, token_ids: list[int]) -> None:

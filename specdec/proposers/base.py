@@ -102,7 +102,8 @@ class DraftModelProposer(Proposer):
     """MTP / EAGLE / EAGLE-3: a draft head run once over the target's layout, then K-1 times."""
 
     def __init__(self, config: SpeculativeConfig, *, head, num_kv_blocks: int,
-                 dtype: torch.dtype, graph_backend: str = "eager", **sizes):
+                 dtype: torch.dtype, graph_backend: str = "eager",
+                 compile_backend: str = "inductor", **sizes):
         super().__init__(config, **sizes)
         cfg = head.config
         self.head = head
@@ -119,7 +120,6 @@ class DraftModelProposer(Proposer):
         self.seq_lens = buf(torch.int32)
         self.slot_mapping = buf(torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
-        compile_backend = config.draft_model_config.get("compile_backend", "inductor")
         self.step_graph = StepGraph(
             functools.partial(self.padded_step, max_seq_len=self.max_model_len),
             graph_backend, compile_backend)

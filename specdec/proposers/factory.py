@@ -27,7 +27,7 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
 def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir, draft_head,
                    max_num_seqs: int, max_num_tokens: int, block_size: int, num_kv_blocks: int,
                    max_model_len: int, dtype: torch.dtype, device: torch.device,
-                   graph_backend: str = "eager"):
+                   graph_backend: str = "eager", compile_backend: str = "inductor"):
     """-> (proposer, aux_layer_ids the target must return).
 
     max_num_seqs / max_num_tokens: the largest *padded* request / token counts of a step.
@@ -51,5 +51,5 @@ def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_d
                        hidden_size=target.config.hidden_size, dtype=dtype, **sizes)
     else:
         proposer = cls(spec, head=head, num_kv_blocks=num_kv_blocks, dtype=dtype,
-                       graph_backend=graph_backend, **sizes)
+                       graph_backend=graph_backend, compile_backend=compile_backend, **sizes)
     return proposer, aux_ids

@@ -1,0 +1,135 @@
+"""Graph mode as a step wrapper: every method's padded step through every CPU backend.
+
+The compile backends trace with dynamo (``compile_backend="eager"``: the graph is built, no
+inductor codegen, so the test stays fast); ``replay`` runs the CUDA-graph code path (static
+inputs and outputs per bucket, captured once) without a graph. Each must equal the eager
+engine token for token, drafts included, over steps of varying acceptance.
+"""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from specdec.engine.llm import LLM
+from specdec.engine.sequence import SamplingParams
+from specdec.graphs import StepGraph
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+
+K = 3
+AUX = [0, 1, 1]
+PROMPTS = [[1, 2, 3], [4, 5], [6, 1, 1, 2, 5], [3]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny vocabulary so a random head is right often enough for varied acceptance."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    out = {}
+    for method, seed in (("mtp", 1), ("eagle", 4), ("eagle3", 6)):  # seeds with acceptance
+        torch.manual_seed(seed)
+        extra = {"eagle_aux_hidden_state_layer_ids": AUX} if method == "eagle3" else {}
+        out[method] = build_head(method, target, **extra).to(torch.float64).eval()
+    return out
+
+
+def make_llm(target, heads, method, graph_backend=None, graph_mode="eager",
+             capture_sizes=(1, 2, 4)):
+    spec = None
+    if method is not None:
+        spec = {"method": method, "num_speculative_tokens": K, "graph_mode": graph_mode}
+        if method == "eagle3":
+            spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
+    return LLM(target=target, draft_head=heads.get(method), speculative_config=spec,
+               dtype=torch.float64, max_num_batched_tokens=32, max_model_len=160,
+               max_num_seqs=4, capture_sizes=list(capture_sizes), graph_backend=graph_backend,
+               compile_backend="eager")
+
+
+def run(llm, prompts, max_tokens):
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            for p in prompts]
+    drafts = []
+    while llm.step() is not None:
+        drafts.append([list(r.spec_token_ids) for r in reqs])
+    return [r.output_token_ids for r in reqs], drafts, reqs
+
+
+def graph_calls(llm):
+    proposer = llm.runner.proposer
+    return llm.runner.target_graph.calls, proposer.step_graph.calls if proposer else 0
+
+
+@pytest.mark.parametrize("backend", ["replay", "compile"])
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3", None])
+def test_wrapped_steps_equal_eager_token_for_token(target, heads, method, backend):
+    eager_out, eager_drafts, _ = run(make_llm(target, heads, method), PROMPTS, 60)
+    llm = make_llm(target, heads, method, graph_backend=backend)
+    out, drafts, reqs = run(llm, PROMPTS, 60)
+    assert out == eager_out
+    assert drafts == eager_drafts  # the drafts themselves, step by step
+    target_calls, draft_calls = graph_calls(llm)
+    assert target_calls >= 15
+    if method is not None:
+        assert draft_calls == target_calls  # every captured target step drafts through a graph
+        accepted = {tuple(r.num_accepted) for r in reqs}
+        assert len(accepted) > 1 and any(sum(a) > 0 for a in accepted)  # acceptance varied
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+def test_zero_recompilations_after_warmup(target, heads, method):
+    """Torchair-MTP's guarantee, now for every method: one graph per bucket, none later."""
+    llm = make_llm(target, heads, method, graph_mode="torchair")
+    run(llm, PROMPTS, 40)  # warm-up: compiles the buckets a 4-then-fewer batch hits
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    before = graph_calls(llm)[1]
+    _, _, reqs = run(llm, PROMPTS, 200)
+    assert graph_calls(llm)[1] - before >= 50
+    assert {len(set(r.num_accepted)) for r in reqs} != {1}  # varying acceptance per position
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_replay_captures_once_per_bucket_and_reuses_its_buffers(target, heads):
+    llm = make_llm(target, heads, "mtp", graph_backend="replay")
+    run(llm, PROMPTS, 30)
+    for wrapper in (llm.runner.target_graph, llm.runner.proposer.step_graph):
+        assert set(wrapper.captured) <= {1, 2, 4} and wrapper.captured
+        ptrs = {b: [t.data_ptr() for t in e.outputs] for b, e in wrapper.captured.items()}
+        run(llm, PROMPTS, 30)
+        assert {b: [t.data_ptr() for t in e.outputs]
+                for b, e in wrapper.captured.items()} == ptrs
+
+
+def test_batch_above_the_largest_bucket_runs_eager(target, heads):
+    eager_out, _, _ = run(make_llm(target, heads, "mtp"), PROMPTS, 20)
+    llm = make_llm(target, heads, "mtp", graph_backend="replay", capture_sizes=(1, 2))
+    out, _, reqs = run(llm, PROMPTS, 20)
+    assert out == eager_out
+    # 4 decoding requests fit no bucket: those steps ran eagerly, the 1-2 request tails did not
+    steps_of_four = sum(1 for s in llm.steps if s.num_reqs == 4)
+    assert steps_of_four > 0
+    assert set(llm.runner.target_graph.captured) <= {1, 2}
+
+
+def test_step_arguments_must_be_tensors():
+    graph = StepGraph(lambda x, n: x + n, "replay")
+    with pytest.raises(TypeError, match="must be tensors.*int"):
+        graph(1, torch.zeros(2), 3)
+    with pytest.raises(ValueError, match="graph backend='nope'"):
+        StepGraph(lambda x: x, "nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_equals_eager():
+    x = torch.arange(6.0, device="cuda")
+    graph = StepGraph(lambda t: (t * 2 + 1).sum()[None], "cuda_graph")
+    first = graph(6, x).clone()
+    second = graph(6, x + 1)
+    assert first.item() == 36 and second.item() == 48
