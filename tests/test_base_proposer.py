@@ -5,9 +5,13 @@ import torch
 from hypothesis import given, strategies as st
 
 from specdec.config import SpeculativeConfig
+from specdec.kernels import shift_first_pass_input_ids
 from specdec.kernels.ragged import draft_step_ragged
 from specdec.proposers.base import Proposer
+from specdec.proposers.mtp import MtpProposer
 from specdec.syncs import count_host_syncs, forbid_host_sync
+
+from helpers import tiny_head, tiny_target
 
 
 def i32(x):
@@ -16,10 +20,13 @@ def i32(x):
 
 def make_proposer(k=2, padded=True, max_num_reqs=300, max_model_len=80, block_size=4,
                   vocab_size=100):
+    """An MTP proposer (the draft-loop state lives on DraftModelProposer) over a tiny head."""
     config = SpeculativeConfig("mtp", k, disable_padded_drafter_batch=not padded)
-    return Proposer(config, max_num_reqs=max_num_reqs, max_num_tokens=4096,
-                    block_size=block_size, max_model_len=max_model_len,
-                    vocab_size=vocab_size, device="cpu")
+    target = tiny_target()
+    return MtpProposer(config, head=tiny_head("mtp", target), num_kv_blocks=4,
+                       dtype=torch.float64, max_num_reqs=max_num_reqs, max_num_tokens=4096,
+                       block_size=block_size, max_model_len=max_model_len,
+                       vocab_size=vocab_size, device="cpu")
 
 
 def test_worked_example_through_the_proposer():
@@ -31,20 +38,18 @@ def test_worked_example_through_the_proposer():
     args = (sampled, torch.tensor([False, False, False, True]), i32([2, 4, 6, 6]),
             i32([0, 3, 6, 9, 14]), table, torch.arange(4), seq_lens)
     with forbid_host_sync():
-        prep = p.prepare_padded(*args)
-    assert prep.next_token_ids.tolist() == [13, 21, 32, 99]
-    assert prep.valid_count.tolist() == [3, 1, 2, 0]
-    assert prep.token_indices_to_sample.tolist() == [2, 3, 7, 13]
-    assert prep.num_rejected.tolist() == [0, 2, 1, 0]
-    # Views of the persistent buffers, not copies.
-    assert prep.next_token_ids.data_ptr() == p.next_token_ids.data_ptr()
-    assert p.backup_token_ids[:4].tolist() == [-1, -1, -1, 99]
+        next_ids, valid, sample_idx, rejected = p.prepare_padded(*args)
+    assert next_ids.tolist() == [13, 21, 32, 99]  # r3's backup token is 99
+    assert valid.tolist() == [3, 1, 2, 0]
+    assert sample_idx.tolist() == [2, 3, 7, 13]
+    assert rejected.tolist() == [0, 2, 1, 0]
 
-    ragged = p.prepare_ragged(sampled.tolist(), [False, False, False, True], [-1, -1, -1, 99],
-                              i32([0, 3, 6, 9, 14]), seq_lens, [2, 2, 2, 0])
-    assert ragged.next_token_ids.tolist() == [13, 21, 32, 99]
-    assert ragged.inputs.new_query_start_loc.tolist() == [0, 3, 4, 6, 11]
-    assert ragged.inputs.sample_indices.tolist() == [2, 3, 5, 10]
+    next_ids, ragged = p.prepare_ragged(sampled.tolist(), [False, False, False, True],
+                                        [-1, -1, -1, 99], i32([0, 3, 6, 9, 14]), seq_lens,
+                                        [2, 2, 2, 0])
+    assert next_ids == [13, 21, 32, 99]
+    assert ragged.new_query_start_loc.tolist() == [0, 3, 4, 6, 11]
+    assert ragged.sample_indices.tolist() == [2, 3, 5, 10]
 
 
 def test_seq_lens_minus_num_rejected_happens_once():
@@ -78,15 +83,6 @@ def test_constructor_validates_sizes(field, value):
         Proposer(SpeculativeConfig("mtp", 1), **kw)
 
 
-def test_padding_hook_asserts_without_a_runner():
-    """Seed 000: fail fast with a clear message, not an AttributeError deep inside."""
-    p = make_proposer()
-    with pytest.raises(AssertionError, match="no runner reference"):
-        p.determine_batch_execution_and_padding(6)
-    with pytest.raises(AssertionError, match="no runner reference"):
-        p.dummy_run(6)
-
-
 @given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
 def test_padded_and_ragged_proposers_agree(step_batch, b, k, seed):
     """The whole preparation through two proposers, one per mode: the same first-pass
@@ -101,29 +97,27 @@ def test_padded_and_ragged_proposers_agree(step_batch, b, k, seed):
             batch.query_start_loc, batch.token_table, batch.rows, seq_lens)
 
     with forbid_host_sync():
-        prep = padded.prepare_padded(*args)
-        ids = padded.first_pass_input_ids(batch.target_ids, prep.token_indices_to_sample,
-                                          prep.next_token_ids)
-        padded.start_draft_loop(positions[prep.token_indices_to_sample], seq_lens,
-                                prep.num_rejected, bp)
+        next_ids, _, sample_idx, num_rejected = padded.prepare_padded(*args)
+        ids = shift_first_pass_input_ids(batch.target_ids, sample_idx, next_ids)
+        padded.start_draft_loop(positions[sample_idx], seq_lens, num_rejected, bp)
         # advance_step returns views of the buffers: keep a copy of each step.
         steps = [[t.clone() for t in padded.advance_step(b, batch.block_table)]
                  for _ in range(1, k)]
 
     with count_host_syncs() as syncs:
-        rprep = ragged.prepare_ragged(sampled.tolist(), batch.discard, batch.backup,
-                                      batch.query_start_loc, seq_lens, batch.num_draft)
+        rnext, rinputs = ragged.prepare_ragged(sampled.tolist(), batch.discard, batch.backup,
+                                               batch.query_start_loc, seq_lens, batch.num_draft)
     assert syncs.count > 0
-    kept = rprep.inputs.token_indices
-    rids = ragged.first_pass_input_ids(batch.target_ids[kept], rprep.inputs.sample_indices,
-                                       rprep.next_token_ids)
-    assert prep.next_token_ids.tolist() == rprep.next_token_ids.tolist()
+    kept = rinputs.token_indices
+    rids = shift_first_pass_input_ids(batch.target_ids[kept], rinputs.sample_indices,
+                                      torch.tensor(rnext, dtype=torch.int32))
+    assert next_ids.tolist() == rnext
     assert ids[kept].tolist() == rids.tolist()
 
-    sample_pos = positions[kept[rprep.inputs.sample_indices]].tolist()
+    sample_pos = positions[kept[rinputs.sample_indices]].tolist()
     pad = bp - b
     for step, (_, in_pos, slots, lens) in enumerate(steps, start=1):
-        want = draft_step_ragged(sample_pos, rprep.inputs.new_seq_lens.tolist(), step,
+        want = draft_step_ragged(sample_pos, rinputs.new_seq_lens.tolist(), step,
                                  batch.block_table[:b].tolist(), batch.block_size,
                                  batch.max_model_len)
         assert in_pos.tolist() == want[0] + [0] * pad

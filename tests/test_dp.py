@@ -110,7 +110,7 @@ def test_every_rank_records_the_same_collectives_each_step(dp_runs, method):
     # each step: the target's sync and its 4 MoE layers (all-gather + reduce-scatter) at least
     moe = [sum(op.startswith("moe_") for op, _ in step) for step in logs[0][:-1]]
     assert min(moe) >= 2 * NUM_LAYERS
-    assert logs[0][-1] == [("all_reduce", (2, size))]  # the last step: everyone is idle
+    assert logs[0][-1] == [("all_reduce", (3, size))]  # the last step: everyone is idle
 
 
 @pytest.mark.parametrize("method", list(K))
@@ -125,43 +125,47 @@ def test_some_rank_idles_while_another_works(dp_runs, method):
 def test_seed000_idle_dummy_run_issues_exactly_the_collectives_of_a_busy_propose(dp_runs):
     """MTP, K=3, MoE head: rank 2 (DP=3) / rank 1 (DP=2) never has a request, so each of its
     steps is target dummy forward + proposer.dummy_run; a busy rank's step is target forward +
-    propose with a first pass and K-1 loop forwards. Both: 1 + 2*4 target collectives, then
-    2 drafter syncs and 2*K head MoE collectives."""
+    propose with a first pass and K-1 loop forwards. Both: the step's one planning
+    all-reduce, 2*4 target MoE collectives, then 2*K head MoE collectives (no drafter sync)."""
     size, runs = dp_runs
     ranks = runs["mtp"][0].ranks
     idle = ranks[-1]
     assert all(s.num_reqs == 0 for s in idle.steps)
     busy_steps = [i for i, s in enumerate(ranks[0].steps) if s.num_reqs > 0]
     assert len(busy_steps) >= 10
-    per_step = 1 + 2 * NUM_LAYERS + 2 + 2 * K["mtp"]
+    per_step = 1 + 2 * NUM_LAYERS + 2 * K["mtp"]
     for i in busy_steps:
         assert idle.collectives[i] == ranks[0].collectives[i]
         assert len(idle.collectives[i]) == per_step
         assert idle.steps[i].collectives == ranks[0].steps[i].collectives == per_step
 
 
-def test_dense_drafter_skips_its_sync_on_every_rank(dp_runs):
-    size, runs = dp_runs
-    for method in ("eagle3", "extract_hidden_states"):
-        for step in runs[method][0].ranks[0].collectives[:-1]:
+@pytest.mark.parametrize("method", list(K))
+def test_one_planning_all_reduce_per_rank_per_step(dp_runs, method):
+    """The step is planned once (target and drafter share the plan), busy or idle, padded or
+    ragged, MoE drafter or dense: exactly one all-reduce per rank per step."""
+    _, runs = dp_runs
+    for rank in runs[method][0].ranks:
+        assert len(rank.collectives) == len(rank.steps) + 1  # + the final all-idle step
+        for step in rank.collectives:
             assert [op for op, _ in step].count("all_reduce") == 1, method
 
 
 def test_seed000_one_packed_shape_on_the_dp_group(dp_runs):
     """Upstream's gloo '8 vs 4' crash: two packed metadata shapes on one group in one step.
-    Here every metadata all-reduce of every step, target or drafter, is [2, dp_size]."""
+    Here every metadata all-reduce of every step is [3, dp_size]."""
     size, runs = dp_runs
     shapes = {shape for run, *_ in runs.values() for r in run.ranks for step in r.collectives
               for op, shape in step if op == "all_reduce"}
-    assert shapes == {(2, size)}
+    assert shapes == {(3, size)}
 
 
 @given(size=st.integers(1, 16), data=st.data())
 def test_seed000_the_packed_tensor_has_one_shape_by_construction(size, data):
     rank = data.draw(st.integers(0, size - 1))
     packed = packed_metadata(DPContext(rank, size), data.draw(st.integers(0, 10**6)),
-                             data.draw(st.booleans()))
-    assert packed.shape == (2, size) and packed.dtype == torch.int32
+                             data.draw(st.integers(0, 10**4)), data.draw(st.booleans()))
+    assert packed.shape == (3, size) and packed.dtype == torch.int32
 
 
 def test_extract_hidden_states_files_equal_dp1(dp_runs):
@@ -196,7 +200,7 @@ def test_seed000_sp_pads_six_tokens_to_eight_on_the_idle_rank_too(sp_run, target
     assert idle.steps[0].num_reqs == 0 and busy.steps[0].num_tokens == 6
     for r in run.ranks:
         first = r.collectives[0]
-        assert first[0] == ("all_reduce", (2, 2))
+        assert first[0] == ("all_reduce", (3, 2))
         assert first[1] == ("moe_all_gather", (4, 2, 32))  # 8 tokens: TP=4 shards of 2
         assert all(shape[0] % 4 == 0 for step in r.collectives for op, shape in step
                    if op.startswith("moe_"))

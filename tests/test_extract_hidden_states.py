@@ -76,11 +76,12 @@ def test_generation_is_still_lossless(extracted):
 
 
 def test_sequence_parallel_pads_and_keeps_the_files_equal(extracted, tmp_path):
-    """TP=4 with SP: 6 tokens run as 8 (target and drafter hook); the files are unchanged."""
+    """TP=4 with SP: 6 tokens of one request run as 8 (the one step plan the target and
+    the drafter share); the files are unchanged."""
     target, out, *_ = extracted
     llm, reqs, _ = run_extract(target, tmp_path, tensor_parallel_size=4, sequence_parallel=True)
-    assert llm.runner.padded_num_tokens(6) == 8
-    assert llm.runner.proposer.determine_batch_execution_and_padding(6)[1] == 8
+    plan = llm.runner.planner.plan(6, 1, False)
+    assert (plan.num_tokens_padded, plan.num_reqs_padded) == (8, 4)
     for r in reqs:
         name = f"{r.request_id}.safetensors"
         a, b = load_file(str(out / name)), load_file(str(tmp_path / name))

@@ -27,7 +27,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
@@ -69,7 +69,8 @@ DEFINITIONS = {
     "per_position_acceptance_rate": "accepted[j] / drafted[j] for draft position j",
     "drafter_share": "sum of drafter host wall time / sum of step wall time (on an accelerator "
                      "the drafter's launch time only)",
-    "host_syncs_per_step": "host-device syncs inside the device part of a step (padded: 0)",
+    "host_syncs_per_step": "host-device syncs inside the device part of a step (padded: 0), "
+                           "from one separate untimed pass per config with the check on",
     "collectives_per_step": "DP collectives issued per step",
     "dp": "with dp > 1 each rank runs its share of the requests (round-robin); its chunk "
           "arrivals are its cumulative step seconds; steps and requests are pooled over ranks",
@@ -225,7 +226,8 @@ def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
         decode_time_s=sum(b - a for a, b in zip(ttft, e2e)),
         num_steps=len(steps), step_seconds=sum(s.seconds for s in steps),
         draft_seconds=sum(s.draft_seconds for s in steps),
-        host_syncs=sum(s.host_syncs for s in steps),
+        host_syncs=sum(s.host_syncs for s in steps) if steps and all(
+            s.host_syncs is not None for s in steps) else None,
         collectives=sum(s.collectives for s in steps),
         verify_steps=sum(r.verify_steps for r in reqs),
         drafted=[sum(r.drafted[j] for r in reqs if j < len(r.drafted)) for j in range(k)],
@@ -242,8 +244,10 @@ def merge_ranks(raws: list[dict]) -> dict:
     for key in ("itl_s", "ttft_s", "e2e_s", "tpot_s"):
         out[key] = [x for r in raws for x in r[key]]
     for key in ("output_tokens", "decode_time_s", "num_steps", "step_seconds", "draft_seconds",
-                "host_syncs", "collectives", "verify_steps"):
+                "collectives", "verify_steps"):
         out[key] = sum(r[key] for r in raws)
+    syncs = [r["host_syncs"] for r in raws]
+    out["host_syncs"] = None if None in syncs else sum(syncs)
     return out
 
 
@@ -285,8 +289,7 @@ def repeat_figures(raw: dict) -> dict:
         tpot_ms=_ms(raw["tpot_s"]), decode_time_s=raw["decode_time_s"], wall_s=raw["wall_s"],
         output_tokens=raw["output_tokens"], output_tokens_per_s=raw["output_tokens"] / raw["wall_s"],
         num_steps=raw["num_steps"], step_seconds=raw["step_seconds"],
-        draft_seconds=raw["draft_seconds"], host_syncs=raw["host_syncs"],
-        collectives=raw["collectives"], host_syncs_per_step=raw["host_syncs"] / steps,
+        draft_seconds=raw["draft_seconds"], collectives=raw["collectives"],
         collectives_per_step=raw["collectives"] / steps,
         drafter_share=raw["draft_seconds"] / raw["step_seconds"] if raw["step_seconds"] else 0.0,
         num_drafted=raw["drafted"], num_accepted=raw["accepted"], verify_steps=vs,
@@ -319,9 +322,7 @@ def summarize(reps: list[dict]) -> dict:
         output_tokens_per_s=float(np.mean([r["output_tokens_per_s"] for r in reps])),
         output_tokens=sum(r["output_tokens"] for r in reps),
         decode_time_s=sum(r["decode_time_s"] for r in reps),
-        num_steps=steps, host_syncs=sum(r["host_syncs"] for r in reps),
-        collectives=sum(r["collectives"] for r in reps),
-        host_syncs_per_step=sum(r["host_syncs"] for r in reps) / max(steps, 1),
+        num_steps=steps, collectives=sum(r["collectives"] for r in reps),
         collectives_per_step=sum(r["collectives"] for r in reps) / max(steps, 1),
         drafter_share=sum(r["draft_seconds"] for r in reps) / step_s if step_s else 0.0,
         num_drafted=sum(drafted), num_accepted=sum(accepted), verify_steps=vs,
@@ -380,6 +381,7 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         conc = max(c.concurrency for c in mine)
         spec = speculative_config(method, k, padded)
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
+                      check_host_syncs=False,
                       max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
                       max_num_batched_tokens=max(256, conc * (k + 1)))
         try:
@@ -406,8 +408,11 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
         raws = []
         for c in configs:
             prompts, params = job(c)
-            raws.append(measure(engines[c.engine_key].llm, prompts, c.output_len,
-                                sweep["temperature"]))
+            try:
+                raws.append(measure(engines[c.engine_key].llm, prompts, c.output_len,
+                                    sweep["temperature"]))
+            except Exception as e:  # one failing config must not lose the sweep
+                raws.append(dict(error=f"{type(e).__name__}: {e}"))
             on_done(c)
         return raws
     from specdec.engine.dp_engine import DPJob
@@ -416,6 +421,25 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
     for c in configs:
         on_done(c)
     return raws
+
+
+def check_syncs(sweep: dict, engines: dict, configs: list[BenchConfig],
+                source: PromptSource) -> dict:
+    """One separate, untimed pass per config with the host-sync check on (never the timed
+    runs): {config: host syncs per step, or an error string}."""
+    checked = {c.engine_key: replace(e, kwargs={**e.kwargs, "check_host_syncs": True})
+               for c in configs for e in [engines[c.engine_key]]}
+    for e in checked.values():
+        if e.llm is not None:
+            e.llm.check_host_syncs = True
+    try:
+        raws = run_round(sweep, checked, configs, source, 20_000 + sweep["seed"], lambda c: None)
+    finally:
+        for e in checked.values():
+            if e.llm is not None:
+                e.llm.check_host_syncs = False
+    return {c: None if "error" in raw else raw["host_syncs"] / max(raw["num_steps"], 1)
+            for c, raw in zip(configs, raws)}
 
 
 def run_sweep(sweep: dict, console: Console | None = None) -> dict:
@@ -433,6 +457,7 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
         source = PromptSource(llm.tokenizer, llm.target.config.vocab_size)
     phases["build_s"] = time.perf_counter() - start
     reps: dict[BenchConfig, list[dict]] = {c: [] for c in ok}
+    failed: dict[BenchConfig, str] = {}  # config -> its first error
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
@@ -448,14 +473,24 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
             bar.update(task, description=f"repeat {r + 1}/{sweep['repeats']}")
             raws = run_round(sweep, engines, order, source, sweep["seed"] + r, lambda c: bar.advance(task))
             for c, raw in zip(order, raws):
-                reps[c].append(repeat_figures(raw))
+                if "error" in raw:
+                    failed.setdefault(c, raw["error"])
+                else:
+                    reps[c].append(repeat_figures(raw))
         phases["measure_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    syncs = check_syncs(sweep, engines, [c for c in ok if c not in failed], source) if ok else {}
+    phases["sync_check_s"] = time.perf_counter() - t
     results = []
     for c in configs:
         entry = dict(name=c.name, method=c.method, mode=c.mode, k=c.k, concurrency=c.concurrency,
                      prompt_len=c.prompt_len, output_len=c.output_len)
-        if c in reps:
-            entry.update(status="ok", summary=summarize(reps[c]), repeats=reps[c])
+        if c in failed:
+            entry.update(status="failed", error=failed[c])
+        elif c in reps:
+            summary = summarize(reps[c])
+            summary["host_syncs_per_step"] = syncs[c]
+            entry.update(status="ok", summary=summary, repeats=reps[c])
         else:
             entry.update(status="skipped", reason=skipped[c.engine_key])
         results.append(entry)
@@ -501,12 +536,15 @@ def results_table(results: dict) -> Table:
 
 
 def skipped_lines(results: dict) -> list[str]:
-    """One line per skipped (method, mode, K), with the reason."""
+    """One line per skipped (method, mode, K) with the reason, and per failed config with its
+    error (the other configs were still measured)."""
     seen = {}
     for c in results["configs"]:
         if c["status"] == "skipped":
             seen.setdefault((c["method"], c["mode"], c["k"]), c["reason"])
-    return [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
+    lines = [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
+    return lines + [f"failed {c['name']}: {c['error']}" for c in results["configs"]
+                    if c["status"] == "failed"]
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
