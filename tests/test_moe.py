@@ -13,7 +13,7 @@ from specdec.dp import DPContext
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.moe import MoEMLP, attach_parallel
+from specdec.models.moe import MoEMLP, attach_parallel, has_cross_rank_layers
 
 from helpers import PROMPTS, dense_greedy, moe_config, moe_target
 
@@ -94,9 +94,9 @@ def test_moe_target_checkpoint_round_trip(tmp_path):
     torch.testing.assert_close(loaded(ids, pos)[0], target(ids, pos)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_heads_of_a_moe_target_are_moe_and_the_proposer_knows(tmp_path):
-    """A head built from a MoE config has a MoE layer (like DeepSeek's MTP layer): its
-    drafter must then take part in the DP sync; a dense head or no head need not."""
+def test_heads_of_a_moe_target_are_moe_and_graph_modes_refuse_them_under_dp(tmp_path):
+    """A head built from a MoE config has a MoE layer (like DeepSeek's MTP layer): it
+    exchanges tokens across DP ranks, so a graph mode cannot capture its step under DP."""
     target = moe_target()
     mtp = build_head("mtp", target)
     eagle3 = build_head("eagle3", target, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
@@ -110,7 +110,11 @@ def test_heads_of_a_moe_target_are_moe_and_the_proposer_knows(tmp_path):
         spec = {"method": method, "num_speculative_tokens": 1, "draft_model_config": dmc}
         llm = LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64,
                   max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
-        assert llm.runner.proposer.has_cross_rank_layers is cross, method
+        assert has_cross_rank_layers(getattr(llm.runner.proposer, "head", eagle3)) is cross
+    with pytest.raises(ValueError, match="MoE.*data_parallel_size=1, got 2"):
+        LLM(target=target, draft_head=mtp, dtype=torch.float64, max_model_len=64,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1,
+                                "graph_mode": "torchair"}, dp=DPContext(0, 2))
 
 
 @pytest.mark.parametrize("k", [1, 3])

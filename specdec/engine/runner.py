@@ -71,9 +71,11 @@ class ModelRunner:
             if model is not None:
                 attach_parallel(model, dp, sp)
                 cross_rank |= dp.size > 1 and has_cross_rank_layers(model)
-        # host-side gloo collectives cannot run inside a captured or compiled step
-        self.planner = StepPlanner(padder, dp, self.k,
-                                   allow_capture=graph_backend != "eager" and not cross_rank)
+        if cross_rank and graph_backend != "eager":
+            raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
+                             f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
+                             "collectives cannot run inside a captured or compiled step")
+        self.planner = StepPlanner(padder, dp, self.k, allow_capture=graph_backend != "eager")
         max_tokens, max_reqs = largest_step(padder, self.k, max_num_seqs, max_num_batched_tokens)
         self.buffers = StepBuffers(max_tokens, max_reqs, self.k,
                                    -(-max_model_len // block_size), device)
