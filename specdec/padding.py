@@ -74,7 +74,7 @@ class BatchPadder:
 class StepPlan:
     """How one engine step runs, the same on every DP rank (from one packed all-reduce).
 
-    Worked example (K=3, capture sizes [1, 2, 4, 8], DP=1): 3 decode requests verifying 3
+    Worked example (K=3, capture sizes [1, 2, 4, 8, 16], DP=1): 3 decode requests verifying 3
     drafts each (12 tokens) -> num_reqs_padded=4, num_tokens_padded=16, capturable=True;
     a prefill chunk of 5 tokens plus one decode request (9 tokens) -> num_reqs_padded=2,
     num_tokens_padded=16 (dispatch(9)), capturable=False.

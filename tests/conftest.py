@@ -17,7 +17,7 @@ settings.load_profile("specdec")
 
 
 @dataclass
-class StepBatch:
+class RandomStep:
     """One target step as the proposer sees it (the DESIGN.md vocabulary)."""
     k: int  # num_speculative_tokens
     vocab_size: int
@@ -62,7 +62,7 @@ class StepBatch:
                 for r, s in zip(self.rows.tolist(), self.seq_lens.tolist())]
 
 
-def make_step_batch(b: int, k: int, seed: int) -> StepBatch:
+def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
     """B requests: decodes with 0..K drafts and random acceptance, and prefill chunks,
     half of them discarded; ids at the vocab edge; some requests near max_model_len."""
     rng = random.Random(seed)
@@ -111,7 +111,7 @@ def make_step_batch(b: int, k: int, seed: int) -> StepBatch:
                                + [[rng.choice([-1, 10**6])] * blocks for _ in range(pad)],
                                dtype=torch.int32)
     target_ids = torch.tensor([valid_id() for _ in range(sum(query_lens))], dtype=torch.int64)
-    return StepBatch(k, vocab, max_model_len, block_size, sampled, discard, num_draft, query_lens,
+    return RandomStep(k, vocab, max_model_len, block_size, sampled, discard, num_draft, query_lens,
                      num_computed, table, rows, target_ids, block_table)
 
 

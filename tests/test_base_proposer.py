@@ -18,13 +18,13 @@ def i32(x):
     return torch.tensor(x, dtype=torch.int32)
 
 
-def make_proposer(k=2, padded=True, max_num_reqs=300, max_model_len=80, block_size=4,
+def make_proposer(k=2, padded=True, max_num_seqs=300, max_model_len=80, block_size=4,
                   vocab_size=100):
     """An MTP proposer (the draft-loop state lives on DraftModelProposer) over a tiny head."""
     config = SpeculativeConfig("mtp", k, disable_padded_drafter_batch=not padded)
     target = tiny_target()
     return MtpProposer(config, head=tiny_head("mtp", target), num_kv_blocks=4,
-                       dtype=torch.float64, max_num_reqs=max_num_reqs, max_num_tokens=4096,
+                       dtype=torch.float64, max_num_seqs=max_num_seqs, max_num_tokens=4096,
                        block_size=block_size, max_model_len=max_model_len,
                        vocab_size=vocab_size, device="cpu")
 
@@ -69,15 +69,15 @@ def test_advance_before_start_errors():
 
 
 def test_padded_rows_out_of_range():
-    p = make_proposer(max_num_reqs=4)
+    p = make_proposer(max_num_seqs=4)
     with pytest.raises(ValueError, match="batch_size_padded=5"):
         p.start_draft_loop(torch.zeros(2, dtype=torch.int64), i32([1, 1]), None, 5)
 
 
-@pytest.mark.parametrize("field,value", [("max_num_reqs", 0), ("block_size", 2.0),
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("block_size", 2.0),
                                          ("vocab_size", True), ("max_model_len", -3)])
 def test_constructor_validates_sizes(field, value):
-    kw = dict(max_num_reqs=4, max_num_tokens=64, block_size=4, max_model_len=64, vocab_size=10)
+    kw = dict(max_num_seqs=4, max_num_tokens=64, block_size=4, max_model_len=64, vocab_size=10)
     kw[field] = value
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         Proposer(SpeculativeConfig("mtp", 1), **kw)

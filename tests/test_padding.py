@@ -3,7 +3,8 @@ import logging
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specdec.padding import BatchDescriptor, BatchPadder, default_capture_sizes
+from specdec.dp import DPContext
+from specdec.padding import BatchDescriptor, BatchPadder, StepPlanner, default_capture_sizes
 
 
 def test_docstring_example_sp_pads_six_to_eight_with_tp4():
@@ -47,3 +48,34 @@ def test_dispatch_is_smallest_aligned_size_at_least_n(n, tp, sp, sizes):
 def test_bad_padder_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         BatchPadder(**kwargs)
+
+
+def planner(k=3, sizes=(1, 2, 4, 8, 16), tp=1, sp=False):
+    return StepPlanner(BatchPadder(list(sizes), tp, sp), DPContext(), k, allow_capture=True)
+
+
+def test_plan_docstring_example():
+    p = planner()
+    decode = p.plan(12, 3, uniform_decode=True)
+    assert (decode.num_reqs_padded, decode.num_tokens_padded, decode.capturable) == (4, 16, True)
+    mixed = p.plan(9, 2, uniform_decode=False)
+    assert (mixed.num_reqs_padded, mixed.num_tokens_padded, mixed.capturable) == (2, 16, False)
+    assert p.plan(0, 0, uniform_decode=False).all_idle
+
+
+@given(k=st.integers(0, 5), b=st.integers(1, 40), extra=st.integers(0, 60),
+       uniform=st.booleans(), tp=st.sampled_from([1, 2, 4]), sp=st.booleans())
+def test_a_plan_fits_its_step(k, b, extra, uniform, tp, sp):
+    """Bp >= B and Np >= N; padding requests get a padding token to sample at; a capturable
+    plan is the uniform [Bp, 1+K] layout in a bucket; with SP every size is TP-aligned."""
+    n = b * (1 + k) if uniform else b + extra
+    plan = planner(k, tp=tp, sp=sp).plan(n, b, uniform)
+    assert plan.num_reqs_padded >= b and plan.num_tokens_padded >= n
+    if plan.num_reqs_padded > b:
+        assert plan.num_tokens_padded > n
+    if plan.capturable:
+        assert uniform and plan.num_reqs_padded in (1, 2, 4, 8, 16)
+        assert plan.num_tokens_padded == plan.num_reqs_padded * (1 + k)
+    if sp and tp > 1:
+        assert plan.num_tokens_padded % tp == 0 and plan.num_reqs_padded % tp == 0
+    assert plan.num_tokens_across_dp == (plan.num_tokens_padded,)

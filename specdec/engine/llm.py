@@ -117,7 +117,7 @@ class LLM:
         num_blocks = max_num_seqs * -(-max_model_len // block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.allocator, num_lookahead_tokens=k)
+                                   self.allocator, num_speculative_tokens=k)
         proposer, aux_ids = None, ()
         if self.spec is not None:
             max_tokens, max_reqs = largest_step(self.padder, k, max_num_seqs,

@@ -48,7 +48,7 @@ class ModelRunner:
         cfg = target.config
         self.target = target
         self.proposer = proposer
-        self.k = num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -75,9 +75,10 @@ class ModelRunner:
             raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
                              f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
                              "collectives cannot run inside a captured or compiled step")
-        self.planner = StepPlanner(padder, dp, self.k, allow_capture=graph_backend != "eager")
-        max_tokens, max_reqs = largest_step(padder, self.k, max_num_seqs, max_num_batched_tokens)
-        self.buffers = StepBuffers(max_tokens, max_reqs, self.k,
+        k = num_speculative_tokens
+        self.planner = StepPlanner(padder, dp, k, allow_capture=graph_backend != "eager")
+        max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
+        self.buffers = StepBuffers(max_tokens, max_reqs, k,
                                    -(-max_model_len // block_size), device)
         self.target_graph = StepGraph(
             functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend,
@@ -91,7 +92,8 @@ class ModelRunner:
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes."""
         greedy = all(s.request.params.temperature < GREEDY_TEMPERATURE for s in scheduled)
-        uniform = greedy and all(s.num_tokens == 1 + self.k == 1 + len(s.spec_token_ids)
+        k = self.num_speculative_tokens
+        uniform = greedy and all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids)
                                  for s in scheduled)
         return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform)
 
@@ -102,7 +104,7 @@ class ModelRunner:
         1 + K padding tokens (the last one owns the rest), is discarded, greedy, and reads
         the token table's trash row.
         """
-        h, k, bs = self.buffers.host, self.k, self.block_size
+        h, k, bs = self.buffers.host, self.num_speculative_tokens, self.block_size
         b, bp, np_ = len(scheduled), plan.num_reqs_padded, plan.num_tokens_padded
         qsl = h["query_start_loc"]
         qsl[0] = 0
@@ -162,7 +164,8 @@ class ModelRunner:
         hidden, aux = self.target(input_ids, positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
         logits = self.target.compute_logits(hidden[logits_indices.flatten()])
-        return logits.view(logits_indices.shape[0], self.k + 1, -1), hidden, aux
+        k = self.num_speculative_tokens
+        return logits.view(logits_indices.shape[0], k + 1, -1), hidden, aux
 
     def target_step(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                     block_table, logits_indices, draft_token_ids, num_draft_tokens,

@@ -27,16 +27,16 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 allocator: BlockAllocator, num_lookahead_tokens: int):
-        if max_num_batched_tokens < 1 + num_lookahead_tokens:
+                 allocator: BlockAllocator, num_speculative_tokens: int):
+        if max_num_batched_tokens < 1 + num_speculative_tokens:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1 + "
-                f"num_speculative_tokens ({1 + num_lookahead_tokens})")
+                f"num_speculative_tokens ({1 + num_speculative_tokens})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allocator = allocator
-        self.num_lookahead_tokens = num_lookahead_tokens  # draft-loop KV beyond the chunk
+        self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -76,7 +76,7 @@ class Scheduler:
         return scheduled
 
     def _reserve(self, req: Request, num_tokens: int) -> None:
-        end = req.num_computed_tokens + num_tokens + self.num_lookahead_tokens
+        end = req.num_computed_tokens + num_tokens + self.num_speculative_tokens
         self.allocator.ensure(req.block_ids, min(end, self.max_model_len))
 
     def finish(self, req: Request, reason: str) -> None:

@@ -47,17 +47,17 @@ from specdec.proposers.inputs import DraftInputs
 class Proposer:
     """Sizes and the acceptance-dependent preparation shared by every proposer."""
 
-    def __init__(self, config: SpeculativeConfig, *, max_num_reqs: int, max_num_tokens: int,
+    def __init__(self, config: SpeculativeConfig, *, max_num_seqs: int, max_num_tokens: int,
                  block_size: int, max_model_len: int, vocab_size: int,
                  device: torch.device | str = "cpu"):
-        sizes = dict(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens,
+        sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                      block_size=block_size, max_model_len=max_model_len, vocab_size=vocab_size)
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.max_num_reqs = max_num_reqs  # the largest padded request count of a step
+        self.max_num_seqs = max_num_seqs  # the largest padded request count of a step
         self.max_num_tokens = max_num_tokens  # the largest padded token count of a step
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -112,7 +112,7 @@ class DraftModelProposer(Proposer):
         self.hidden_size = cfg.hidden_size
 
         def buf(dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(self.max_num_reqs, dtype=dtype, device=self.device)
+            return torch.zeros(self.max_num_seqs, dtype=dtype, device=self.device)
 
         # draft-loop state, one row per request (rows >= B are padding)
         self.positions = buf(torch.int64)
@@ -220,9 +220,9 @@ class DraftModelProposer(Proposer):
         one place where `seq_lens -= num_rejected` happens. Rows b..batch_size_padded-1
         become padding."""
         b = positions.shape[0]
-        if not b <= batch_size_padded <= self.max_num_reqs:
+        if not b <= batch_size_padded <= self.max_num_seqs:
             raise ValueError(f"batch_size_padded={batch_size_padded} must be in "
-                             f"[{b}, max_num_reqs={self.max_num_reqs}]")
+                             f"[{b}, max_num_seqs={self.max_num_seqs}]")
         self.positions[:b] = positions
         self.positions[b:batch_size_padded] = 0
         self.seq_lens[:b] = seq_lens if num_rejected is None else seq_lens - num_rejected

@@ -33,7 +33,7 @@ class ExtractHiddenStatesProposer(Proposer):
         self.output_dir = Path(out)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # [rows + 1 (trash), max_model_len, A, H]: the states of every prompt position
-        self.states = torch.zeros(self.max_num_reqs + 1, self.max_model_len, num_aux_layers,
+        self.states = torch.zeros(self.max_num_seqs + 1, self.max_model_len, num_aux_layers,
                                   hidden_size, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
@@ -46,7 +46,7 @@ class ExtractHiddenStatesProposer(Proposer):
         req = x.attn.request_of_token(n)
         # padding tokens (slot -1) go to the trash row; a padding request's row is the token
         # table's trash row, never a real one
-        rows = torch.where(x.attn.slot_mapping < 0, self.max_num_reqs, x.rows[req])
+        rows = torch.where(x.attn.slot_mapping < 0, self.max_num_seqs, x.rows[req])
         cols = x.positions.clamp(max=self.max_model_len - 1)
         self.states[rows, cols] = x.aux_hidden_states.to(self.states.dtype)
         return next_ids[:, None]

@@ -44,7 +44,7 @@ def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_d
     else:
         aux_ids = ()
     cls = get_proposer_class(spec)
-    sizes = dict(max_num_reqs=max_num_seqs, max_num_tokens=max_num_tokens, block_size=block_size,
+    sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, block_size=block_size,
                  max_model_len=max_model_len, vocab_size=target.config.vocab_size, device=device)
     if spec.method == "extract_hidden_states":
         proposer = cls(spec, num_aux_layers=len(aux_ids),
