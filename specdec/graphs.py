@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from specdec import platform
+from specdec.syncs import unguarded
 
 BACKENDS = ("eager", "compile", "torchair", "cuda_graph", "replay")
 
@@ -72,8 +73,13 @@ class StepGraph:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
         self.fn = fn
         self.backend = backend
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[int, _Captured] = {}  # cuda_graph / replay
+        self.seen: set[int] = set()  # buckets called once (compiled, captured or warmed)
         self.pool = None
+        if backend in ("compile", "torchair"):
+            # one graph per bucket by design (up to len(capture_sizes)), not recompilations
+            # to be warned about; dynamo counts them per code object across engines
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         if backend == "compile":
             self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
         elif backend == "torchair":
@@ -88,23 +94,28 @@ class StepGraph:
             raise TypeError(f"step arguments must be tensors (a Python value would be baked "
                             f"into a captured graph); got {bad}")
         self.calls += 1
-        if self.backend not in ("cuda_graph", "replay"):
+        static = self.backend in ("cuda_graph", "replay")
+        if bucket not in self.seen:  # compile / capture outside the sync guards
+            self.seen.add(bucket)
+            with unguarded():
+                if not static:
+                    return self.run(*args)
+                if self.backend == "cuda_graph" and self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                entry = self.captured[bucket] = _Captured(
+                    self.fn, args, self.backend == "cuda_graph", self.pool)
+        elif not static:
             return self.run(*args)
-        entry = self.captured.get(bucket)
-        if entry is None:
-            use_graph = self.backend == "cuda_graph"
-            if use_graph and self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            entry = self.captured[bucket] = _Captured(self.fn, args, use_graph, self.pool)
         else:
+            entry = self.captured[bucket]
             entry.load(args)
             if entry.graph is not None:
                 entry.graph.replay()
             else:
-                for static, out in zip(entry.outputs, _as_tuple(self.fn(*entry.inputs))):
-                    static.copy_(out)
-        out = entry.outputs
-        return out if len(out) > 1 else out[0]
+                for out, new in zip(entry.outputs, _as_tuple(self.fn(*entry.inputs))):
+                    out.copy_(new)
+        return entry.outputs if len(entry.outputs) > 1 else entry.outputs[0]
+
 
 GRAPH_MODE_BACKENDS = {"eager": "eager", "torchair": "torchair", "full_cuda_graph": "cuda_graph"}
 

@@ -114,6 +114,24 @@ def host_side():
         _host_side_depth -= 1
 
 
+@contextmanager
+def unguarded():
+    """Suspend the guards for warm-up, graph capture and compilation (compilers and capture
+    may sync by design): the guards prove the steady-state step, not its one-time set-up."""
+    global _host_side_depth
+    cuda = torch.cuda.is_available()
+    previous = torch.cuda.get_sync_debug_mode() if cuda else 0
+    _host_side_depth += 1
+    if cuda:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        _host_side_depth -= 1
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
 class _SyncMode(TorchFunctionMode):
     def __init__(self, on_sync):
         super().__init__()
@@ -121,6 +139,8 @@ class _SyncMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced into a graph: a sync would break fullgraph
+            return func(*args, **kwargs)
         name = sync_op_name(func, args, kwargs) if not _host_side_depth else None
         if name is not None:
             self.on_sync(name)

@@ -133,3 +133,27 @@ def test_cuda_graph_replay_equals_eager():
     first = graph(6, x).clone()
     second = graph(6, x + 1)
     assert first.item() == 36 and second.item() == 48
+
+
+def test_only_the_first_call_of_a_bucket_runs_outside_the_sync_guard():
+    """Compilation and capture may sync (inductor's first compile does on CUDA); the steady
+    state may not."""
+    from specdec.syncs import HostSyncError, forbid_host_sync
+
+    def syncing_step(x):
+        x.sum().item()
+        return x + 1
+
+    graph = StepGraph(syncing_step, "eager")
+    with forbid_host_sync():
+        graph(1, torch.zeros(2))  # compile / capture / warm-up of bucket 1
+        graph(2, torch.zeros(3))  # a new bucket: its first call is set-up too
+        with pytest.raises(HostSyncError, match="Tensor.item"):
+            graph(1, torch.zeros(2))
+
+
+def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
+    llm = make_llm(target, heads, "eagle3", graph_backend="replay")
+    assert set(llm.runner.target_graph.captured) == set(llm.runner.proposer.step_graph.captured) \
+        == {1, 2, 4}
+    assert llm.graph_warmup_seconds > 0 and not llm.steps

@@ -134,6 +134,7 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
             padder=self.padder, dp=self.dp, device=self.device, dtype=dtype,
             graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed)
+        self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0

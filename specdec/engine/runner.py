@@ -84,6 +84,20 @@ class ModelRunner:
             functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend,
             compile_backend)
 
+    def warm_up_graphs(self) -> float:
+        """Compile / capture the step wrappers of every capture bucket up to the largest
+        step, largest first (its memory pool then serves the smaller ones), on all-padding
+        steps, before the first real step. -> seconds spent (0 when eager)."""
+        if self.target_graph.backend == "eager":
+            return 0.0
+        start, k = time.perf_counter(), self.num_speculative_tokens
+        padder = self.planner.padder
+        buckets = [b for b in padder.capture_sizes if b <= self.buffers.max_reqs]
+        for bp in reversed(buckets):
+            plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),))
+            self.execute(self.prepare([], plan))
+        return time.perf_counter() - start
+
     # ---- host side -------------------------------------------------------------------------
     def write_prompt(self, row: int, token_ids: list[int]) -> None:
         self.token_table[row].fill_(-1)
