@@ -3,6 +3,8 @@
     specdec generate --prompt "def fibonacci(n):" --method eagle3 -k 3
     specdec generate --prompt "x = " --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
     specdec bench --quick --out /tmp/bench
+    specdec serve --method eagle3 -k 3 --port 8000        # needs the serve extra
+    specdec bench serve --launch --quick --out /tmp/bench-serve
 
 A bad flag or a bad speculative config prints one line on stderr and exits with status 2.
 """
@@ -164,6 +166,20 @@ def add_bench_parser(sub) -> None:
     itl = import_bench()
     itl.add_arguments(p)
     p.set_defaults(func=itl.run_from_args)
+    from specdec.bench import serve as bench_serve
+    endpoint = p.add_subparsers(dest="bench_target", parser_class=OneLineParser).add_parser(
+        "serve", help="measure an OpenAI-compatible endpoint (specdec serve, vllm serve)",
+        description=bench_serve.__doc__.split("\n")[0])
+    bench_serve.add_arguments(endpoint)
+    endpoint.set_defaults(func=bench_serve.run_from_args)
+
+
+def add_serve_parser(sub) -> None:
+    from specdec.entrypoints import serve
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)",
+                       description=serve.__doc__.split("\n")[0])
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run_from_args)
 
 
 def import_bench():
@@ -177,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

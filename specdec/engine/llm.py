@@ -155,6 +155,12 @@ class LLM:
         self.scheduler.add(req)
         return req
 
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request between steps and free its KV blocks; -> whether it was
+        found (False: unknown or already finished)."""
+        self._check_single_rank("abort_request")
+        return self.scheduler.abort(request_id) is not None
+
     def _check_single_rank(self, name: str) -> None:
         if self.data_parallel_size > 1:
             raise RuntimeError(f"LLM.{name}() runs one rank's engine; with data_parallel_size="

@@ -85,3 +85,17 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.release(req.block_ids)
         self.free_rows.append(req.row)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request with reason "abort" (its KV blocks and row are
+        freed); -> the request, or None when no unfinished request has that id."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.status, req.finish_reason = Status.FINISHED, "abort"
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None

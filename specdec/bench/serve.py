@@ -1,0 +1,365 @@
+"""Endpoint ITL harness: streamed TTFT, ITL, TPOT, E2E and tokens/s of an OpenAI-compatible server.
+
+    specdec bench serve --launch --quick --out /tmp/bench-serve          # starts specdec serve
+    specdec bench serve --base-url http://127.0.0.1:8000 --model NAME    # specdec or vllm serve
+
+The prompts are the in-process harness's (``specdec bench``: held-out stdlib windows through
+the embedded tokenizer, sent as token ids), with ``ignore_eos`` and exactly ``output_len``
+tokens. A run sends ``num_prompts`` requests (default: the concurrency) at a fixed
+concurrency, or spaced by a Poisson process of ``--request-rate`` requests/s, and reads the
+SSE stream. A *chunk* is an SSE event that brought tokens; its token count comes from
+``stream_options.continuous_usage_stats`` (vLLM's extension, served by specdec too), else
+``token_ids``, else 1. Per request: TTFT = first chunk - send; E2E = last chunk - send; each
+token of a later chunk gets ITL = chunk gap / tokens in the chunk (so they add up to E2E -
+TTFT); the chunk gaps themselves are ``itl_chunk_ms``. Acceptance comes from ``/metrics``
+(``specdec:`` or ``vllm:`` spec-decode counters, read before and after each run).
+Output: the same ``results.json`` + PNG plots as ``specdec bench``, plus per-request records.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from specdec.bench import itl
+from specdec.cli import DEFAULT_K, METHODS, UsageError, speculative_config
+
+SCHEMA_VERSION = 1
+DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
+                seed=0, request_rate=None, num_prompts=None)
+QUICK = dict(DEFAULTS, concurrency=[1, 4], prompt_len=32, output_len=32, repeats=4)
+DEFINITIONS = {
+    **{k: v for k, v in itl.DEFINITIONS.items() if k not in ("dp", "collectives_per_step")},
+    "chunk": "an SSE event that brought output tokens (a speculative step: several)",
+    "itl": "per output token after a request's first chunk: (gap to the previous chunk) / "
+           "(tokens in the chunk), client clock; per request they add up to e2e - ttft",
+    "itl_chunk": "gap between consecutive chunks of a request (client clock)",
+    "ttft": "first chunk arrival - request send",
+    "e2e": "last chunk arrival - request send",
+    "output_tokens_per_s": "output tokens of the run / (last chunk arrival - first send)",
+    "engine metrics": "num_steps, step_seconds, draft_seconds, host_syncs, drafted/accepted: "
+                      "deltas of the server's /metrics over the run (0 when it has none)",
+}
+
+
+# ---- one request ----------------------------------------------------------------------------
+async def stream_one(client, url: str, body: dict) -> dict:
+    """POST a streaming completion; -> {send, chunks: [(arrival, tokens)], output_tokens}."""
+    send = time.perf_counter()
+    chunks, done_tokens, usage = [], 0, None
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            t = time.perf_counter()
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            usage = event.get("usage") or usage
+            if not event.get("choices"):
+                continue
+            choice = event["choices"][0]
+            if usage is not None and event.get("usage"):
+                n = usage["completion_tokens"] - done_tokens
+            elif "token_ids" in choice:
+                n = len(choice["token_ids"] or [])
+            else:
+                n = 1 if choice.get("text") else 0
+            if n > 0:
+                chunks.append((t, n))
+                done_tokens += n
+    total = usage["completion_tokens"] if usage else done_tokens
+    return dict(send=send, chunks=chunks, output_tokens=total)
+
+
+def request_figures(rec: dict) -> dict:
+    """Per-request latencies (seconds) from its chunk arrivals."""
+    (first, _), (last, _) = rec["chunks"][0], rec["chunks"][-1]
+    itl_s, chunk_gaps = [], []
+    for (prev, _), (t, n) in zip(rec["chunks"], rec["chunks"][1:]):
+        itl_s += [(t - prev) / n] * n
+        chunk_gaps.append(t - prev)
+    return dict(ttft=first - rec["send"], e2e=last - rec["send"], itl=itl_s, chunk_gaps=chunk_gaps,
+                tpot=(last - first) / max(rec["output_tokens"] - 1, 1),
+                output_tokens=rec["output_tokens"], chunk_tokens=[n for _, n in rec["chunks"]])
+
+
+async def run_once(base_url: str, body: dict, prompts: list[list[int]], concurrency: int,
+                   request_rate: float | None, seed: int) -> tuple[list[dict], float, float]:
+    """Send every prompt; -> (request records, first send, last arrival) in perf_counter s."""
+    import httpx
+    sem = asyncio.Semaphore(concurrency)
+    gaps = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def one(prompt):
+            async with sem:
+                return await stream_one(client, f"{base_url}/v1/completions",
+                                        {**body, "prompt": prompt})
+
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(one(prompt)))
+            if request_rate:
+                await asyncio.sleep(gaps.expovariate(request_rate))
+        records = await asyncio.gather(*tasks)
+    start = min(r["send"] for r in records)
+    end = max(r["chunks"][-1][0] for r in records)
+    return records, start, end
+
+
+# ---- server metrics -------------------------------------------------------------------------
+def scrape(base_url: str) -> dict:
+    """The server's /metrics as {(sample name, position label): value}, summed over other
+    labels; {} when the server has none."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        resp = httpx.get(f"{base_url}/metrics", timeout=30)
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            key = (s.name, s.labels.get("position"))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def engine_deltas(before: dict, after: dict) -> dict:
+    """Step and speculative figures of one run from two scrapes (specdec: or vllm: names)."""
+    def d(name, pos=None):
+        return after.get((name, pos), 0.0) - before.get((name, pos), 0.0)
+
+    prefix = "specdec:" if any(k[0].startswith("specdec:") for k in after) else "vllm:"
+    positions = sorted({int(p) for (n, p) in after if p is not None
+                        and n == f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"})
+    drafts = d(f"{prefix}spec_decode_num_drafts_total")
+    accepted = [int(d(f"{prefix}spec_decode_num_accepted_tokens_per_pos_total", str(j)))
+                for j in positions]
+    if prefix == "specdec:":
+        drafted = [int(d("specdec:spec_decode_num_draft_tokens_per_pos_total", str(j)))
+                   for j in positions]
+    else:  # vLLM drafts K tokens per draft
+        drafted = [int(drafts)] * len(positions)
+    return dict(num_steps=int(d("specdec:step_seconds_count")),
+                step_seconds=d("specdec:step_seconds_sum"),
+                draft_seconds=d("specdec:step_draft_seconds_total"),
+                host_syncs=int(d("specdec:host_syncs_total")), collectives=0,
+                verify_steps=int(drafts), drafted=drafted, accepted=accepted)
+
+
+def run_figures(records: list[dict], start: float, end: float, engine: dict) -> dict:
+    """One run's JSON record: ``itl.repeat_figures`` plus chunk gaps and per-request records."""
+    per = [request_figures(r) for r in records]
+    raw = dict(engine, wall_s=end - start, output_tokens=sum(p["output_tokens"] for p in per),
+               itl_s=[x for p in per for x in p["itl"]], ttft_s=[p["ttft"] for p in per],
+               e2e_s=[p["e2e"] for p in per], tpot_s=[p["tpot"] for p in per],
+               decode_time_s=sum(p["e2e"] - p["ttft"] for p in per))
+    rep = itl.repeat_figures(raw)
+    rep["itl_chunk_ms"] = [1e3 * x for p in per for x in p["chunk_gaps"]]
+    rep["requests"] = [dict(ttft_ms=1e3 * p["ttft"], e2e_ms=1e3 * p["e2e"],
+                            itl_ms=[1e3 * x for x in p["itl"]], chunk_tokens=p["chunk_tokens"],
+                            output_tokens=p["output_tokens"]) for p in per]
+    return rep
+
+
+# ---- launching specdec serve ----------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(serve_args: list[str], timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """Start ``specdec serve`` on a free port; -> (process, base URL) once /health answers."""
+    import httpx
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port),
+                             *serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UsageError(f"specdec serve exited with {proc.returncode}: "
+                             f"{proc.stderr.read()[-500:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    stop(proc)
+    raise UsageError(f"specdec serve did not answer /health within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (graceful), then kill after 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- the sweep ------------------------------------------------------------------------------
+def served_model(base_url: str) -> str:
+    import httpx
+    data = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    return data[0]["id"]
+
+
+def bench(opts: dict, base_url: str, model: str, label: str, k: int,
+          console: Console) -> dict:
+    """Warm up, then the interleaved repeats over the concurrencies; -> results.json dict."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
+    source = itl.PromptSource(tok, tok.get_vocab_size())
+    body = dict(model=model, max_tokens=opts["output_len"], temperature=0.0, stream=True,
+                ignore_eos=True, stream_options=dict(include_usage=True,
+                                                     continuous_usage_stats=True))
+    concs = opts["concurrency"]
+    reps = {c: [] for c in concs}
+    phases, t_start = {}, time.perf_counter()
+
+    def one(c: int, prompt_seed: int) -> dict:
+        n = opts["num_prompts"] or c
+        prompts = source.prompts(n, opts["prompt_len"], prompt_seed)
+        before = scrape(base_url)
+        records, start, end = asyncio.run(run_once(base_url, body, prompts, c,
+                                                   opts["request_rate"], prompt_seed))
+        return run_figures(records, start, end, engine_deltas(before, scrape(base_url)))
+
+    for w in range(opts["warmup"]):
+        for c in concs:
+            one(c, 10_000 + opts["seed"] + w)
+    phases["warmup_s"] = time.perf_counter() - t_start
+    t = time.perf_counter()
+    for r in range(opts["repeats"]):
+        for c in concs if r % 2 == 0 else concs[::-1]:
+            reps[c].append(one(c, opts["seed"] + r))
+            console.print(f"repeat {r + 1}/{opts['repeats']} concurrency {c}: "
+                          f"{reps[c][-1]['output_tokens_per_s']:.0f} tok/s", highlight=False)
+    phases["measure_s"] = time.perf_counter() - t
+    configs = []
+    for c in concs:
+        summary = itl.summarize(reps[c])
+        summary["itl_chunk_ms"] = itl._dist([x for r in reps[c] for x in r["itl_chunk_ms"]])
+        configs.append(dict(
+            name=f"{label}-c{c}-p{opts['prompt_len']}-o{opts['output_len']}", method=label,
+            mode="-", k=k, concurrency=c, prompt_len=opts["prompt_len"],
+            output_len=opts["output_len"], request_rate=opts["request_rate"], status="ok",
+            summary=summary, repeats=reps[c]))
+    sweep = {**opts, "dp": 1, "base_url": base_url, "model": model}
+    return dict(schema_version=SCHEMA_VERSION, kind="endpoint", definitions=DEFINITIONS,
+                environment=itl.environment({"device": "cpu"}), sweep=sweep,
+                prompt_source=source.kind, phase_seconds=phases, configs=configs)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (specdec or vllm serve)")
+    target.add_argument("--launch", action="store_true", help="start specdec serve on a free port")
+    p.add_argument("--model", help="the served model name (default: the first of /v1/models)")
+    p.add_argument("--label", help="the config name in the results (default: the method "
+                                   "with --launch, else the model name)")
+    p.add_argument("--quick", action="store_true", help="concurrency 1,4, 32-token prompts, "
+                   "32 output tokens, 4 repeats (about a minute with --launch)")
+    p.add_argument("--out", default="bench-serve-results", metavar="DIR")
+    p.add_argument("--concurrency", type=itl._ints, help="comma list (default 1,4,16)")
+    p.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s "
+                   "(concurrency then caps requests in flight)")
+    p.add_argument("--num-prompts", type=int, help="requests per run (default: concurrency)")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--warmup", type=int, help="warm-up runs per concurrency (excluded)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
+                   "makes the prompts (default: the embedded model's)")
+    g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
+    g.add_argument("--method", choices=METHODS, default=None)
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None)
+    g.add_argument("--speculative-config", default=None, metavar="JSON")
+    g.add_argument("--no-padded", action="store_true")
+    g.add_argument("--server-model", metavar="PATH", help="--model of the launched server")
+
+
+def options(args) -> dict:
+    opts = dict(QUICK if args.quick else DEFAULTS, tokenizer=args.tokenizer)
+    for key in ("concurrency", "request_rate", "num_prompts", "prompt_len", "output_len",
+                "repeats", "warmup", "seed"):
+        if getattr(args, key) is not None:
+            opts[key] = getattr(args, key)
+    for key, low in (("prompt_len", 1), ("output_len", 2), ("repeats", 1), ("warmup", 0)):
+        if not isinstance(opts[key], int) or opts[key] < low:
+            raise UsageError(f"--{key.replace('_', '-')}={opts[key]!r}: allowed ints >= {low}")
+    if not opts["concurrency"] or min(opts["concurrency"]) < 1:
+        raise UsageError(f"--concurrency={opts['concurrency']}: allowed ints >= 1")
+    if opts["num_prompts"] is not None and opts["num_prompts"] < 1:
+        raise UsageError(f"--num-prompts={opts['num_prompts']}: allowed an int >= 1")
+    if opts["request_rate"] is not None and opts["request_rate"] <= 0:
+        raise UsageError(f"--request-rate={opts['request_rate']}: allowed a number > 0")
+    return opts
+
+
+def run_from_args(args) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise UsageError("specdec bench serve needs the serve extra: "
+                         "pip install 'specdec[serve]'") from None
+    opts = options(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    proc, spec, k = None, None, 0
+    start = time.perf_counter()
+    try:
+        if args.launch:
+            method = args.method or "eagle3"
+            spec = speculative_config(method, args.num_speculative_tokens or DEFAULT_K,
+                                      not args.no_padded, args.speculative_config)
+            k = spec["num_speculative_tokens"] if spec else 0
+            serve_args = ["--method", "none", "--max-num-seqs", str(max(opts["concurrency"])),
+                          "--max-model-len", str(opts["prompt_len"] + opts["output_len"] + k + 1),
+                          "--max-num-batched-tokens",
+                          str(max(256, max(opts["concurrency"]) * (k + 1)))]
+            if spec:
+                serve_args += ["--speculative-config", json.dumps(spec)]
+            if args.server_model:
+                serve_args += ["--model", args.server_model]
+            proc, base_url = launch(serve_args)
+        else:
+            base_url = args.base_url.rstrip("/")
+        model = args.model or served_model(base_url)
+        label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
+        results = bench(opts, base_url, model, label, k, console)
+    finally:
+        if proc is not None:
+            stop(proc)
+    results["launched_speculative_config"] = spec
+    results["plots"] = itl.write_plots(results, out)
+    results["wall_seconds"] = time.perf_counter() - start
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    wide = Console(width=max(Console().width, 170))
+    wide.print(itl.results_table(results))
+    wide.print(f"wrote {out / 'results.json'} and {', '.join(results['plots'])} in "
+               f"{results['wall_seconds']:.1f} s", markup=False, highlight=False, soft_wrap=True)
+    return 0

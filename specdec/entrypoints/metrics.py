@@ -1,0 +1,82 @@
+"""Prometheus metrics of the server (``GET /metrics``), named like vLLM's with a ``specdec:`` prefix.
+
+Per-step figures (tokens, step time, drafter time, host syncs) update after every step; the
+speculative counters per draft position update when a request finishes (or is aborted), from
+the request's own counts, so they are exact once a run is over.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ServerMetrics:
+    """One registry per server; ``engine`` gives live gauges (running, waiting, free KV blocks)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_gauges):
+        r = self.registry = CollectorRegistry()
+        running, waiting, free_blocks = engine_gauges
+        Gauge("specdec:num_requests_running", "requests in the running batch",
+              registry=r).set_function(running)
+        Gauge("specdec:num_requests_waiting", "requests queued for admission",
+              registry=r).set_function(waiting)
+        Gauge("specdec:kv_cache_free_blocks", "free KV-cache blocks",
+              registry=r).set_function(free_blocks)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("specdec:generation_tokens", "output tokens emitted",
+                                         registry=r)
+        self.finished = Counter("specdec:request_success", "finished requests by reason",
+                                ["finished_reason"], registry=r)
+        self.steps = Histogram("specdec:step_seconds", "engine step wall time (s)",
+                               buckets=STEP_BUCKETS_S, registry=r)
+        self.draft_seconds = Counter("specdec:step_draft_seconds", "drafter host wall time "
+                                     "inside steps (s)", registry=r)
+        self.host_syncs = Counter("specdec:host_syncs", "host-device syncs inside steps "
+                                  "(counted on the ragged path; padded: 0 by construction)",
+                                  registry=r)
+        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "verifying steps "
+                                  "(request x step pairs that verified drafts)", registry=r)
+        self.draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "draft tokens "
+                                    "verified", registry=r)
+        self.accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens",
+                                       "draft tokens accepted", registry=r)
+        self.draft_per_pos = Counter("specdec:spec_decode_num_draft_tokens_per_pos",
+                                     "draft tokens verified per draft position", ["position"],
+                                     registry=r)
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "draft tokens accepted per draft position",
+                                        ["position"], registry=r)
+        Gauge("specdec:spec_decode_mean_acceptance_length", "1 + accepted / verifying steps "
+              "over finished requests (1.0 without drafts)",
+              registry=r).set_function(self.mean_acceptance_length)
+        self._accepted = self._verify_steps = 0
+
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self._accepted / self._verify_steps if self._verify_steps else 1.0
+
+    def on_step(self, rec) -> None:
+        """One engine step (a ``StepRecord``)."""
+        self.steps.observe(rec.seconds)
+        self.draft_seconds.inc(rec.draft_seconds)
+        self.host_syncs.inc(rec.host_syncs)
+        self.generation_tokens.inc(sum(rec.new_tokens.values()))
+
+    def on_finish(self, req) -> None:
+        """A request left the engine (finished or aborted): its prompt and draft counts."""
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.finished.labels(req.finish_reason or "unknown").inc()
+        self.num_drafts.inc(req.num_steps_decoding)
+        self.draft_tokens.inc(sum(req.num_drafted))
+        self.accepted_tokens.inc(sum(req.num_accepted))
+        for j, (d, a) in enumerate(zip(req.num_drafted, req.num_accepted)):
+            self.draft_per_pos.labels(str(j)).inc(d)
+            self.accepted_per_pos.labels(str(j)).inc(a)
+        self._accepted += sum(req.num_accepted)
+        self._verify_steps += req.num_steps_decoding
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""``specdec serve``: flags, building the engine and app, running uvicorn (SIGTERM drains).
+
+fastapi/uvicorn/prometheus-client are imported only when the command runs (the ``serve`` extra).
+"""
+
+import argparse
+import json
+
+from specdec.cli import (DEFAULT_K, METHODS, UsageError, build_llm, default_method,
+                         speculative_config)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="target folder; heads in its sibling mtp/, eagle/, eagle3/ "
+                        "(default: the embedded model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as model (default: --model, or specdec-default)")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter (default: eagle3 if the model has an eagle3 head, else none)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"K, draft tokens per step (default {DEFAULT_K})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM-style dict; its keys override --method/-k/--no-padded")
+    p.add_argument("--no-padded", action="store_true", help="ragged drafter batch")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests per batch")
+    p.add_argument("--max-model-len", type=int, default=512, help="prompt + output tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens per engine step (prefill chunks fill what decodes leave)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond the batch before answering 503 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM, seconds running requests get to finish before abort")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+
+
+def engine_spec(args) -> dict | None:
+    method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
+    return speculative_config(method, k, not args.no_padded, args.speculative_config)
+
+
+def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s: float = 10.0):
+    """An app serving an already-built single-rank ``LLM`` (the tests use it in-process)."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    from specdec.entrypoints.api_server import ServedModel, build_app
+    from specdec.entrypoints.async_engine import AsyncEngine
+    from specdec.entrypoints.chat import load_chat_template
+    from specdec.entrypoints.metrics import ServerMetrics
+
+    engine = AsyncEngine(llm, max_waiting=max_waiting)
+    engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
+                                    lambda: len(llm.allocator.free)))
+    model_dir = llm.init_kwargs.get("model") or DEFAULT_MODEL
+    served = ServedModel(name, llm.tokenizer, load_chat_template(model_dir), llm.max_model_len,
+                         llm.target.config.vocab_size)
+    return build_app(engine, served, engine.metrics, shutdown_timeout_s)
+
+
+def run_from_args(args) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise UsageError("specdec serve needs the serve extra: pip install 'specdec[serve]'") \
+            from None
+    for name in ("max_num_seqs", "max_model_len", "max_waiting"):
+        if getattr(args, name) < (0 if name == "max_waiting" else 1):
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+    spec = engine_spec(args)
+    llm = build_llm(args.model, spec, seed=args.seed, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    name = args.served_model_name or args.model or "specdec-default"
+    app = build_server_app(llm, name, args.max_waiting, args.shutdown_timeout)
+    print(f"specdec serve: {name} on http://{args.host}:{args.port} "
+          f"speculative_config={json.dumps(spec)}", flush=True)
+    # uvicorn handles SIGTERM/SIGINT: stop accepting, let open requests finish for up to
+    # --shutdown-timeout, then the app's lifespan drains and stops the engine loop
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,347 @@
+"""``specdec serve`` over real HTTP (uvicorn in a thread, or a subprocess), with the official
+``openai`` client and raw ``httpx``; and ``specdec bench serve --launch --quick``."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.bench import serve as bench_serve
+from specdec.engine.llm import LLM
+from specdec.entrypoints.serve import build_server_app
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
+           "for i in range(10):"]
+MAX_MODEL_LEN = 128
+NAME = "specdec-test"
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free port in a daemon thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not shut down"
+
+
+def serve(llm, **kw) -> ServerThread:
+    return ServerThread(build_server_app(llm, NAME, **kw))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The module's shared server: EAGLE-3 K=3 padded on the embedded model."""
+    llm = LLM(speculative_config={"method": "eagle3", "num_speculative_tokens": 3},
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
+    s = serve(llm)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def metrics(url: str) -> dict:
+    """{sample name + labels: value} from /metrics, parsed by prometheus_client."""
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ---- correctness -------------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "ragged"])
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+def test_greedy_completions_equal_generate(method, padded):
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_padded_drafter_batch": not padded}
+    kw = dict(speculative_config=spec, dtype=torch.float64, max_model_len=MAX_MODEL_LEN)
+    expected = [o.token_ids for o in LLM(**kw).generate(PROMPTS, max_tokens=24)]
+    s = serve(LLM(**kw))
+    try:
+        c = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+
+        async def one(prompt):
+            r = await c.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                           temperature=0, extra_body={"return_token_ids": True})
+            return r.choices[0].model_extra["token_ids"]
+
+        async def all_at_once():
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+        assert asyncio.run(all_at_once()) == expected
+    finally:
+        s.close()
+
+
+def test_stream_concatenates_to_the_text(client):
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text != ""
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 40
+
+
+def test_chat_stream_concatenates_to_the_message(client):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "def add(a, b):"}],
+              max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    parts = [c.choices[0].delta.content or "" for c in
+             client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content != ""
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_stop_strings_and_stop_token_ids(client):
+    base = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    text, ids = base.choices[0].text, base.choices[0].model_extra["token_ids"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    by_id = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40,
+                                      temperature=0, extra_body={"stop_token_ids": [ids[5]],
+                                                                 "return_token_ids": True})
+    assert by_id.choices[0].model_extra["token_ids"] == ids[:ids.index(ids[5]) + 1]
+    assert by_id.choices[0].finish_reason == "stop"
+
+
+def test_64_concurrent_streams_complete_with_usage(server):
+    lengths = [4 + (7 * i) % 29 for i in range(64)]
+    prompts = [[(31 * i + j) % 2000 + 1 for j in range(3 + i % 40)] for i in range(64)]
+
+    async def one(http, prompt, n):
+        body = dict(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True, stream=True,
+                    return_token_ids=True, stream_options={"include_usage": True})
+        tokens, usage, reason = 0, None, None
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                usage = event["usage"] or usage
+                for ch in event["choices"]:
+                    tokens += len(ch["token_ids"])
+                    reason = ch["finish_reason"] or reason
+        return tokens, usage, reason
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=70)) as h:
+            return await asyncio.gather(*(one(h, p, n) for p, n in zip(prompts, lengths)))
+
+    for (tokens, usage, reason), p, n in zip(asyncio.run(main()), prompts, lengths):
+        assert tokens == n and reason == "length"
+        assert usage == {"prompt_tokens": len(p), "completion_tokens": n,
+                         "total_tokens": len(p) + n}
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    allocator = server.app.state.engine.llm.allocator
+    start = metrics(server.url)
+    assert start["specdec:kv_cache_free_blocks"] == len(allocator.free)
+    body = dict(prompt=PROMPTS[0], max_tokens=100, temperature=0, ignore_eos=True, stream=True)
+    with httpx.Client(timeout=60) as h, h.stream("POST", f"{server.url}/v1/completions",
+                                                 json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert metrics(server.url)["specdec:num_requests_running"] == 1
+    deadline = time.monotonic() + 30
+    while True:
+        now = metrics(server.url)
+        if now["specdec:num_requests_running"] == 0 and now["specdec:num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, "the aborted request is still in the engine"
+        time.sleep(0.05)
+    assert now["specdec:kv_cache_free_blocks"] == start["specdec:kv_cache_free_blocks"]
+    assert len(allocator.free) == start["specdec:kv_cache_free_blocks"]
+    key = 'specdec:request_success_total{"finished_reason": "abort"}'
+    assert now[key] == start.get(key, 0) + 1
+    assert now["specdec:generation_tokens_total"] < start["specdec:generation_tokens_total"] + 100
+
+
+# ---- errors ------------------------------------------------------------------------------------
+TOO_LONG = list(range(1, MAX_MODEL_LEN + 1))
+BAD = [  # (path, body, param named)
+    ("completions", b"{not json", None),
+    ("completions", b"[1, 2]", None),
+    ("completions", {"max_tokens": 4}, "prompt"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [99999]}, "prompt"),
+    ("completions", {"prompt": TOO_LONG, "max_tokens": 1}, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "x", "seed": 1.5}, "seed"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ("completions", {"prompt": "x", "stop": 7.5}, "stop"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": -1}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_field(server, path, body, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v1/{path}", headers={"Content-Type": "application/json"}, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["param"] == param
+    assert (param or "JSON").split(".")[0] in err["message"]
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", temperature=9)
+
+
+def test_unknown_model_is_404(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_queue_full_is_503(server):
+    engine = server.app.state.engine
+    engine.max_waiting = 0
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    finally:
+        engine.max_waiting = 256
+    assert r.status_code == 503 and "max_waiting=0" in r.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/v1/completions",
+                      json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_engine_error_fails_that_step_only(server, client):
+    runner = server.app.state.engine.llm.runner
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    before = client.completions.create(**kw).choices[0].text
+    execute = runner.execute
+
+    def broken(batch):
+        runner.execute = execute  # fail exactly one step
+        raise RuntimeError("injected device fault")
+
+    runner.execute = broken
+    r = httpx.post(f"{server.url}/v1/completions", json=kw, timeout=60)
+    assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"]
+    assert client.completions.create(**kw).choices[0].text == before  # still serving, same text
+
+
+# ---- the other endpoints -----------------------------------------------------------------------
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_metrics_parse_and_count(server, client):
+    client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    m = metrics(server.url)
+    for name in ("specdec:num_requests_running", "specdec:num_requests_waiting",
+                 "specdec:generation_tokens_total", "specdec:step_seconds_count",
+                 "specdec:spec_decode_num_drafts_total", "specdec:host_syncs_total",
+                 "specdec:spec_decode_mean_acceptance_length"):
+        assert name in m
+    drafted = [m[f'specdec:spec_decode_num_draft_tokens_per_pos_total{{"position": "{j}"}}']
+               for j in range(3)]
+    accepted = [m[f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{"position": "{j}"}}']
+                for j in range(3)]
+    assert all(0 <= a <= d for a, d in zip(accepted, drafted)) and sum(accepted) > 0
+    assert m["specdec:spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m["specdec:spec_decode_num_accepted_tokens_total"]
+        / m["specdec:spec_decode_num_drafts_total"])
+    assert m["specdec:host_syncs_total"] == 0  # padded
+
+
+# ---- subprocesses: SIGTERM, and the endpoint harness -------------------------------------------
+def test_sigterm_lets_the_running_request_finish():
+    proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128"])
+    try:
+        result = {}
+
+        def stream():
+            body = dict(prompt="x = ", max_tokens=60, temperature=0, ignore_eos=True,
+                        stream=True, stream_options={"include_usage": True})
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                result["lines"] = [line for line in r.iter_lines() if line]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while httpx.get(f"{url}/health").json()["running"] == 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the captured SIGTERM once its graceful shutdown is done
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        t.join(10)
+        assert result["lines"][-1] == "data: [DONE]"
+        assert json.loads(result["lines"][-2][6:])["usage"]["completion_tokens"] == 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bench_serve_launch_quick(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--launch",
+                          "--quick", "--repeats", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["schema_version"] == bench_serve.SCHEMA_VERSION and r["kind"] == "endpoint"
+    assert {"itl", "itl_chunk", "ttft", "tpot", "e2e"} <= set(r["definitions"])
+    assert [c["concurrency"] for c in r["configs"]] == [1, 4]
+    for name in r["plots"]:
+        assert (tmp_path / name).stat().st_size > 0
+    for c in r["configs"]:
+        s = c["summary"]
+        assert {"itl_ms", "itl_chunk_ms", "tpot_ms", "ttft_ms", "e2e_ms"} <= set(s)
+        assert s["acceptance_length"] > 1 and len(s["per_position_acceptance_rate"]) == 3
+        assert s["output_tokens"] == 2 * c["concurrency"] * 32
+        for rep in c["repeats"]:
+            assert len(rep["requests"]) == c["concurrency"]
+            for q in rep["requests"]:
+                assert q["output_tokens"] == sum(q["chunk_tokens"]) == 32
+                assert len(q["itl_ms"]) == 32 - q["chunk_tokens"][0]
+                assert sum(q["itl_ms"]) == pytest.approx(q["e2e_ms"] - q["ttft_ms"], rel=1e-9)
