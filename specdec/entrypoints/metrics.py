@@ -62,7 +62,8 @@ class ServerMetrics:
         """One engine step (a ``StepRecord``)."""
         self.steps.observe(rec.seconds)
         self.draft_seconds.inc(rec.draft_seconds)
-        self.host_syncs.inc(rec.host_syncs)
+        if rec.host_syncs is not None:  # counted only when the engine checks them
+            self.host_syncs.inc(rec.host_syncs)
         self.generation_tokens.inc(sum(rec.new_tokens.values()))
 
     def on_finish(self, req) -> None:
