@@ -157,6 +157,8 @@ def cmd_generate(args) -> int:
     except (ValueError, TypeError) as e:  # e.g. a str prompt for a model without a tokenizer
         raise UsageError(f"cannot generate: {e}") from None
     seconds = time.perf_counter() - start
+    if out.finish_reason == "error":
+        raise UsageError(f"the request failed: {out.error}")
     text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
     console.print(args.prompt + text + "\n", markup=False, highlight=False)
     console.print(stats_table(out, seconds, spec))

@@ -22,9 +22,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
+DEFAULT_MAX_MODEL_LEN = 512  # or the model's max_position_embeddings when smaller
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, bounded by the model
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     block_size: int = 16
@@ -38,7 +41,9 @@ class EngineConfig:
     data_parallel_timeout: float = 600.0  # seconds a DP run may take before it is failed
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, lo=1)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "data_parallel_size"):
             check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0, hi=SEED_MAX)
@@ -63,8 +68,11 @@ class EngineConfig:
                              f">= 1 + num_speculative_tokens ({1 + k})")
 
     def check_model(self, config: LlamaConfig) -> None:
-        """max_model_len is bounded by the positions the target was built for."""
+        """max_model_len is bounded by the positions the target was built for (None becomes
+        the default, or the model's bound when that is smaller)."""
         limit = config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len}: allowed 1 <= max_model_len <= "
                              f"{limit} (the model's max_position_embeddings)")

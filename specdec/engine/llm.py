@@ -55,7 +55,7 @@ class StepRecord:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, speculative_config=None, *,
-                 max_model_len: int = 512, max_num_seqs: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 256, block_size: int = 16,
                  dtype: str | torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
@@ -75,11 +75,12 @@ class LLM:
             raise TypeError(f"dp={dp!r}: must be a DPContext or None")
         self.config = cfg
         self.data_parallel_size = data_parallel_size
-        self.device, self.max_model_len = cfg.device, max_model_len
+        self.device = cfg.device
         # everything below is checked here, on the parent too, before any DP rank starts
         self.spec = parse_speculative_config(speculative_config)
         target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, cfg.device)
         cfg.check_model(target.config)
+        self.max_model_len = max_model_len = cfg.max_model_len
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
         self.target = target.eval()
@@ -154,10 +155,11 @@ class LLM:
     def step(self) -> StepRecord | None:
         """Run one engine step; None once every DP rank is out of work.
 
-        If the step raises (an I/O error writing hidden states, a device fault, Ctrl-C), the
-        requests it had scheduled are finished with reason "error" (their blocks and rows
-        freed, ``error`` says why) and the exception propagates; the engine stays usable and
-        every other request goes on."""
+        A request whose result cannot be applied (``_update``) is finished with reason
+        "error". If the step itself raises (a device fault, Ctrl-C), the requests it had
+        scheduled are finished with reason "error" (blocks and rows freed, ``error`` says why)
+        and the exception propagates; the engine stays usable and every other request goes
+        on."""
         self._check_single_rank("step")
         try:
             return self._step()
@@ -165,7 +167,7 @@ class LLM:
             for s in self.scheduler.scheduled:
                 if s.request.status != Status.FINISHED:
                     s.request.error = f"{type(e).__name__}: {e}"
-                    self.scheduler.finish(s.request, "error")
+                    self.scheduler.abort(s.request, "error")
             raise
 
     def _step(self) -> StepRecord | None:
@@ -200,6 +202,16 @@ class LLM:
         return rec
 
     def _update(self, s, sampled: list[int], draft: list[int]) -> int:
+        """``_apply`` for one request; if it raises (e.g. extract_hidden_states cannot write
+        its file), that request alone is finished with reason "error" and the step goes on."""
+        try:
+            return self._apply(s, sampled, draft)
+        except Exception as e:
+            s.request.error = f"{type(e).__name__}: {e}"
+            self.scheduler.abort(s.request, "error")
+            return 0
+
+    def _apply(self, s, sampled: list[int], draft: list[int]) -> int:
         """Apply one step's result to a request; returns the number of tokens emitted."""
         r = s.request
         if s.is_discarded:  # a partial prefill chunk: its sampled token is junk
