@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -43,7 +44,7 @@ from specdec.engine.llm import DEFAULT_MODEL
 from specdec.engine.sequence import SamplingParams
 from specdec.train import data
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp")
 MODES = ("padded", "ragged")
 # sweep keys -> defaults (the full CPU sweep); lists are crossed, scalars apply to every config
@@ -73,7 +74,9 @@ DEFINITIONS = {
     "collectives_per_step": "DP collectives issued per step",
     "dp": "with dp > 1 each rank runs its share of the requests (round-robin); its chunk "
           "arrivals are its cumulative step seconds; steps and requests are pooled over ranks",
-    "spread": "std / min / max over repeats of the per-repeat value",
+    "spread": "std / min / max / p10 / p90 over repeats of the per-repeat value",
+    "warnings": "load on the machine during the run, and padded/ragged pairs whose "
+                "difference in mean ITL is smaller than the spread of either",
 }
 
 
@@ -298,9 +301,10 @@ def repeat_figures(raw: dict) -> dict:
 def _spread(values: list) -> dict:
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
     if v.size == 0:
-        return dict(mean=None, std=None, min=None, max=None)
+        return dict(mean=None, std=None, min=None, max=None, p10=None, p90=None)
+    p10, p90 = np.percentile(v, [10, 90])
     return dict(mean=float(v.mean()), std=float(v.std(ddof=1)) if v.size > 1 else 0.0,
-                min=float(v.min()), max=float(v.max()))
+                min=float(v.min()), max=float(v.max()), p10=float(p10), p90=float(p90))
 
 
 def summarize(reps: list[dict]) -> dict:
@@ -359,6 +363,7 @@ def environment(sweep: dict) -> dict:
         device_name=(torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"),
         torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        load_average_1_5_15min=list(os.getloadavg()),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
@@ -422,6 +427,7 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     """Build, warm up, run the interleaved repeats; -> the results dict (see DEFINITIONS)."""
     console = console or Console(stderr=True)
     start = time.perf_counter()
+    load_start = list(os.getloadavg())
     phases = {}
     torch.manual_seed(sweep["seed"])
     configs = expand(sweep)
@@ -460,11 +466,43 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
             entry.update(status="skipped", reason=skipped[c.engine_key])
         results.append(entry)
     phases["sweep_s"] = time.perf_counter() - start
-    return dict(schema_version=SCHEMA_VERSION, definitions=DEFINITIONS,
-                environment=environment(sweep),
+    env = dict(environment(sweep), load_average_at_start_1_5_15min=load_start)
+    return dict(schema_version=SCHEMA_VERSION, definitions=DEFINITIONS, environment=env,
                 sweep={**sweep, "model": str(sweep["model"] or DEFAULT_MODEL)},
                 prompt_source=source.kind if source else None, phase_seconds=phases,
-                configs=results)
+                configs=results, warnings=load_warnings(env) + comparison_warnings(results))
+
+
+def load_warnings(env: dict) -> list[str]:
+    """A busy machine inflates every latency: say so when the 1-minute load average, at the
+    start or the end, exceeds half the CPUs."""
+    cpus = env["cpu_count"] or 1
+    load = max(env["load_average_at_start_1_5_15min"][0], env["load_average_1_5_15min"][0])
+    if load <= cpus / 2:
+        return []
+    return [f"load average {load:.1f} on {cpus} CPUs ({env['torch_threads']} torch threads): "
+            "other processes competed for the CPUs; latencies are not comparable to an idle "
+            "machine's"]
+
+
+def comparison_warnings(configs: list[dict]) -> list[str]:
+    """A padded/ragged pair whose mean-ITL difference is within either one's spread (the std
+    of its per-repeat means) is not a measured difference."""
+    by_key = {(c["method"], c["k"], c["concurrency"], c["prompt_len"], c["output_len"],
+               c["mode"]): c for c in configs if c["status"] == "ok"}
+    out = []
+    for key, padded in by_key.items():
+        ragged = by_key.get(key[:-1] + ("ragged",))
+        if key[-1] != "padded" or ragged is None:
+            continue
+        a, b = (c["summary"]["spread"]["itl_mean_ms"] for c in (padded, ragged))
+        diff = abs(a["mean"] - b["mean"])
+        spread = max(a["std"], b["std"])
+        if spread > diff:
+            out.append(f"{padded['method']} K={key[1]} conc={key[2]}: padded vs ragged mean ITL "
+                       f"differ by {diff:.3f} ms, less than the spread over repeats "
+                       f"({spread:.3f} ms std): no measured difference")
+    return out
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -472,31 +510,31 @@ def _f(x, fmt=".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL mean", "p99", "TTFT", "tok/s", "acc len",
+                 "acc rate per position", "syncs")  # every other figure is in results.json
+WRAPPING = ("method", "acc rate per position")  # may wrap; the numbers never do
+
+
 def results_table(results: dict) -> Table:
     sw = results["sweep"]
     t = Table(title=f"ITL sweep: {sw['repeats']} repeats, dp={sw['dp']}, latencies in ms",
-              caption="tok/s: mean±std over repeats; acc len = 1 + accepted / verifying steps; "
-                      "draft %: drafter share of step time; syncs, coll: host-device syncs and "
-                      "DP collectives per step", header_style="bold")
-    for col in ("method", "mode", "K", "conc", "in/out", "ITL mean", "p50", "p90", "p99",
-                "TPOT", "TTFT", "E2E", "tok/s", "acc len", "acc rate", "per position",
-                "draft %", "syncs", "coll"):
+              caption="tok/s: mean over repeats; acc len = 1 + accepted / verifying steps; "
+                      "syncs: host-device syncs per step; all figures in results.json",
+              header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in TABLE_COLUMNS:
         t.add_column(col, justify="left" if col in ("method", "mode") else "right",
-                     no_wrap=col in ("method", "per position"))
+                     no_wrap=col not in WRAPPING)
     for c in results["configs"]:
         if c["status"] != "ok":
             continue
         s = c["summary"]
-        itl, tps = s["itl_ms"], s["spread"]["output_tokens_per_s"]
+        itl = s["itl_ms"]
         t.add_row(
-            c["method"], c["mode"], str(c["k"] or "-"), str(c["concurrency"]),
-            f"{c['prompt_len']}/{c['output_len']}", _f(itl["mean"]), _f(itl["p50"]),
-            _f(itl["p90"]), _f(itl["p99"]), _f(s["tpot_ms"]["mean"]), _f(s["ttft_ms"]["mean"]),
-            _f(s["e2e_ms"]["mean"], ".0f"), f"{tps['mean']:.0f}±{tps['std']:.0f}",
-            _f(s["acceptance_length"]), _f(s["acceptance_rate"]),
+            c["method"], c["mode"], str(c["k"] or "-"), str(c["concurrency"]), _f(itl["mean"]),
+            _f(itl["p99"]), _f(s["ttft_ms"]["mean"], ".1f"), f"{s['output_tokens_per_s']:.0f}",
+            _f(s["acceptance_length"]),
             " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
-            _f(100 * s["drafter_share"], ".0f"), _f(s["host_syncs_per_step"], ".1f"),
-            _f(s["collectives_per_step"], ".1f"))
+            _f(s["host_syncs_per_step"], ".1f"))
     return t
 
 
@@ -507,6 +545,26 @@ def skipped_lines(results: dict) -> list[str]:
         if c["status"] == "skipped":
             seen.setdefault((c["method"], c["mode"], c["k"]), c["reason"])
     return [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
+
+
+def series_style(method: str, mode: str, hue: int, palette) -> dict:
+    """Padded and ragged differ in colour (dark / light shade of the method's hue), line and
+    marker; the no-speculation baseline is black."""
+    ragged = mode == "ragged"
+    return dict(color="black" if method == "none" else palette[2 * hue + ragged],
+                linestyle="--" if ragged else "-", marker="s" if ragged else "o")
+
+
+def percentile_band(spreads: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """-> (means, [below, above]): the asymmetric p10-p90 band of the per-repeat values as
+    errorbar offsets, e.g. mean 5, p10 4, p90 9 -> below 1, above 4 (never a negative
+    offset, so never a bar below the smallest repeat)."""
+    mid = [sp["mean"] if sp["mean"] is not None else np.nan for sp in spreads]
+    below = [max(m - sp["p10"], 0.0) if sp["p10"] is not None else 0.0
+             for m, sp in zip(mid, spreads)]
+    above = [max(sp["p90"] - m, 0.0) if sp["p90"] is not None else 0.0
+             for m, sp in zip(mid, spreads)]
+    return mid, [below, above]
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
@@ -539,30 +597,28 @@ def write_plots(results: dict, out: Path) -> list[str]:
     for c in ok:
         groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"], c["mode"]),
                           []).append(c)
-    for fname, ylabel, value, err in (
-            ("itl_vs_concurrency.png", "mean ITL (ms)",
-             lambda s: s["itl_ms"]["mean"], lambda s: s["spread"]["itl_mean_ms"]["std"]),
-            ("throughput_vs_concurrency.png", "output tokens/s",
-             lambda s: s["output_tokens_per_s"], lambda s: s["spread"]["output_tokens_per_s"]["std"])):
+    palette = plt.get_cmap("tab20").colors  # pairs: dark (padded), light (ragged) of a hue
+    for fname, ylabel, key in (("itl_vs_concurrency.png", "mean ITL (ms)", "itl_mean_ms"),
+                               ("throughput_vs_concurrency.png", "output tokens/s",
+                                "output_tokens_per_s")):
         fig, ax = plt.subplots(figsize=(8, 5))
-        colors = {}
+        hues = {}
         for (method, k, p, o, mode), cs in groups.items():
             cs = sorted(cs, key=lambda c: c["concurrency"])
-            color = colors.setdefault((method, k), f"C{len(colors) % 10}")
+            hue = hues.setdefault((method, k), len(hues) % 10)
             label = "none" if method == "none" else f"{method} k{k} {mode}"
             label += f" p{p}/o{o}" if len({(g[2], g[3]) for g in groups}) > 1 else ""
-            ax.errorbar([c["concurrency"] for c in cs], [value(c["summary"]) or np.nan for c in cs],
-                        yerr=[err(c["summary"]) or 0.0 for c in cs], capsize=3, label=label,
-                        color="black" if method == "none" else color,
-                        linestyle="--" if mode == "ragged" else "-",
-                        marker="s" if mode == "ragged" else "o")
+            mid, band = percentile_band([c["summary"]["spread"][key] for c in cs])
+            ax.errorbar([c["concurrency"] for c in cs], mid, yerr=band, capsize=3, label=label,
+                        **series_style(method, mode, hue, palette))
         ax.set_xscale("log", base=2)
         concs = sorted({c["concurrency"] for c in ok})
         ax.set_xticks(concs, [str(c) for c in concs])
         ax.minorticks_off()
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} vs concurrency: padded (solid) vs ragged (dashed)")
+        ax.set_title(f"{ylabel} vs concurrency (bars: p10-p90 over repeats): padded (solid, "
+                     "circles) vs ragged (dashed, squares)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -633,8 +689,10 @@ def run_from_args(args) -> int:
     results["phase_seconds"]["plots_s"] = time.perf_counter() - t
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    console = Console(width=max(Console().width, 170))
+    console = Console()
     console.print(results_table(results))
+    for line in results["warnings"]:
+        console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
     for line in skipped_lines(results):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots']) or 'no plots'} "
