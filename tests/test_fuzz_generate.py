@@ -14,8 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec.engine.inputs import DEFAULT_MODEL
-from specdec.engine.llm import LLM
+from specdec.engine.llm import DEFAULT_MODEL, LLM
 
 MAX_MODEL_LEN = 48
 VOCAB = 2048  # the embedded model's vocabulary

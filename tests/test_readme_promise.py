@@ -35,6 +35,7 @@ LLM_CASES = [  # LLM(**kwargs) -> the field named
     ({"speculative_config": {**SPEC, "draft_model_config": 1}}, "draft_model_config"),
     ({"target": "llama"}, "target"), ({"tokenizer": 1}, "tokenizer"), ({"model": 1}, "model"),
     ({"dp": "rank0"}, "dp"),
+    ({"speculative_config": SPEC, "draft_head": "mtp"}, "draft_head"),
 ]
 
 

@@ -72,13 +72,13 @@ def as_prompt_list(prompts) -> list:
 
 def encode_prompt(name: str, prompt, tokenizer, vocab_size: int) -> list[int]:
     """One prompt -> its token ids, each in ``[0, vocab_size)``, at least one."""
+    ids = prompt
     if isinstance(prompt, str):
         if tokenizer is None:
             raise TypeError(f"{name} is a str but the model has no tokenizer.json; pass token "
                             "ids (list[int])")
         ids = tokenizer.encode(prompt).ids
-    else:
-        ids = check_token_ids(name, prompt, vocab_size)
+    ids = check_token_ids(name, ids, vocab_size)
     if not ids:
         raise ValueError(f"{name}={prompt!r} is empty: give at least one token")
-    return check_token_ids(name, ids, vocab_size)
+    return ids

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.models.heads import load_head
+from specdec.models.heads import DraftHead, load_head
 from specdec.models.llama import LlamaForCausalLM
 from specdec.proposers.registry import get_proposer_class
 
@@ -32,6 +32,9 @@ def load_checked_head(spec: SpeculativeConfig, target: LlamaForCausalLM, *, mode
     if spec.method == "extract_hidden_states":
         head, where = None, None
     elif draft_head is not None:
+        if not isinstance(draft_head, DraftHead):
+            raise TypeError(f"draft_head={draft_head!r}: must be a DraftHead (see "
+                            "specdec.models.heads) or None")
         head, where = draft_head, "draft_head"
     else:
         path = find_head_dir(spec, model_dir)
