@@ -95,7 +95,6 @@ def test_ranks_exit_when_the_parent_dies(tmp_path, sig):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["-k", "0", "--method", "mtp"], "num_speculative_tokens=0"),
     (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2, '
       '"draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}'], "has 2 ids"),
     (["--temperature", "nan"], "--temperature=nan"),

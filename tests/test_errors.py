@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.cli import main
-from specdec.config import SpeculativeConfig
 from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.models.heads import build_head
@@ -391,13 +390,6 @@ def test_17_bad_generate_arguments_raise_value_or_type_error(llm, prompts, kwarg
     with pytest.raises(exc, match=match):
         llm.generate(prompts, max_tokens=2, **kwargs)
     assert_idle(llm)
-
-
-def test_17_speculative_config_types():
-    with pytest.raises(TypeError, match="speculative config must be a dict"):
-        SpeculativeConfig.from_dict(5)
-    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
-        SpeculativeConfig("mtp", 0)
 
 
 # ---- 18. sampling and batch neighbours: documented ------------------------------------------
