@@ -13,7 +13,6 @@ draft is accepted (the best case of speculation at the real cost per step).
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec import LLM
+from specdec.bench.itl import copy_bandwidth
 from specdec.models.synthetic import build_synthetic, weight_bytes
 
 def configs(backends: list[str]) -> list[tuple[str, bool, str]]:
@@ -32,19 +32,6 @@ def configs(backends: list[str]) -> list[tuple[str, bool, str]]:
             if method != "none" and backend == "eager":
                 out.append((method, False, backend))
     return out
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    torch.cuda.synchronize(device)
-    return 2 * x.numel() * 5 / (time.perf_counter() - t)
 
 
 def build(model: str, method: str, padded: bool, backend: str, conc: int, device, k: int):

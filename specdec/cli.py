@@ -10,13 +10,17 @@ A bad flag or a bad speculative config prints one line on stderr and exits with 
 """
 
 import argparse
+import importlib.metadata
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from specdec.config import default_aux_layer_ids
 
 # --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
 METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states")
@@ -110,23 +114,53 @@ def stats_table(out, seconds: float, spec: dict | None) -> Table:
     return table
 
 
+def extract_hidden_states_config(model: str | None, output_dir: str | None) -> dict:
+    """draft_model_config for ``--method extract_hidden_states``: ``--output-dir`` and vLLM's
+    default aux layers (2, L // 2, L - 3) of the target's L layers."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    from specdec.models.checkpoint import load_config
+    if output_dir is None:
+        raise UsageError("--method extract_hidden_states needs --output-dir DIR (where the "
+                         "hidden-state files are written)")
+    try:
+        layers = load_config(Path(model) if model is not None else DEFAULT_MODEL)[
+            "num_hidden_layers"]
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--model={model!r}: cannot read num_hidden_layers ({e})") from None
+    return {"output_dir": output_dir,
+            "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(layers))}
+
+
 def cmd_generate(args) -> int:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens={args.max_tokens} must be >= 1")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails ">= 0"
+        raise UsageError(f"--temperature={args.temperature} must be finite and >= 0 "
+                         "(0 = greedy)")
     method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
+    if method == "extract_hidden_states":
+        k = 1  # the only K it runs with
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
+    if method == "extract_hidden_states":
+        spec["draft_model_config"] = {**extract_hidden_states_config(args.model, args.output_dir),
+                                      **spec.get("draft_model_config", {})}
     llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed)
-    start = time.perf_counter()
+    console = Console(width=max(Console().width, 120))
     try:
-        out = llm.generate([args.prompt], max_tokens=args.max_tokens,
+        if method == "torchair-mtp":  # graph compilation is not decoding: time it apart
+            start = time.perf_counter()
+            llm.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+            console.print(f"graph compile + warm-up: {time.perf_counter() - start:.1f} s "
+                          "(not counted in tok/s)", highlight=False)
+        start = time.perf_counter()
+        out = llm.generate(args.prompt, max_tokens=args.max_tokens,
                            temperature=args.temperature)[0]
     except (ValueError, TypeError) as e:  # e.g. a str prompt for a model without a tokenizer
         raise UsageError(f"cannot generate: {e}") from None
     seconds = time.perf_counter() - start
-    console = Console(width=max(Console().width, 120))
+    if out.finish_reason == "error":
+        raise UsageError(f"the request failed: {out.error}")
     text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
     console.print(args.prompt + text + "\n", markup=False, highlight=False)
     console.print(stats_table(out, seconds, spec))
@@ -155,6 +189,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="target folder; heads are found in its sibling mtp/, eagle/, eagle3/ "
                         "(default: the embedded model)")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="--method extract_hidden_states: the (empty) folder its "
+                        "<request id>.safetensors files go to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.set_defaults(func=cmd_generate)
@@ -190,7 +227,9 @@ def import_bench():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="specdec", description="Speculative decoding with padded drafters.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser.add_argument("--version", action="version",
+                        version=f"specdec {importlib.metadata.version('specdec')}")
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
@@ -200,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # plain ``specdec``: say what it can do
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except UsageError as e:

@@ -122,9 +122,15 @@ class SpeculativeConfig:
         default (2, L // 2, L - 3). E.g. L = 32 -> (2, 16, 29)."""
         n = num_target_layers
         ids = self.aux_layer_ids_configured
-        ids = tuple(ids) if ids is not None else (2, n // 2, n - 3)
+        ids = tuple(ids) if ids is not None else default_aux_layer_ids(n)
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)} has {bad} outside "
                              f"[0, {n}) for a target with num_target_layers={n}")
         return ids
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 aux layers of an L-layer target: (2, L // 2, L - 3)."""
+    n = num_target_layers
+    return (2, n // 2, n - 3)

@@ -49,20 +49,41 @@ def triton_available(device: torch.device) -> bool:
     return False
 
 
+def available_devices() -> list[str]:
+    """The devices this process can use, e.g. ``['cpu']`` or ``['cpu', 'cuda:0', 'cuda:1']``."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    npu = getattr(torch, "npu", None)  # registered once torch_npu is imported
+    if npu is not None and npu.is_available():
+        found += [f"npu:{i}" for i in range(npu.device_count())]
+    return found
+
+
 def torch_device(spec: str | torch.device) -> torch.device:
     """``torch.device(spec)``, importing ``torch_npu`` first for an ``npu`` device (it
-    registers the device type). ValueError when ``npu`` is asked for without torch_npu."""
+    registers the device type). ValueError naming the available devices when ``spec`` is not
+    a device, asks for ``npu`` without torch_npu, or is not available in this process
+    (``torch_device("cuda")`` on a CPU-only build)."""
+    if not isinstance(spec, (str, torch.device)):
+        raise TypeError(f"device={spec!r}: must be a str or torch.device")
     name = str(spec)
     if name.split(":")[0] == "npu":
         if not _has_module("torch_npu"):
             raise ValueError(f"device={name!r} needs torch_npu, which is not installed; "
-                             "allowed without it: cpu, cuda")
+                             f"available: {available_devices()}")
         importlib.import_module("torch_npu")
     try:
-        return torch.device(spec)
+        device = torch.device(spec)
     except RuntimeError as e:
-        raise ValueError(f"device={name!r} is not a torch device; allowed: cpu, cuda[:i], "
-                         "npu[:i] (with torch_npu)") from e
+        raise ValueError(f"device={name!r} is not a torch device; available: "
+                         f"{available_devices()}") from e
+    available = available_devices()
+    index = 0 if device.index is None else device.index
+    if device.type != "cpu" and f"{device.type}:{index}" not in available:
+        raise ValueError(f"device={name!r} is not available in this process; available: "
+                         f"{available}")
+    return device
 
 
 def compile_graph(fn, backend: str = "inductor"):

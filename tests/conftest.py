@@ -1,13 +1,22 @@
-"""Shared test set-up: a seeded hypothesis profile and a random speculative-step batch."""
+"""Shared test set-up: the sync check on, a seeded hypothesis profile, a random speculative-step
+batch, and a tiny model saved to disk with one engine over it."""
 
 import math
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+
+from specdec.engine.llm import LLM
+from specdec.models.heads import build_head
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.train import data
+
+from helpers import AUX, MAX_POS
 
 # every engine step of the suite runs under the host-sync guard (padded: none allowed)
 os.environ.setdefault("SPECDEC_CHECK_HOST_SYNCS", "1")
@@ -119,3 +128,30 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
 def step_batch():
     """make_step_batch(b, k, seed); session-scoped so hypothesis tests can use it."""
     return make_step_batch
+
+
+# ---- a tiny model saved to disk, and one engine over it (test_errors, test_readme_promise) --
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """root/{target,mtp,eagle,eagle3}: a tiny target with a BPE tokenizer and its three heads."""
+    root = tmp_path_factory.mktemp("errors")
+    tok = data.train_tokenizer(data.read_texts(data.list_files()[0][:3]), 300)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      eos_token_id=0, max_position_embeddings=MAX_POS)
+    target = LlamaForCausalLM(cfg).eval()
+    target.save_pretrained(root / "target", dtype=torch.float32)
+    tok.save(str(root / "target" / "tokenizer.json"))
+    for method in ("mtp", "eagle", "eagle3"):
+        extra = dict(eagle_aux_hidden_state_layer_ids=AUX, draft_vocab_size=48) \
+            if method == "eagle3" else {}
+        build_head(method, target, **extra).save_pretrained(root / method, dtype=torch.float32)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llm(folder) -> LLM:
+    """One shared engine (EAGLE-3, K=2); every test leaves it idle."""
+    return LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},
+               max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)

@@ -1,11 +1,17 @@
-"""Shared test builders: tiny seeded models and heads, engines over them, dense references.
+"""Shared test builders: tiny seeded models and heads, engines over them, dense references,
+a tiny model saved to disk (with its fixtures) and the ways to corrupt it.
 
 Engine tests use ``tiny_target``/``tiny_head`` (float64, vocab 96) and ``moe_target``; model
 tests use ``tiny_model``/``tiny_model_head`` (float32, vocab 61, non-trivial norms and biases).
 """
 
-import torch
+import json
+from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.cli import main
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.llama import LlamaConfig, LlamaForCausalLM
@@ -127,3 +133,64 @@ def head_inputs(method, target, ids):
     t = ids.shape[-1]
     hidden, aux = target(ids, torch.arange(t), aux_layer_ids=(1, 2, 3) if method == "eagle3" else ())
     return aux if method == "eagle3" else hidden
+
+
+# ---- a tiny model on disk (errors, the README promise) ----------------------------------------
+MAX_POS = 128
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_exit_2(code, err, *needles):
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def truncate(path: Path) -> None:
+    data_ = path.read_bytes()
+    path.write_bytes(data_[:len(data_) // 2])
+
+
+def set_tensor(path: Path, name: str, fn) -> None:
+    tensors = load_file(str(path))
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, str(path))
+
+
+CORRUPTIONS = {
+    "truncated target weights": ("target/model.safetensors", truncate, "not a readable"),
+    "truncated head weights": ("eagle3/model.safetensors", truncate, "not a readable"),
+    "config.json is a list": ("target/config.json", lambda p: p.write_text("[1, 2]"),
+                              "must be a JSON object"),
+    "config.json is not JSON": ("target/config.json", lambda p: p.write_text("{bad"),
+                                "not valid JSON"),
+    "head config.json is not JSON": ("eagle3/config.json", lambda p: p.write_text("{"),
+                                     "not valid JSON"),
+    "corrupted tokenizer.json": ("target/tokenizer.json", lambda p: p.write_text("{bad"),
+                                 "not a readable tokenizer"),
+    "d2t outside the target vocab": (
+        "eagle3/model.safetensors",
+        lambda p: set_tensor(p, "d2t", lambda t: t + 10_000), "d2t[0]=10000"),
+    "NaN in a target weight": (
+        "target/model.safetensors",
+        lambda p: set_tensor(p, "model.layers.1.mlp.up_proj.weight",
+                             lambda t: t.index_fill(0, torch.tensor([3]), float("nan"))),
+        "'model.layers.1.mlp.up_proj.weight' holds non-finite"),
+    "all-NaN lm_head": ("target/model.safetensors",
+                        lambda p: set_tensor(p, "lm_head.weight",
+                                             lambda t: torch.full_like(t, float("nan"))),
+                        "'lm_head.weight' holds non-finite"),
+    "inf in a head weight": ("eagle3/model.safetensors",
+                             lambda p: set_tensor(p, "fc.weight",
+                                                  lambda t: t.fill_(float("inf"))),
+                             "'fc.weight' holds non-finite"),
+    "eos_token_id outside the vocab": (
+        "target/config.json",
+        lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "eos_token_id": 10**6})),
+        "eos_token_id=1000000"),
+}

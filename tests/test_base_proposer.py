@@ -74,12 +74,13 @@ def test_padded_rows_out_of_range():
         p.start_draft_loop(torch.zeros(2, dtype=torch.int64), i32([1, 1]), None, 5)
 
 
-@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("block_size", 2.0),
-                                         ("vocab_size", True), ("max_model_len", -3)])
-def test_constructor_validates_sizes(field, value):
+@pytest.mark.parametrize("field,value,exc", [
+    ("max_num_seqs", 0, ValueError), ("block_size", 2.0, TypeError),
+    ("vocab_size", True, TypeError), ("max_model_len", -3, ValueError)])
+def test_constructor_validates_sizes(field, value, exc):
     kw = dict(max_num_seqs=4, max_num_tokens=64, block_size=4, max_model_len=64, vocab_size=10)
     kw[field] = value
-    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+    with pytest.raises(exc, match=f"{field}={value!r}"):
         Proposer(SpeculativeConfig("mtp", 1), **kw)
 
 

@@ -1,5 +1,6 @@
 """``specdec generate``: text and table on a tiny saved model; bad input is one line, exit 2."""
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -109,12 +110,21 @@ def test_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--method", "medusa"],
-                                  ["generate", "--prompt", "x", "--bogus"], ["generate"], []])
+                                  ["generate", "--prompt", "x", "--bogus"], ["generate"]])
 def test_argparse_errors_are_one_line_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "error:" in err
+
+
+def test_plain_specdec_prints_help_and_version_prints_the_version(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and err == "" and "generate" in out and "bench" in out
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"specdec {importlib.metadata.version('specdec')}"
 
 
 def test_installed_entry_point(model):

@@ -61,7 +61,7 @@ def test_prompt_longer_than_max_model_len_is_a_clear_error(target):
 
 
 def test_empty_prompt_is_a_clear_error(target):
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]=\[\] is empty"):
         make_llm(target, None, 0, True).generate([[]], max_tokens=4)
 
 

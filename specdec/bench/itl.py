@@ -34,22 +34,27 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from specdec.cli import UsageError, build_llm, speculative_config
+from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL
+from specdec.graphs import BACKENDS
+from specdec.models.synthetic import SHAPES, build_synthetic, weight_bytes
 from specdec.engine.sequence import SamplingParams
 from specdec.train import data
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp")
 MODES = ("padded", "ragged")
 # sweep keys -> defaults (the full CPU sweep); lists are crossed, scalars apply to every config
 DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
-                     warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu")
+                     warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
+                     dtype="float32", synthetic=None, graph_backend="eager")
 # --quick: every method and mode at one K, two concurrencies, short requests (< 2 min on 2 CPUs)
 # (about 1 min on the embedded default, most of it compiling the torchair-mtp graphs in warm-up)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -69,12 +74,15 @@ DEFINITIONS = {
     "per_position_acceptance_rate": "accepted[j] / drafted[j] for draft position j",
     "drafter_share": "sum of drafter host wall time / sum of step wall time (on an accelerator "
                      "the drafter's launch time only)",
+    "step_over_weight_read": "mean step time / weights.weight_read_ms (CUDA): 1 = the floor",
     "host_syncs_per_step": "host-device syncs inside the device part of a step (padded: 0), "
                            "from one separate untimed pass per config with the check on",
     "collectives_per_step": "DP collectives issued per step",
     "dp": "with dp > 1 each rank runs its share of the requests (round-robin); its chunk "
           "arrivals are its cumulative step seconds; steps and requests are pooled over ranks",
-    "spread": "std / min / max over repeats of the per-repeat value",
+    "spread": "std / min / max / p10 / p90 over repeats of the per-repeat value",
+    "warnings": "load on the machine during the run, and padded/ragged pairs whose "
+                "difference in mean ITL is smaller than the spread of either",
 }
 
 
@@ -141,6 +149,14 @@ def check_sweep(sweep: dict) -> dict:
             raise UsageError(f"sweep {key}={v!r}: allowed an int >= {low}")
     if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
         raise UsageError(f"sweep temperature={s['temperature']!r}: allowed a number >= 0")
+    if s["dtype"] not in DTYPES:
+        raise UsageError(f"sweep dtype={s['dtype']!r}: allowed {sorted(DTYPES)}")
+    if s["synthetic"] is not None and s["synthetic"] not in SHAPES:
+        raise UsageError(f"sweep synthetic={s['synthetic']!r}: allowed {sorted(SHAPES)}")
+    if s["synthetic"] is not None and (s["model"] is not None or s["dp"] > 1):
+        raise UsageError("sweep synthetic= builds its own target: give no model, and dp=1")
+    if s["graph_backend"] not in BACKENDS:
+        raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     return s
 
 
@@ -301,9 +317,10 @@ def repeat_figures(raw: dict) -> dict:
 def _spread(values: list) -> dict:
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
     if v.size == 0:
-        return dict(mean=None, std=None, min=None, max=None)
+        return dict(mean=None, std=None, min=None, max=None, p10=None, p90=None)
+    p10, p90 = np.percentile(v, [10, 90])
     return dict(mean=float(v.mean()), std=float(v.std(ddof=1)) if v.size > 1 else 0.0,
-                min=float(v.min()), max=float(v.max()))
+                min=float(v.min()), max=float(v.max()), p10=float(p10), p90=float(p90))
 
 
 def summarize(reps: list[dict]) -> dict:
@@ -322,7 +339,8 @@ def summarize(reps: list[dict]) -> dict:
         output_tokens_per_s=float(np.mean([r["output_tokens_per_s"] for r in reps])),
         output_tokens=sum(r["output_tokens"] for r in reps),
         decode_time_s=sum(r["decode_time_s"] for r in reps),
-        num_steps=steps, collectives=sum(r["collectives"] for r in reps),
+        num_steps=steps, ms_per_step=1e3 * step_s / max(steps, 1),
+        collectives=sum(r["collectives"] for r in reps),
         collectives_per_step=sum(r["collectives"] for r in reps) / max(steps, 1),
         drafter_share=sum(r["draft_seconds"] for r in reps) / step_s if step_s else 0.0,
         num_drafted=sum(drafted), num_accepted=sum(accepted), verify_steps=vs,
@@ -360,6 +378,7 @@ def environment(sweep: dict) -> dict:
         device_name=(torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"),
         torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        load_average_1_5_15min=list(os.getloadavg()),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
@@ -372,6 +391,18 @@ class Engine:
     llm: object
 
 
+def synthetic_model(sweep: dict, spec: dict | None) -> dict:
+    """LLM(target=, draft_head=) of the sweep's synthetic shape (zero weights: every draft is
+    accepted, the real cost per step), or {} for a model folder."""
+    if sweep["synthetic"] is None:
+        return {}
+    method = spec["method"] if spec else None
+    target, heads = build_synthetic(sweep["synthetic"], dtype=DTYPES[sweep["dtype"]],
+                                    device=sweep["device"], init="zeros",
+                                    heads=(method,) if method else ())
+    return dict(target=target, draft_head=heads.get(method))
+
+
 def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
     """One engine per (method, mode, K), sized for its largest config; -> (engines, skip reasons)."""
     engines, skipped = {}, {}
@@ -380,12 +411,14 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         mine = [c for c in configs if c.engine_key == key]
         conc = max(c.concurrency for c in mine)
         spec = speculative_config(method, k, padded)
+        # padded steps run through the graph backend; ragged ones cannot (host-read shapes)
+        backend = sweep["graph_backend"] if padded and "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
-                      check_host_syncs=False,
+                      check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
                       max_num_batched_tokens=max(256, conc * (k + 1)))
         try:
-            llm = build_llm(sweep["model"], spec, dp=1, **kwargs)
+            llm = build_llm(sweep["model"], spec, dp=1, **kwargs, **synthetic_model(sweep, spec))
         except UsageError as e:
             skipped[key] = str(e)
             continue
@@ -442,10 +475,36 @@ def check_syncs(sweep: dict, engines: dict, configs: list[BenchConfig],
             for c, raw in zip(configs, raws)}
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 256 MiB device-to-device copy (read + write counted); CUDA only."""
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize(device)
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def weight_read(sweep: dict, engines: dict) -> dict:
+    """The target's weight bytes and, on CUDA, the time to read them once at the device's
+    copy bandwidth (measured once per run): the floor of a decode step."""
+    if not engines or next(iter(engines.values())).llm.data_parallel_size > 1:
+        return dict(bytes=None, bandwidth_bytes_per_s=None, weight_read_ms=None)
+    nbytes = weight_bytes(next(iter(engines.values())).llm.target)
+    device = torch.device(sweep["device"])
+    bw = copy_bandwidth(device) if device.type == "cuda" else None
+    return dict(bytes=nbytes, bandwidth_bytes_per_s=bw,
+                weight_read_ms=1e3 * nbytes / bw if bw else None)
+
+
 def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     """Build, warm up, run the interleaved repeats; -> the results dict (see DEFINITIONS)."""
     console = console or Console(stderr=True)
     start = time.perf_counter()
+    load_start = list(os.getloadavg())
     phases = {}
     torch.manual_seed(sweep["seed"])
     configs = expand(sweep)
@@ -495,11 +554,48 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
             entry.update(status="skipped", reason=skipped[c.engine_key])
         results.append(entry)
     phases["sweep_s"] = time.perf_counter() - start
-    return dict(schema_version=SCHEMA_VERSION, definitions=DEFINITIONS,
-                environment=environment(sweep),
-                sweep={**sweep, "model": str(sweep["model"] or DEFAULT_MODEL)},
+    env = dict(environment(sweep), load_average_at_start_1_5_15min=load_start)
+    weights = weight_read(sweep, engines)
+    for c in results:
+        if c["status"] == "ok" and weights["weight_read_ms"]:
+            c["summary"]["step_over_weight_read"] = (c["summary"]["ms_per_step"]
+                                                     / weights["weight_read_ms"])
+    return dict(schema_version=SCHEMA_VERSION, definitions=DEFINITIONS, environment=env,
+                weights=weights, sweep={**sweep, "model": str(sweep["model"] or DEFAULT_MODEL)},
                 prompt_source=source.kind if source else None, phase_seconds=phases,
-                configs=results)
+                configs=results, warnings=load_warnings(env) + comparison_warnings(results))
+
+
+def load_warnings(env: dict) -> list[str]:
+    """A busy machine inflates every latency: say so when the 1-minute load average, at the
+    start or the end, exceeds half the CPUs."""
+    cpus = env["cpu_count"] or 1
+    load = max(env["load_average_at_start_1_5_15min"][0], env["load_average_1_5_15min"][0])
+    if load <= cpus / 2:
+        return []
+    return [f"load average {load:.1f} on {cpus} CPUs ({env['torch_threads']} torch threads): "
+            "other processes competed for the CPUs; latencies are not comparable to an idle "
+            "machine's"]
+
+
+def comparison_warnings(configs: list[dict]) -> list[str]:
+    """A padded/ragged pair whose mean-ITL difference is within either one's spread (the std
+    of its per-repeat means) is not a measured difference."""
+    by_key = {(c["method"], c["k"], c["concurrency"], c["prompt_len"], c["output_len"],
+               c["mode"]): c for c in configs if c["status"] == "ok"}
+    out = []
+    for key, padded in by_key.items():
+        ragged = by_key.get(key[:-1] + ("ragged",))
+        if key[-1] != "padded" or ragged is None:
+            continue
+        a, b = (c["summary"]["spread"]["itl_mean_ms"] for c in (padded, ragged))
+        diff = abs(a["mean"] - b["mean"])
+        spread = max(a["std"], b["std"])
+        if spread > diff:
+            out.append(f"{padded['method']} K={key[1]} conc={key[2]}: padded vs ragged mean ITL "
+                       f"differ by {diff:.3f} ms, less than the spread over repeats "
+                       f"({spread:.3f} ms std): no measured difference")
+    return out
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -507,31 +603,31 @@ def _f(x, fmt=".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL mean", "p99", "TTFT", "tok/s", "acc len",
+                 "acc rate per position", "syncs")  # every other figure is in results.json
+WRAPPING = ("method", "acc rate per position")  # may wrap; the numbers never do
+
+
 def results_table(results: dict) -> Table:
     sw = results["sweep"]
     t = Table(title=f"ITL sweep: {sw['repeats']} repeats, dp={sw['dp']}, latencies in ms",
-              caption="tok/s: mean±std over repeats; acc len = 1 + accepted / verifying steps; "
-                      "draft %: drafter share of step time; syncs, coll: host-device syncs and "
-                      "DP collectives per step", header_style="bold")
-    for col in ("method", "mode", "K", "conc", "in/out", "ITL mean", "p50", "p90", "p99",
-                "TPOT", "TTFT", "E2E", "tok/s", "acc len", "acc rate", "per position",
-                "draft %", "syncs", "coll"):
+              caption="tok/s: mean over repeats; acc len = 1 + accepted / verifying steps; "
+                      "syncs: host-device syncs per step; all figures in results.json",
+              header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in TABLE_COLUMNS:
         t.add_column(col, justify="left" if col in ("method", "mode") else "right",
-                     no_wrap=col in ("method", "per position"))
+                     no_wrap=col not in WRAPPING)
     for c in results["configs"]:
         if c["status"] != "ok":
             continue
         s = c["summary"]
-        itl, tps = s["itl_ms"], s["spread"]["output_tokens_per_s"]
+        itl = s["itl_ms"]
         t.add_row(
-            c["method"], c["mode"], str(c["k"] or "-"), str(c["concurrency"]),
-            f"{c['prompt_len']}/{c['output_len']}", _f(itl["mean"]), _f(itl["p50"]),
-            _f(itl["p90"]), _f(itl["p99"]), _f(s["tpot_ms"]["mean"]), _f(s["ttft_ms"]["mean"]),
-            _f(s["e2e_ms"]["mean"], ".0f"), f"{tps['mean']:.0f}±{tps['std']:.0f}",
-            _f(s["acceptance_length"]), _f(s["acceptance_rate"]),
+            c["method"], c["mode"], str(c["k"] or "-"), str(c["concurrency"]), _f(itl["mean"]),
+            _f(itl["p99"]), _f(s["ttft_ms"]["mean"], ".1f"), f"{s['output_tokens_per_s']:.0f}",
+            _f(s["acceptance_length"]),
             " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
-            _f(100 * s["drafter_share"], ".0f"), _f(s["host_syncs_per_step"], ".1f"),
-            _f(s["collectives_per_step"], ".1f"))
+            _f(s["host_syncs_per_step"], ".1f"))
     return t
 
 
@@ -545,6 +641,26 @@ def skipped_lines(results: dict) -> list[str]:
     lines = [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
     return lines + [f"failed {c['name']}: {c['error']}" for c in results["configs"]
                     if c["status"] == "failed"]
+
+
+def series_style(method: str, mode: str, hue: int, palette) -> dict:
+    """Padded and ragged differ in colour (dark / light shade of the method's hue), line and
+    marker; the no-speculation baseline is black."""
+    ragged = mode == "ragged"
+    return dict(color="black" if method == "none" else palette[2 * hue + ragged],
+                linestyle="--" if ragged else "-", marker="s" if ragged else "o")
+
+
+def percentile_band(spreads: list[dict]) -> tuple[list[float], list[list[float]]]:
+    """-> (means, [below, above]): the asymmetric p10-p90 band of the per-repeat values as
+    errorbar offsets, e.g. mean 5, p10 4, p90 9 -> below 1, above 4 (never a negative
+    offset, so never a bar below the smallest repeat)."""
+    mid = [sp["mean"] if sp["mean"] is not None else np.nan for sp in spreads]
+    below = [max(m - sp["p10"], 0.0) if sp["p10"] is not None else 0.0
+             for m, sp in zip(mid, spreads)]
+    above = [max(sp["p90"] - m, 0.0) if sp["p90"] is not None else 0.0
+             for m, sp in zip(mid, spreads)]
+    return mid, [below, above]
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
@@ -577,30 +693,28 @@ def write_plots(results: dict, out: Path) -> list[str]:
     for c in ok:
         groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"], c["mode"]),
                           []).append(c)
-    for fname, ylabel, value, err in (
-            ("itl_vs_concurrency.png", "mean ITL (ms)",
-             lambda s: s["itl_ms"]["mean"], lambda s: s["spread"]["itl_mean_ms"]["std"]),
-            ("throughput_vs_concurrency.png", "output tokens/s",
-             lambda s: s["output_tokens_per_s"], lambda s: s["spread"]["output_tokens_per_s"]["std"])):
+    palette = plt.get_cmap("tab20").colors  # pairs: dark (padded), light (ragged) of a hue
+    for fname, ylabel, key in (("itl_vs_concurrency.png", "mean ITL (ms)", "itl_mean_ms"),
+                               ("throughput_vs_concurrency.png", "output tokens/s",
+                                "output_tokens_per_s")):
         fig, ax = plt.subplots(figsize=(8, 5))
-        colors = {}
+        hues = {}
         for (method, k, p, o, mode), cs in groups.items():
             cs = sorted(cs, key=lambda c: c["concurrency"])
-            color = colors.setdefault((method, k), f"C{len(colors) % 10}")
+            hue = hues.setdefault((method, k), len(hues) % 10)
             label = "none" if method == "none" else f"{method} k{k} {mode}"
             label += f" p{p}/o{o}" if len({(g[2], g[3]) for g in groups}) > 1 else ""
-            ax.errorbar([c["concurrency"] for c in cs], [value(c["summary"]) or np.nan for c in cs],
-                        yerr=[err(c["summary"]) or 0.0 for c in cs], capsize=3, label=label,
-                        color="black" if method == "none" else color,
-                        linestyle="--" if mode == "ragged" else "-",
-                        marker="s" if mode == "ragged" else "o")
+            mid, band = percentile_band([c["summary"]["spread"][key] for c in cs])
+            ax.errorbar([c["concurrency"] for c in cs], mid, yerr=band, capsize=3, label=label,
+                        **series_style(method, mode, hue, palette))
         ax.set_xscale("log", base=2)
         concs = sorted({c["concurrency"] for c in ok})
         ax.set_xticks(concs, [str(c) for c in concs])
         ax.minorticks_off()
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} vs concurrency: padded (solid) vs ragged (dashed)")
+        ax.set_title(f"{ylabel} vs concurrency (bars: p10-p90 over repeats): padded (solid, "
+                     "circles) vs ragged (dashed, squares)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -644,6 +758,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="target folder (default: the embedded model)")
     p.add_argument("--dp", type=int, help="data-parallel ranks (default 1)")
     p.add_argument("--device", help="cpu (default) or cuda")
+    p.add_argument("--dtype", help=f"one of {', '.join(DTYPES)} (default float32)")
+    p.add_argument("--synthetic", help=f"a synthetic target instead of --model: "
+                   f"{', '.join(SHAPES)} (zero weights, heads to match: every draft accepted)")
+    p.add_argument("--graph-backend", dest="graph_backend",
+                   help=f"step wrapper of padded steps: {', '.join(BACKENDS)} (default eager; "
+                        "ragged steps always run eager)")
 
 
 def sweep_from_args(args) -> dict:
@@ -671,8 +791,10 @@ def run_from_args(args) -> int:
     results["phase_seconds"]["plots_s"] = time.perf_counter() - t
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    console = Console(width=max(Console().width, 170))
+    console = Console()
     console.print(results_table(results))
+    for line in results["warnings"]:
+        console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
     for line in skipped_lines(results):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots']) or 'no plots'} "

@@ -11,8 +11,9 @@ while others work runs ``dummy_run`` inside ``step()``, so all ranks issue the s
 Results (outputs, StepRecords, the (op, shape) collectives of each step) come back through a
 multiprocessing queue, never through the DP group. A rank that raises (a ValueError or
 TypeError keeps its type, anything else becomes a RuntimeError with the rank's traceback),
-dies, or a run that exceeds ``timeout`` seconds fails the call (the other ranks are killed)
-instead of hanging.
+dies (the error names it and its signal), or a run that exceeds ``timeout`` seconds
+(``LLM(data_parallel_timeout=...)``) fails the call (the other ranks are killed) instead of
+hanging. A rank whose parent process dies exits.
 
 Ranks start with the ``spawn`` method: a script calling this (or ``LLM(data_parallel_size=N)
 .generate``) needs the usual ``if __name__ == "__main__":`` guard.
@@ -22,8 +23,11 @@ Worked example: 5 prompts, N=2, no assignment -> rank 0 runs prompts [0, 2, 4], 
 per-request files (extract_hidden_states) do not collide across ranks.
 """
 
+import os
 import queue
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -39,6 +43,7 @@ from specdec.engine.llm import LLM, RequestOutput, StepRecord
 from specdec.engine.sequence import SamplingParams
 
 BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+DEATH_GRACE_S = 3.0  # how long a rank's failure waits for a peer's death to show
 
 
 @dataclass
@@ -93,7 +98,7 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
     with tempfile.TemporaryDirectory(prefix="specdec-dp-") as tmp:
         store = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(rank, dp_size, store, jobs, timeout, results))
+                             args=(rank, dp_size, store, jobs, timeout, results, os.getpid()))
                  for rank in range(dp_size)]
         for p in procs:
             p.start()
@@ -125,20 +130,35 @@ def _collect(procs, results, expected: int, timeout: float) -> dict:
         try:
             msg = results.get(timeout=0.5)
         except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                _kill(procs)
-                raise RuntimeError(f"data-parallel rank(s) died: (rank, exit code) {dead}")
+            _raise_if_dead(procs)
             continue
         if msg[0] == "error":  # a user error keeps its type (as with one rank)
-            _kill(procs)
             _, rank, user_error, tb = msg
             if user_error is not None:
+                _kill(procs)
                 raise type(user_error)(f"data-parallel rank {rank}: {user_error}")
+            # a rank that lost its peer fails too ("Connection closed by peer"): name the
+            # rank that died, if one did, rather than the one that noticed
+            give_up = time.monotonic() + DEATH_GRACE_S
+            while time.monotonic() < give_up:
+                _raise_if_dead(procs)
+                time.sleep(0.1)
+            _kill(procs)
             raise RuntimeError(f"data-parallel rank {rank} failed:\n{tb}")
         _, job, rank, result = msg
         got[job, rank] = result
     return got
+
+
+def _raise_if_dead(procs) -> None:
+    """RuntimeError naming each rank that exited abnormally and how (signal or status)."""
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if dead:
+        _kill(procs)
+        how = ", ".join(f"rank {r} " + (f"killed by {signal.Signals(-code).name}" if code < 0
+                                        else f"exited with status {code}")
+                        for r, code in dead)
+        raise RuntimeError(f"data-parallel rank died: {how}")
 
 
 def _kill(procs) -> None:
@@ -147,8 +167,19 @@ def _kill(procs) -> None:
             p.kill()
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank whose parent died (it was re-parented) exits at once instead of finishing its
+    job and blocking forever on a result nobody reads."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="specdec-parent-watch").start()
+
+
 def _rank_main(rank: int, size: int, store: str, jobs: list[DPJob], timeout: float,
-               results) -> None:
+               results, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
     try:
         torch.set_num_threads(1)
         device = torch.device(jobs[0].llm_kwargs.get("device", "cpu")).type

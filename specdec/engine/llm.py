@@ -1,31 +1,30 @@
 """``specdec.LLM``: load a target (+ draft head), run continuous batching with speculation."""
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-import os
-
-from specdec import platform
-from specdec.config import SpeculativeConfig
+from specdec.checks import check_bool
 from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
+from specdec.engine.config import EngineConfig
+from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
+from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
+                                   parse_speculative_config)
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
-from specdec.engine.sequence import Request, SamplingParams
-from specdec.models.llama import LlamaForCausalLM
+from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.graphs import resolve_backend
+from specdec.models.llama import LlamaForCausalLM
 from specdec.padding import BatchPadder, largest_step
-from specdec.proposers.factory import build_proposer
+from specdec.proposers.extract_hidden_states import check_output_dir
+from specdec.proposers.factory import build_proposer, load_checked_head
 from specdec.syncs import count_host_syncs, forbid_host_sync
 
 CHECK_HOST_SYNCS_ENV = "SPECDEC_CHECK_HOST_SYNCS"  # "1": check every step (the tests set it)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
 
 
 @dataclass
@@ -35,9 +34,10 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens
     text: str | None
     finish_reason: str
-    num_drafted: list[int]  # per draft position
-    num_accepted: list[int]  # per draft position
+    num_drafted: list[int]  # per draft position: [drafted at position 1, 2, ..., K]
+    num_accepted: list[int]  # per draft position: [accepted at position 1, 2, ..., K]
     num_decode_steps: int  # target steps that verified drafts
+    error: str | None = None  # what failed, when finish_reason is "error"
 
     @property
     def acceptance_length(self) -> float:
@@ -60,61 +60,57 @@ class StepRecord:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, speculative_config=None, *,
-                 max_model_len: int = 512, max_num_seqs: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 256, block_size: int = 16,
                  dtype: str | torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
-                 data_parallel_size: int = 1, target: LlamaForCausalLM | None = None,
-                 draft_head=None, tokenizer=None, graph_backend: str | None = None,
-                 compile_backend: str = "inductor", check_host_syncs: bool | None = None):
+                 data_parallel_size: int = 1, data_parallel_timeout: float = 600.0,
+                 target: LlamaForCausalLM | None = None, draft_head=None, tokenizer=None,
+                 graph_backend: str | None = None, compile_backend: str = "inductor",
+                 check_host_syncs: bool | None = None):
         # what each DP rank is built from (specdec.engine.dp_engine)
-        self.init_kwargs = {k: v for k, v in locals().items()
-                            if k not in ("self", "dp", "data_parallel_size")}
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size!r}: must be an int >= 1")
+        self.init_kwargs = {k: v for k, v in locals().items() if k not in (
+            "self", "dp", "data_parallel_size", "data_parallel_timeout")}
+        cfg = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+                           dtype, device, seed, capture_sizes, tensor_parallel_size,
+                           sequence_parallel, data_parallel_size, data_parallel_timeout)
         if data_parallel_size > 1 and dp is not None:
             raise ValueError("pass dp=DPContext (this process is one rank) or "
                              "data_parallel_size > 1 (launch the ranks), not both")
+        if dp is not None and not isinstance(dp, DPContext):
+            raise TypeError(f"dp={dp!r}: must be a DPContext or None")
+        self.config = cfg
         self.data_parallel_size = data_parallel_size
-        if data_parallel_size > 1:
-            return  # generate() launches the ranks; each builds its own engine
-        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an int >= 1")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype={dtype!r}: allowed {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        self.device = platform.torch_device(device)
-        if target is None:
-            model = Path(model) if model is not None else DEFAULT_MODEL
-            target = LlamaForCausalLM.load_pretrained(model, dtype=dtype, device=self.device)
-            if tokenizer is None and (model / "tokenizer.json").exists():
-                from tokenizers import Tokenizer
-                tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.device = cfg.device
+        # everything below is checked here, on the parent too, before any DP rank starts
+        self.spec = parse_speculative_config(speculative_config)
+        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, cfg.device)
+        cfg.check_model(target.config)
+        self.max_model_len = max_model_len = cfg.max_model_len
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        cfg.check_num_speculative_tokens(k)
         self.target = target.eval()
         self.tokenizer = tokenizer
+        self.vocab_size = target.config.vocab_size
         self.eos_token_id = target.config.eos_token_id
-        self.max_model_len = max_model_len
+        head = None
+        if self.spec is not None:
+            head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
+                                     dtype=cfg.dtype, device=cfg.device)
+            if self.spec.method == "extract_hidden_states":
+                check_output_dir(self.spec)
+        cfg.check_memory(target.config, num_draft_layers=0 if head is None else 1)
+        if data_parallel_size > 1:
+            return  # generate() launches the ranks; each builds its own engine
         self.dp = dp or DPContext()
-        if isinstance(speculative_config, str):
-            speculative_config = SpeculativeConfig.from_json(speculative_config)
-        elif isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        self.spec = speculative_config
-        k = self.spec.num_speculative_tokens if self.spec else 0
         self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
                                              graph_backend, self.device)
         if check_host_syncs is None:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
-        if not isinstance(check_host_syncs, bool):
-            raise TypeError(f"check_host_syncs={check_host_syncs!r}: must be a bool")
-        self.check_host_syncs = check_host_syncs
+        self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
         self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
-        num_blocks = max_num_seqs * -(-max_model_len // block_size)
+        num_blocks = cfg.num_kv_blocks
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len,
                                    self.allocator, num_speculative_tokens=k)
@@ -123,16 +119,16 @@ class LLM:
             max_tokens, max_reqs = largest_step(self.padder, k, max_num_seqs,
                                                 max_num_batched_tokens)
             proposer, aux_ids = build_proposer(
-                self.spec, target, model_dir=model, draft_head=draft_head,
+                self.spec, target, model_dir=model, draft_head=head,
                 max_num_seqs=max_reqs, max_num_tokens=max_tokens,
                 block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                dtype=dtype, device=self.device, graph_backend=self.graph_backend,
+                dtype=cfg.dtype, device=self.device, graph_backend=self.graph_backend,
                 compile_backend=compile_backend)
         self.runner = ModelRunner(
             target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
-            padder=self.padder, dp=self.dp, device=self.device, dtype=dtype,
+            padder=self.padder, dp=self.dp, device=self.device, dtype=cfg.dtype,
             graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
         self.padded = self.spec is None or self.spec.is_padded
@@ -142,42 +138,61 @@ class LLM:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
+        """Queue one prompt; ValueError/TypeError (nothing queued) for a bad prompt or params."""
         self._check_single_rank("add_request")
-        ids = self._encode(prompt)
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than "
-                             f"max_model_len={self.max_model_len}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params={params!r}: must be a SamplingParams")
+        params.check_vocab(self.vocab_size)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id={request_id!r}: must be a str or None")
+        return self._queue(self._prompt_ids(prompt, "prompt"), params, request_id)
+
+    def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
         rid = request_id if request_id is not None else str(self._next_id)
         self._next_id += 1
-        req = Request(rid, list(ids), len(ids), params)
+        req = Request(rid, ids, len(ids), params)
         self.scheduler.add(req)
         return req
+
+    def _prompt_ids(self, prompt, name: str) -> list[int]:
+        """Token ids of one prompt, checked: ids in the vocab, 1 <= length < max_model_len."""
+        ids = encode_prompt(name, prompt, self.tokenizer, self.vocab_size)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{name} has {len(ids)} tokens; it must be shorter than "
+                             f"max_model_len={self.max_model_len}")
+        return ids
 
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request between steps and free its KV blocks; -> whether it was
         found (False: unknown or already finished)."""
         self._check_single_rank("abort_request")
-        return self.scheduler.abort(request_id) is not None
+        return self.scheduler.abort_by_id(request_id) is not None
 
     def _check_single_rank(self, name: str) -> None:
         if self.data_parallel_size > 1:
             raise RuntimeError(f"LLM.{name}() runs one rank's engine; with data_parallel_size="
                                f"{self.data_parallel_size} use generate()")
 
-    def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError("prompt is a str but the model has no tokenizer.json; "
-                                "pass token ids (list[int])")
-            return self.tokenizer.encode(prompt).ids
-        return list(prompt)
-
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
-        """Run one engine step; None once every DP rank is out of work."""
+        """Run one engine step; None once every DP rank is out of work.
+
+        A request whose result cannot be applied (``_update``) is finished with reason
+        "error". If the step itself raises (a device fault, Ctrl-C), the requests it had
+        scheduled are finished with reason "error" (blocks and rows freed, ``error`` says why)
+        and the exception propagates; the engine stays usable and every other request goes
+        on."""
         self._check_single_rank("step")
+        try:
+            return self._step()
+        except BaseException as e:
+            for s in self.scheduler.scheduled:
+                if s.request.status != Status.FINISHED:
+                    s.request.error = f"{type(e).__name__}: {e}"
+                    self.scheduler.abort(s.request, "error")
+            raise
+
+    def _step(self) -> StepRecord | None:
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
         for s in scheduled:
@@ -213,6 +228,16 @@ class LLM:
         return rec
 
     def _update(self, s, sampled: list[int], draft: list[int]) -> int:
+        """``_apply`` for one request; if it raises (e.g. extract_hidden_states cannot write
+        its file), that request alone is finished with reason "error" and the step goes on."""
+        try:
+            return self._apply(s, sampled, draft)
+        except Exception as e:
+            s.request.error = f"{type(e).__name__}: {e}"
+            self.scheduler.abort(s.request, "error")
+            return 0
+
+    def _apply(self, s, sampled: list[int], draft: list[int]) -> int:
         """Apply one step's result to a request; returns the number of tokens emitted."""
         r = s.request
         if s.is_discarded:  # a partial prefill chunk: its sampled token is junk
@@ -255,20 +280,34 @@ class LLM:
         return None
 
     def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
+                 top_p: float = 1.0, ignore_eos: bool = False,
+                 stop_token_ids: list[int] = ()) -> list[RequestOutput]:
+        """One output per prompt, in order. ``prompts``: a str or a list of token ids (one
+        prompt), or a list of those. Every prompt is checked before any is queued; if the call
+        fails or is interrupted, none of its requests stays queued."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+        params.check_vocab(self.vocab_size)
+        prompts = as_prompt_list(prompts)
+        ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if self.data_parallel_size > 1:  # N ranks, prompts split round-robin, prompt order back
             from specdec.engine.dp_engine import DPJob, run_data_parallel
-            job = DPJob(self.init_kwargs, list(prompts), params)
-            return run_data_parallel([job], self.data_parallel_size)[0].outputs
-        reqs = [self.add_request(p, params) for p in prompts]
-        while self.step() is not None:
-            pass
+            job = DPJob(self.init_kwargs, prompts, params)
+            return run_data_parallel([job], self.data_parallel_size,
+                                     timeout=self.config.data_parallel_timeout)[0].outputs
+        reqs = [self._queue(x, params, None) for x in ids]
+        try:
+            while self.step() is not None:
+                pass
+        except BaseException:
+            for r in reqs:
+                self.scheduler.abort(r, "abort")
+            raise
         return [self._output(r) for r in reqs]
 
     def _output(self, r: Request) -> RequestOutput:
         out = r.output_token_ids
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return RequestOutput(r.request_id, r.token_ids[:r.num_prompt_tokens], out, text,
-                             r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding)
+                             r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding,
+                             r.error)

@@ -28,10 +28,6 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int):
-        if max_num_batched_tokens < 1 + num_speculative_tokens:
-            raise ValueError(
-                f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1 + "
-                f"num_speculative_tokens ({1 + num_speculative_tokens})")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -40,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.scheduled: list[ScheduledRequest] = []  # the last schedule()'s requests
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -49,7 +46,8 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
-        scheduled = []
+        # kept (and filled as it is built) so that a failed step knows whom it touched
+        self.scheduled = scheduled = []
         for req in self.running:
             if budget == 0:
                 break
@@ -61,8 +59,8 @@ class Scheduler:
                 room = self.max_model_len - req.num_tokens
                 spec = req.spec_token_ids[:max(0, min(room, budget - 1))]
                 n = 1 + len(spec)
-            self._reserve(req, n)
             scheduled.append(ScheduledRequest(req, n, spec))
+            self._reserve(req, n)
             budget -= n
         while self.waiting and budget > 0 and self.free_rows:
             req = self.waiting.popleft()
@@ -70,14 +68,22 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             n = min(req.num_tokens, budget)
-            self._reserve(req, n)
             scheduled.append(ScheduledRequest(req, n, []))
+            self._reserve(req, n)
             budget -= n
         return scheduled
 
     def _reserve(self, req: Request, num_tokens: int) -> None:
         end = req.num_computed_tokens + num_tokens + self.num_speculative_tokens
         self.allocator.ensure(req.block_ids, min(end, self.max_model_len))
+
+    def abort(self, req: Request, reason: str) -> None:
+        """Drop a waiting or running request (its blocks and row freed); no-op once finished."""
+        if req.status == Status.WAITING:
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, reason
+        elif req.status == Status.RUNNING:
+            self.finish(req, reason)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
@@ -86,16 +92,11 @@ class Scheduler:
         self.allocator.release(req.block_ids)
         self.free_rows.append(req.row)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a waiting or running request with reason "abort" (its KV blocks and row are
-        freed); -> the request, or None when no unfinished request has that id."""
-        for req in self.waiting:
+    def abort_by_id(self, request_id: str) -> Request | None:
+        """``abort`` the unfinished request with that id, reason "abort"; -> the request, or
+        None when no unfinished request has that id."""
+        for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.status, req.finish_reason = Status.FINISHED, "abort"
-                return req
-        for req in self.running:
-            if req.request_id == request_id:
-                self.finish(req, "abort")
+                self.abort(req, "abort")
                 return req
         return None

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from specdec.checks import check_bool, check_float, check_int, check_token_ids
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -13,12 +15,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_int("max_tokens", self.max_tokens, lo=1)
+        self.temperature = check_float("temperature", self.temperature, lo=0.0)
+        self.top_p = check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        check_bool("ignore_eos", self.ignore_eos)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids={self.stop_token_ids!r}: must be a list of ints")
+        for i, t in enumerate(self.stop_token_ids):
+            check_int(f"stop_token_ids[{i}]", t, lo=0)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Stop ids the model can never emit are a mistake, not a no-op."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
 
 
 class Status(Enum):
@@ -38,7 +47,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "eos", "stop", "length", "error" or "abort"
+    error: str | None = None  # what failed, for finish_reason "error"
     # speculative stats, per draft position (index 0 = first draft)
     num_drafted: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)

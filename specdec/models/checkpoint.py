@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+TOKENIZER_NAME = "tokenizer.json"
 SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -31,17 +33,56 @@ def save_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]
 
 
 def load_config(path: str | Path) -> dict:
+    """The folder's ``config.json`` as a dict; ValueError naming the file when it is missing,
+    not JSON, or not a JSON object."""
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"checkpoint folder {str(path)!r} has no {CONFIG_NAME}")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: must be a JSON object, got a {type(config).__name__}")
+    return config
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The folder's tensors; ValueError naming the file when it is missing or unreadable, and
+    naming the tensor when one holds NaN or inf (one reduction per tensor)."""
     file = Path(path) / WEIGHTS_NAME
     if not file.is_file():
         raise ValueError(f"checkpoint folder {str(path)!r} has no {WEIGHTS_NAME}")
-    return load_file(str(file))
+    try:
+        tensors = load_file(str(file))
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf)")
+    return tensors
+
+
+def load_tokenizer(path: str | Path):
+    """The folder's ``tokenizer.json`` (a ``tokenizers.Tokenizer``), or None when absent."""
+    file = Path(path) / TOKENIZER_NAME
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for every parse error
+        raise ValueError(f"{file}: not a readable tokenizer ({e})") from None
+
+
+def naming_folder(path: str | Path, build):
+    """``build()`` with a config/tensor ValueError or TypeError prefixed by the folder."""
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        if str(path) in str(e):
+            raise
+        raise type(e)(f"checkpoint {str(path)!r}: {e}") from None
 
 
 def check_names(expected: dict[str, torch.Size], got: dict[str, torch.Tensor],

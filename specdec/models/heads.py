@@ -227,6 +227,16 @@ class Eagle3Head(DraftHead):
     def compute_logits(self, logits_hidden):
         return self.lm_head(logits_hidden).float()
 
+    def check_d2t(self) -> None:
+        """Every draft id must map into the target vocabulary."""
+        mapped = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        bad = ((mapped < 0) | (mapped >= self.config.vocab_size)).nonzero().flatten()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"d2t[{i}]={int(self.d2t[i])} maps draft id {i} to {int(mapped[i])}, "
+                             f"outside the target vocab [0, {self.config.vocab_size}) "
+                             f"({len(bad)} bad entries)")
+
     def draft_to_target_ids(self, ids):
         """``target = draft + d2t[draft]``; e.g. d2t=[0, 4, 4] maps [0, 1, 2] -> [0, 5, 6]."""
         return ids + self.d2t[ids] if hasattr(self, "d2t") else ids
@@ -283,7 +293,13 @@ def head_class_for(config: LlamaConfig) -> type[DraftHead]:
 def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> DraftHead:
     """Load a head folder (class picked from ``config.json``), sharing ``target``'s embed/lm_head."""
-    config = LlamaConfig.from_dict(checkpoint.load_config(path))
-    head = head_class_for(config)(config, target)
+    head = checkpoint.naming_folder(path, lambda: _build_head(path, target))
     head.load_tensors(checkpoint.load_tensors(path), path)
+    if hasattr(head, "d2t"):
+        checkpoint.naming_folder(path, lambda: head.check_d2t())
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _build_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
+    config = LlamaConfig.from_dict(checkpoint.load_config(path))
+    return head_class_for(config)(config, target)

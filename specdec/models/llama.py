@@ -9,7 +9,6 @@ Two attention modes (the contract the engine relies on):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -59,6 +58,12 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name}={value!r}: must be a positive int")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not \
+                    0 <= value < self.vocab_size:
+                raise ValueError(f"LlamaConfig.{name}={value!r}: must be an int in "
+                                 f"[0, vocab_size={self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"LlamaConfig.num_key_value_heads={self.num_key_value_heads}: must divide "
@@ -106,11 +111,6 @@ class LlamaConfig:
         skip = names | {"architectures", "model_type", "hidden_act", "rope_scaling", "mlp_bias"}
         extra = {k: v for k, v in d.items() if k not in skip}
         return cls(architectures=list(archs), extra=extra, **kwargs)
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "LlamaConfig":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
 
     def to_hf_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
@@ -286,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
     def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "LlamaForCausalLM":
         """Load an HF-style folder; tensors are upcast/cast to ``dtype``; names must match exactly."""
-        config = LlamaConfig.from_json_file(Path(path) / "config.json")
+        config = checkpoint.naming_folder(
+            path, lambda: LlamaConfig.from_dict(checkpoint.load_config(path)))
         model = cls(config)
         tensors = checkpoint.load_tensors(path)
         checkpoint.check_names(model.expected_tensors(), tensors, path)

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from specdec.attention import AttentionMetadata, KVCache
+from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
 from specdec.graphs import StepGraph
 from specdec.kernels import (
@@ -52,9 +53,8 @@ class Proposer:
                  device: torch.device | str = "cpu"):
         sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                      block_size=block_size, max_model_len=max_model_len, vocab_size=vocab_size)
-        for name, value in sizes.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name, value in sizes.items():  # a proposer is usable without the engine
+            check_int(name, value, lo=1)
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_num_seqs = max_num_seqs  # the largest padded request count of a step

@@ -22,15 +22,33 @@ from specdec.padding import StepPlan
 from specdec.proposers.inputs import DraftInputs
 
 
+def check_output_dir(config) -> Path:
+    """``draft_model_config.output_dir``: required, and not a folder that already holds
+    ``*.safetensors`` files (another run's files would be overwritten) unless
+    ``draft_model_config.overwrite_output_dir`` is True."""
+    dmc = config.draft_model_config
+    out = dmc.get("output_dir")
+    if not out or not isinstance(out, (str, os.PathLike)):
+        raise ValueError(f"draft_model_config.output_dir={out!r}: method='extract_hidden_states' "
+                         "needs the folder the files are written to (a str path)")
+    overwrite = dmc.get("overwrite_output_dir", False)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"draft_model_config.overwrite_output_dir={overwrite!r}: must be a bool")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"draft_model_config.output_dir={str(path)!r} is not a folder")
+    if not overwrite and path.is_dir() and any(path.glob("*.safetensors")):
+        raise ValueError(f"draft_model_config.output_dir={str(path)!r} already holds "
+                         "*.safetensors files; pick an empty folder or set "
+                         "draft_model_config.overwrite_output_dir=True")
+    return path
+
+
 class ExtractHiddenStatesProposer(Proposer):
     def __init__(self, config, *, num_aux_layers: int, hidden_size: int, dtype: torch.dtype,
                  **sizes):
         super().__init__(config, **sizes)
-        out = config.draft_model_config.get("output_dir")
-        if not out:
-            raise ValueError("method='extract_hidden_states' needs "
-                             "draft_model_config.output_dir (where the files are written)")
-        self.output_dir = Path(out)
+        self.output_dir = check_output_dir(config)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # [rows + 1 (trash), max_model_len, A, H]: the states of every prompt position
         self.states = torch.zeros(self.max_num_seqs + 1, self.max_model_len, num_aux_layers,

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.models.heads import load_head
+from specdec.models.heads import DraftHead, load_head
 from specdec.models.llama import LlamaForCausalLM
 from specdec.proposers.registry import get_proposer_class
 
@@ -24,6 +24,40 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     return path
 
 
+def load_checked_head(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir,
+                      draft_head, dtype: torch.dtype, device: torch.device):
+    """The head ``spec`` needs (``draft_head``, else loaded from its folder; None for
+    extract_hidden_states), checked against the method and the aux layers; an EAGLE-3
+    head's aux layer ids become the config's when the config sets none."""
+    if spec.method == "extract_hidden_states":
+        head, where = None, None
+    elif draft_head is not None:
+        if not isinstance(draft_head, DraftHead):
+            raise TypeError(f"draft_head={draft_head!r}: must be a DraftHead (see "
+                            "specdec.models.heads) or None")
+        head, where = draft_head, "draft_head"
+    else:
+        path = find_head_dir(spec, model_dir)
+        head = load_head(path, target, dtype=dtype, device=device)
+        where = f"speculative_config.model={str(path)!r}"
+    if head is not None and head.method != spec.method:
+        raise ValueError(f"speculative_config.method={spec.method!r}, but {where} is a "
+                         f"{head.method!r} head ({type(head).__name__}); allowed: a "
+                         f"{spec.method!r} head")
+    if spec.uses_aux_hidden_states and head is not None:
+        trained = head.aux_layer_ids
+        if spec.aux_layer_ids_configured is None:
+            spec.draft_model_config["eagle_aux_hidden_state_layer_ids"] = list(trained)
+        configured = spec.aux_layer_ids_configured
+        if len(configured) != len(trained):
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids={configured!r} has {len(configured)} ids, "
+                f"but {where} combines {len(trained)} target layers ({list(trained)})")
+    if spec.uses_aux_hidden_states:
+        spec.aux_layer_ids(target.config.num_hidden_layers)  # the ids exist in the target
+    return head
+
+
 def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir, draft_head,
                    max_num_seqs: int, max_num_tokens: int, block_size: int, num_kv_blocks: int,
                    max_model_len: int, dtype: torch.dtype, device: torch.device,
@@ -32,17 +66,10 @@ def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_d
 
     max_num_seqs / max_num_tokens: the largest *padded* request / token counts of a step.
     """
-    num_layers = target.config.num_hidden_layers
-    head = draft_head
-    if spec.method != "extract_hidden_states" and head is None:
-        head = load_head(find_head_dir(spec, model_dir), target, dtype=dtype, device=device)
-    if spec.uses_aux_hidden_states:
-        configured = getattr(head, "aux_layer_ids", None) if head is not None else None
-        if spec.aux_layer_ids_configured is None and configured is not None:
-            spec.draft_model_config["eagle_aux_hidden_state_layer_ids"] = list(configured)
-        aux_ids = spec.aux_layer_ids(num_layers)
-    else:
-        aux_ids = ()
+    head = load_checked_head(spec, target, model_dir=model_dir, draft_head=draft_head,
+                             dtype=dtype, device=device)
+    aux_ids = spec.aux_layer_ids(target.config.num_hidden_layers) \
+        if spec.uses_aux_hidden_states else ()
     cls = get_proposer_class(spec)
     sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, block_size=block_size,
                  max_model_len=max_model_len, vocab_size=target.config.vocab_size, device=device)

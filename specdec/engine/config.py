@@ -1,0 +1,130 @@
+"""EngineConfig: the engine's sizes, dtype, device and seed, validated once.
+
+``LLM`` builds one from its keyword arguments before it loads anything, then checks it against
+the loaded model (``check_model``) and against the memory of the device (``check_memory``).
+Every error is a ValueError/TypeError naming the field, the value and what is allowed, e.g.
+``EngineConfig(max_model_len=4096).check_model(cfg)`` with ``cfg.max_position_embeddings =
+1024`` -> ``ValueError: max_model_len=4096: allowed 1 <= max_model_len <= 1024 (the model's
+max_position_embeddings)``.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specdec import platform
+from specdec.checks import check_bool, check_int
+from specdec.models.llama import LlamaConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+
+DEFAULT_MAX_MODEL_LEN = 512  # or the model's max_position_embeddings when smaller
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, bounded by the model
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    dtype: str | torch.dtype = torch.float32  # normalised to a torch.dtype
+    device: str | torch.device = "cpu"  # normalised to an available torch.device
+    seed: int = 0
+    capture_sizes: list[int] | None = None
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    data_parallel_size: int = 1
+    data_parallel_timeout: float = 600.0  # seconds a DP run may take before it is failed
+
+    def __post_init__(self):
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, lo=1)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size", "data_parallel_size"):
+            check_int(name, getattr(self, name), lo=1)
+        check_int("seed", self.seed, lo=0, hi=SEED_MAX)
+        check_bool("sequence_parallel", self.sequence_parallel)
+        if self.capture_sizes is not None:
+            if not isinstance(self.capture_sizes, (list, tuple)):
+                raise TypeError(f"capture_sizes={self.capture_sizes!r}: must be a list of ints")
+            for i, size in enumerate(self.capture_sizes):
+                check_int(f"capture_sizes[{i}]", size, lo=1)
+        timeout = self.data_parallel_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(f"data_parallel_timeout={timeout!r}: must be a number of seconds")
+        if not 0 < timeout < float("inf"):
+            raise ValueError(f"data_parallel_timeout={timeout!r}: must be finite and > 0")
+        self.dtype = _dtype(self.dtype)
+        self.device = platform.torch_device(self.device)
+
+    def check_num_speculative_tokens(self, k: int) -> None:
+        """A decode step feeds 1 + K tokens: the step budget must hold them."""
+        if self.max_num_batched_tokens < 1 + k:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be "
+                             f">= 1 + num_speculative_tokens ({1 + k})")
+
+    def check_model(self, config: LlamaConfig) -> None:
+        """max_model_len is bounded by the positions the target was built for (None becomes
+        the default, or the model's bound when that is smaller)."""
+        limit = config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len}: allowed 1 <= max_model_len <= "
+                             f"{limit} (the model's max_position_embeddings)")
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.max_num_seqs * -(-self.max_model_len // self.block_size)
+
+    def kv_cache_bytes(self, config: LlamaConfig, num_draft_layers: int) -> int:
+        """The KV caches (target + draft layers) and the token table this config allocates."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = 2 * self.num_kv_blocks * self.block_size * config.num_key_value_heads * \
+            config.head_dim * elem
+        table = self.max_num_seqs * (self.max_model_len + 1) * 4
+        return per_layer * (config.num_hidden_layers + num_draft_layers) + table
+
+    def check_memory(self, config: LlamaConfig, num_draft_layers: int) -> None:
+        """The caches of every rank on this host must fit the device's free memory."""
+        need = self.kv_cache_bytes(config, num_draft_layers)
+        ranks = self.data_parallel_size if self.device.type == "cpu" else 1
+        free = free_memory(self.device)
+        if need * ranks > free:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs}, max_model_len={self.max_model_len}: the KV "
+                f"cache needs {need * ranks / 2**30:.2f} GiB ({ranks} rank(s)), {self.device} "
+                f"has {free / 2**30:.2f} GiB free; lower max_num_seqs or max_model_len")
+
+
+def _dtype(value) -> torch.dtype:
+    if isinstance(value, str):
+        if value not in DTYPES:
+            raise ValueError(f"dtype={value!r}: allowed {sorted(DTYPES)}")
+        return DTYPES[value]
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"dtype={value!r}: must be a str or torch.dtype; allowed "
+                        f"{sorted(DTYPES)}")
+    if value not in DTYPES.values():
+        raise ValueError(f"dtype={value}: allowed {sorted(DTYPES)}")
+    return value
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` (host: MemAvailable, else physical pages available)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "npu":
+        return torch.npu.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

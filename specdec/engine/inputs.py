@@ -1,0 +1,84 @@
+"""What ``LLM`` is given, checked: the speculative config, the target, the tokenizer, prompts.
+
+Each function raises TypeError/ValueError naming the argument, e.g.
+``as_prompt_list("def f(x):") == ["def f(x):"]`` (one prompt, as in vLLM) and
+``as_prompt_list(5)`` -> ``TypeError: prompts=5: must be a str, a list of token ids, or a
+list of those``.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from specdec.checks import check_token_ids
+from specdec.config import SpeculativeConfig
+from specdec.models import checkpoint
+from specdec.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """None, a SpeculativeConfig, a vLLM-style dict or its JSON -> a private SpeculativeConfig
+    (the engine fills in defaults; the caller's object is never changed)."""
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return copy.deepcopy(value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config={value!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"speculative_config={value!r}: must be None, a dict, its JSON str or "
+                        "a SpeculativeConfig")
+    return SpeculativeConfig.from_dict(copy.deepcopy(value))
+
+
+def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.device):
+    """-> (target, tokenizer, model folder or None): ``target`` if given, else loaded from
+    ``model`` (default: the embedded model) with the folder's tokenizer.json."""
+    if model is not None and not isinstance(model, (str, Path)):
+        raise TypeError(f"model={model!r}: must be a folder path (str or Path) or None")
+    if target is not None:
+        if not isinstance(target, LlamaForCausalLM):
+            raise TypeError(f"target={target!r}: must be a LlamaForCausalLM or None")
+    else:
+        model = Path(model) if model is not None else DEFAULT_MODEL
+        target = LlamaForCausalLM.load_pretrained(model, dtype=dtype, device=device)
+        if tokenizer is None:
+            tokenizer = checkpoint.load_tokenizer(model)
+    if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                      and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"tokenizer={tokenizer!r}: must have encode() and decode() "
+                        "(e.g. a tokenizers.Tokenizer) or be None")
+    return target, tokenizer, (Path(model) if model is not None else None)
+
+
+def as_prompt_list(prompts) -> list:
+    """A str or a list of int token ids is one prompt; a list/tuple of those is many."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts={prompts!r}: must be a str, a list of token ids, or a list "
+                        "of those")
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def encode_prompt(name: str, prompt, tokenizer, vocab_size: int) -> list[int]:
+    """One prompt -> its token ids, each in ``[0, vocab_size)``, at least one."""
+    ids = prompt
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError(f"{name} is a str but the model has no tokenizer.json; pass token "
+                            "ids (list[int])")
+        ids = tokenizer.encode(prompt).ids
+    ids = check_token_ids(name, ids, vocab_size)
+    if not ids:
+        raise ValueError(f"{name}={prompt!r} is empty: give at least one token")
+    return ids

@@ -1,0 +1,106 @@
+"""Issue 13, item 16: data-parallel faults fail fast and say what happened.
+
+A stalled rank (SIGSTOP) fails the call at ``LLM(data_parallel_timeout=...)``; a killed rank
+is named with its signal; ranks exit when their parent dies; config errors are one line at
+any DP size. Real rank processes, real signals.
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import main
+from specdec.engine.llm import LLM
+
+LONG_JOB = dict(prompts=[[1, 2, 3]] * 64, max_tokens=400, ignore_eos=True)
+
+
+def signal_a_rank_later(sig: int, rank: int, delay: float) -> threading.Thread:
+    """Once both ranks are running, wait ``delay`` s and send ``sig`` to rank ``rank``."""
+    def send():
+        while len(mp.active_children()) < 2:
+            time.sleep(0.05)
+        time.sleep(delay)
+        procs = sorted(mp.active_children(), key=lambda p: p.name)
+        os.kill(procs[rank].pid, sig)
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_stalled_rank_fails_the_call_at_the_llm_timeout():
+    llm = LLM(data_parallel_size=2, data_parallel_timeout=20)
+    signal_a_rank_later(signal.SIGSTOP, 1, 3.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 20"):
+        llm.generate(**LONG_JOB)
+    assert time.monotonic() - start < 20 + 15
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    llm = LLM(data_parallel_size=2)
+    signal_a_rank_later(signal.SIGKILL, 1, 3.0)
+    with pytest.raises(RuntimeError, match="rank 1 killed by SIGKILL"):
+        llm.generate(**LONG_JOB)
+
+
+PARENT = textwrap.dedent("""
+    import multiprocessing as mp, threading, time
+    from specdec import LLM
+
+    def report():
+        while len(mp.active_children()) < 2:
+            time.sleep(0.05)
+        print(" ".join(str(p.pid) for p in mp.active_children()), flush=True)
+
+    if __name__ == "__main__":
+        threading.Thread(target=report, daemon=True).start()
+        LLM(data_parallel_size=2).generate([[1, 2, 3]] * 64, max_tokens=400, ignore_eos=True)
+""")
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie waiting for a reaper counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_exit_when_the_parent_dies(tmp_path, sig):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(3.0)
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(gone(p) for p in pids), "a rank outlived its parent"
+    finally:
+        parent.kill()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2, '
+      '"draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}'], "has 2 ids"),
+    (["--temperature", "nan"], "--temperature=nan"),
+    (["--seed", "-2"], "seed=-2"),
+])
+def test_cli_errors_are_one_line_at_dp_2(capsys, argv, needle):
+    code = main(["generate", "--prompt", "x", "--dp", "2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err
