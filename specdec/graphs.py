@@ -71,6 +71,9 @@ class StepGraph:
     def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
         if backend not in BACKENDS:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
+        compilers = torch._dynamo.list_backends(exclude_tags=())
+        if backend in ("compile", "torchair") and compile_backend not in compilers:
+            raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
         self.fn = fn
         self.backend = backend
         self.captured: dict[int, _Captured] = {}  # cuda_graph / replay

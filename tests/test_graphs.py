@@ -157,3 +157,8 @@ def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
     assert set(llm.runner.target_graph.captured) == set(llm.runner.proposer.step_graph.captured) \
         == {1, 2, 4}
     assert llm.graph_warmup_seconds > 0 and not llm.steps
+
+
+def test_unknown_compile_backend_names_the_field():
+    with pytest.raises(ValueError, match="compile_backend='tensorrt'.*inductor"):
+        StepGraph(lambda x: x, "compile", "tensorrt")

@@ -85,10 +85,12 @@ class ModelRunner:
             compile_backend)
 
     def warm_up_graphs(self) -> float:
-        """Compile / capture the step wrappers of every capture bucket up to the largest
-        step, largest first (its memory pool then serves the smaller ones), on all-padding
-        steps, before the first real step. -> seconds spent (0 when eager)."""
-        if self.target_graph.backend == "eager":
+        """Capture the step wrappers of every capture bucket up to the largest step, largest
+        first (its memory pool then serves the smaller ones), on all-padding steps, before the
+        first real step (cuda_graph / replay). Compiling backends compile each bucket at its
+        first use instead (an inductor compile per bucket would make start-up minutes long);
+        either way outside the sync guards. -> seconds spent."""
+        if self.target_graph.backend not in ("cuda_graph", "replay"):
             return 0.0
         start, k = time.perf_counter(), self.num_speculative_tokens
         padder = self.planner.padder
