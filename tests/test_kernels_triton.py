@@ -1,9 +1,6 @@
 """The Triton kernels (kernels/triton_padded.py) against their torch reference, on CPU
 under the Triton interpreter, and one compiled kernel for every batch size."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -11,31 +8,12 @@ from hypothesis import given, settings, strategies as st
 import specdec.kernels as kernels
 from specdec import platform
 from specdec.kernels import reference
+from triton_interpret import load_interpreted
 
 pytest.importorskip("triton")
 
 
-def load_interpreted():
-    """A private copy of triton_padded.py whose kernels run in the Triton interpreter.
-    Setting TRITON_INTERPRET around this one import is enough even when triton was
-    imported before (its kernels use builtins and local @jit helpers only); the variable
-    is restored, so specdec.kernels' own copy stays compiled on a GPU box."""
-    path = os.path.join(os.path.dirname(kernels.__file__), "triton_padded.py")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("triton_padded_interpreted", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return module
-
-
-TP = load_interpreted()
+TP = load_interpreted("triton_padded")
 KERNELS = [TP._next_tokens_kernel, TP._prepare_inputs_kernel, TP._shift_left_kernel,
            TP._scatter_kernel, TP._advance_draft_step_kernel]
 FEW = settings(max_examples=25)

@@ -7,7 +7,9 @@ device of their first tensor argument (``specdec.platform.triton_available``):
     everything else (CPU)                                -> reference.py (pure torch)
 
 ``prepare_next_tokens_padded`` (one kernel: next token + valid count + backup token),
-``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``.
+``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``;
+``plan_paged_attention`` + ``paged_attention`` pick between paged_attention.py (Triton: no
+cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
 are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
@@ -17,11 +19,13 @@ the host-side reference for ``disable_padded_drafter_batch=True``.
 """
 
 import functools
+import importlib
 
 import torch
 
 from specdec import platform
-from specdec.kernels import reference
+from specdec.kernels import paged_attention_torch, reference
+from specdec.kernels.paged_attention_torch import token_requests
 from specdec.kernels.reference import (
     DraftStep,
     gather_backup_tokens,
@@ -58,20 +62,26 @@ TORCH_IMPLS = {
     "prepare_inputs_padded": reference.prepare_inputs_padded,
     "shift_first_pass_input_ids": reference.shift_first_pass_input_ids,
     "advance_draft_step": reference.advance_draft_step,
+    "plan_paged_attention": paged_attention_torch.plan_paged_attention,
+    "paged_attention": paged_attention_torch.paged_attention,
 }
+# The Triton module (under specdec.kernels) of each dispatched name.
+TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
+    "plan_paged_attention": "paged_attention", "paged_attention": "paged_attention"}
 
 
 def _by_device(name: str):
-    """``name`` from triton_padded when the first argument's device runs Triton, else its
+    """``name`` from its Triton module when the first argument's device runs Triton, else its
     torch implementation. The Triton module is imported on first use only."""
     torch_impl = TORCH_IMPLS[name]
+    module = f"specdec.kernels.{TRITON_MODULES[name]}"
 
     @functools.wraps(torch_impl)
     def call(first: torch.Tensor, *args, **kwargs):
         # inside torch.compile (graph mode) the compiler fuses the torch formulas itself
         if not torch.compiler.is_compiling() and platform.triton_available(first.device):
-            from specdec.kernels import triton_padded
-            return getattr(triton_padded, name)(first, *args, **kwargs)
+            triton_impl = getattr(importlib.import_module(module), name)
+            return triton_impl(first, *args, **kwargs)
         return torch_impl(first, *args, **kwargs)
     return call
 
@@ -80,15 +90,20 @@ prepare_next_tokens_padded = _by_device("prepare_next_tokens_padded")
 prepare_inputs_padded = _by_device("prepare_inputs_padded")
 shift_first_pass_input_ids = _by_device("shift_first_pass_input_ids")
 advance_draft_step = _by_device("advance_draft_step")
+plan_paged_attention = _by_device("plan_paged_attention")
+paged_attention = _by_device("paged_attention")
 
 __all__ = [
     "DraftStep",
     "TORCH_IMPLS",
     "advance_draft_step",
     "gather_backup_tokens",
+    "paged_attention",
+    "plan_paged_attention",
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
     "prepare_next_tokens_padded",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",
+    "token_requests",
 ]
