@@ -1,13 +1,14 @@
 """Padded-drafting formulas (imported as ``specdec.kernels``), dispatched by device.
 
-The names below are the stable API. Four of them pick their implementation from the
-device of their first tensor argument (``specdec.platform.triton_available``):
+The names below are the stable API. The dispatched ones (listed next) pick their
+implementation from the device of their first tensor argument (``specdec.platform.triton_available``):
 
     CUDA with triton, NPU with torch_npu + triton-ascend -> triton_padded.py (Triton)
     everything else (CPU)                                -> reference.py (pure torch)
 
 ``prepare_next_tokens_padded`` (one kernel: next token + valid count + backup token),
-``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``;
+``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``,
+``prepare_padded_step`` (one kernel for all five per-request prep outputs, ``out=`` buffers);
 ``plan_paged_attention`` + ``paged_attention`` pick between paged_attention.py (Triton: no
 cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
@@ -28,6 +29,7 @@ from specdec.kernels import paged_attention_torch, reference
 from specdec.kernels.paged_attention_torch import token_requests
 from specdec.kernels.reference import (
     DraftStep,
+    PaddedPrep,
     gather_backup_tokens,
     prepare_next_token_ids_padded,
     slot_mapping_for_positions,
@@ -62,6 +64,7 @@ TORCH_IMPLS = {
     "prepare_inputs_padded": reference.prepare_inputs_padded,
     "shift_first_pass_input_ids": reference.shift_first_pass_input_ids,
     "advance_draft_step": reference.advance_draft_step,
+    "prepare_padded_step": reference.prepare_padded_step,
     "plan_paged_attention": paged_attention_torch.plan_paged_attention,
     "paged_attention": paged_attention_torch.paged_attention,
 }
@@ -90,11 +93,13 @@ prepare_next_tokens_padded = _by_device("prepare_next_tokens_padded")
 prepare_inputs_padded = _by_device("prepare_inputs_padded")
 shift_first_pass_input_ids = _by_device("shift_first_pass_input_ids")
 advance_draft_step = _by_device("advance_draft_step")
+prepare_padded_step = _by_device("prepare_padded_step")
 plan_paged_attention = _by_device("plan_paged_attention")
 paged_attention = _by_device("paged_attention")
 
 __all__ = [
     "DraftStep",
+    "PaddedPrep",
     "TORCH_IMPLS",
     "advance_draft_step",
     "gather_backup_tokens",
@@ -103,6 +108,7 @@ __all__ = [
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
     "prepare_next_tokens_padded",
+    "prepare_padded_step",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",
     "token_requests",
