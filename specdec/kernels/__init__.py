@@ -10,7 +10,8 @@ implementation from the device of their first tensor argument (``specdec.platfor
 ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``,
 ``prepare_padded_step`` (one kernel for all five per-request prep outputs, ``out=`` buffers);
 ``plan_paged_attention`` + ``paged_attention`` pick between paged_attention.py (Triton: no
-cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way.
+cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way;
+``add_rms_norm`` (residual add + RMSNorm) between norm.py and norm_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
 are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
@@ -25,7 +26,7 @@ import importlib
 import torch
 
 from specdec import platform
-from specdec.kernels import paged_attention_torch, reference
+from specdec.kernels import norm_torch, paged_attention_torch, reference
 from specdec.kernels.paged_attention_torch import token_requests
 from specdec.kernels.reference import (
     DraftStep,
@@ -67,10 +68,12 @@ TORCH_IMPLS = {
     "prepare_padded_step": reference.prepare_padded_step,
     "plan_paged_attention": paged_attention_torch.plan_paged_attention,
     "paged_attention": paged_attention_torch.paged_attention,
+    "add_rms_norm": norm_torch.add_rms_norm,
 }
 # The Triton module (under specdec.kernels) of each dispatched name.
 TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
-    "plan_paged_attention": "paged_attention", "paged_attention": "paged_attention"}
+    "plan_paged_attention": "paged_attention", "paged_attention": "paged_attention",
+    "add_rms_norm": "norm"}
 
 
 def _by_device(name: str):
@@ -96,11 +99,13 @@ advance_draft_step = _by_device("advance_draft_step")
 prepare_padded_step = _by_device("prepare_padded_step")
 plan_paged_attention = _by_device("plan_paged_attention")
 paged_attention = _by_device("paged_attention")
+add_rms_norm = _by_device("add_rms_norm")
 
 __all__ = [
     "DraftStep",
     "PaddedPrep",
     "TORCH_IMPLS",
+    "add_rms_norm",
     "advance_draft_step",
     "gather_backup_tokens",
     "paged_attention",

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec import kernels
 from specdec.models import checkpoint
 from specdec.models.merged import MergedLinear, save_merged_as_parts
 
@@ -247,8 +248,10 @@ class DecoderLayer(nn.Module):
                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
         if attn_in is None:
             attn_in = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        h = x + self.self_attn(attn_in, rope, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, normed = kernels.add_rms_norm(x, self.self_attn(attn_in, rope, kv), norm.weight,
+                                         norm.eps)  # one kernel where Triton runs
+        return h + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
