@@ -6,10 +6,17 @@ counted with ``torch.profiler`` (every ``aten::`` event, nested ones included, a
 top-level ones: those a CUDA run would each launch at least once).
 
     python -m benchmarks.bench_forward [--model specdec/assets/default/target]
-        [--batch 1 16] [--context 64] [--repeats 50] [--dtype float32]
+        [--synthetic llama-1b] [--batch 1 16] [--context 64] [--repeats 50]
+        [--dtype float32] [--emulate-cuda]
+
+``--emulate-cuda`` counts what a CUDA forward would launch, on CPU: every dispatched function
+takes its Triton path, whose kernel launches are counted instead of run (outputs are junk;
+shapes are static, so the rest of the forward is unchanged), plus the top-level aten ops
+that are not pure views (each at least one CUDA kernel). No timing in that mode.
 """
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -18,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.models.llama import load_pretrained
+from specdec.models.synthetic import SHAPES, build_synthetic
 
 BLOCK_SIZE = 16
 
@@ -52,6 +60,44 @@ def count_ops(model, ids, positions, cache, meta) -> tuple[int, int]:
     return len(events), len(top)
 
 
+VIEW_OPS = {"aten::view", "aten::reshape", "aten::slice", "aten::select", "aten::unsqueeze",
+            "aten::permute", "aten::chunk", "aten::split", "aten::transpose", "aten::expand",
+            "aten::as_strided", "aten::t", "aten::detach", "aten::alias", "aten::empty",
+            "aten::empty_like", "aten::empty_strided", "aten::lift_fresh", "aten::squeeze"}
+
+
+# the Triton kernels a target forward launches: module under specdec.kernels -> kernel
+FORWARD_KERNELS = {"triton_paged_attention": "_paged_attention_kernel",
+                   "triton_norm": "_add_rms_norm_kernel"}
+
+
+class _CountLaunches:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records one launch, runs nothing."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+def emulated_cuda_launches(model, ids, positions, cache, meta) -> tuple[int, int]:
+    """(Triton launches, non-view top-level aten ops) of one forward + logits with every
+    dispatched function on its Triton path."""
+    from specdec import platform
+    platform.triton_available = lambda device: True
+    launches = []
+    for module, kernel in FORWARD_KERNELS.items():
+        setattr(importlib.import_module(f"specdec.kernels.{module}"), kernel,
+                _CountLaunches(launches))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        hidden, _ = model(ids, positions, cache.bind(meta))
+        model.compute_logits(hidden)
+    top = [e.name for e in prof.events() if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return len(launches), sum(name not in VIEW_OPS for name in top)
+
+
 def time_forward(model, ids, positions, cache, meta, repeats: int) -> float:
     """Median ms of one forward + logits."""
     times = []
@@ -66,16 +112,28 @@ def time_forward(model, ids, positions, cache, meta, repeats: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="specdec/assets/default/target")
+    p.add_argument("--synthetic", choices=sorted(SHAPES), help="a random-weight target "
+                   "(specdec.models.synthetic) instead of --model")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--emulate-cuda", action="store_true")
     a = p.parse_args()
-    model = load_pretrained(a.model, dtype=getattr(torch, a.dtype))
+    dtype = getattr(torch, a.dtype)
+    if a.synthetic:
+        model = build_synthetic(a.synthetic, dtype, "cpu", methods=()).target
+    else:
+        model = load_pretrained(a.model, dtype=dtype)
     print(f"threads={torch.get_num_threads()} dtype={a.dtype} context={a.context}")
     with torch.inference_mode():
         for b in a.batch:
             args = decode_batch(model, b, a.context)
+            if a.emulate_cuda:
+                triton_launches, aten = emulated_cuda_launches(model, *args)
+                print(f"batch={b:3d}  emulated CUDA launches/forward={triton_launches + aten} "
+                      f"(Triton {triton_launches} + non-view aten {aten})")
+                continue
             ops, top = count_ops(model, *args)
             ms = time_forward(model, *args, a.repeats)
             print(f"batch={b:3d}  ms/forward={ms:7.3f}  aten ops={ops}  top-level={top}")

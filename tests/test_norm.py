@@ -11,7 +11,7 @@ from specdec.kernels import norm_torch
 pytest.importorskip("triton")
 from triton_interpret import load_interpreted  # noqa: E402 (needs triton)
 
-NORM = load_interpreted("norm")
+NORM = load_interpreted("triton_norm")
 
 
 def test_worked_example():

@@ -11,7 +11,7 @@ from specdec.kernels import paged_attention_torch as ref
 pytest.importorskip("triton")
 from triton_interpret import load_interpreted  # noqa: E402 (needs triton)
 
-PA = load_interpreted("paged_attention")
+PA = load_interpreted("triton_paged_attention")
 FEW = settings(max_examples=25)
 
 
@@ -110,6 +110,15 @@ def test_reference_is_dense_attention_over_the_visible_keys():
     for i, seen in enumerate((4, 5)):
         w = (q[i] @ keys[:seen, 0].T / 2).softmax(-1)  # [Hq, seen]; scale 1/sqrt(4)
         torch.testing.assert_close(out[i], w @ values[:seen, 0])
+
+
+def test_importing_the_triton_modules_keeps_the_dispatchers():
+    """A submodule named like a dispatched function would replace it on import."""
+    import importlib
+    for name, module in kernels.TRITON_MODULES.items():
+        importlib.import_module(f"specdec.kernels.{module}")
+    for name in kernels.TORCH_IMPLS:
+        assert getattr(kernels, name).__wrapped__ is kernels.TORCH_IMPLS[name], name
 
 
 def test_cpu_dispatches_to_the_torch_path():

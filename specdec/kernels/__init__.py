@@ -9,9 +9,9 @@ implementation from the device of their first tensor argument (``specdec.platfor
 ``prepare_next_tokens_padded`` (one kernel: next token + valid count + backup token),
 ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``,
 ``prepare_padded_step`` (one kernel for all five per-request prep outputs, ``out=`` buffers);
-``plan_paged_attention`` + ``paged_attention`` pick between paged_attention.py (Triton: no
+``plan_paged_attention`` + ``paged_attention`` pick between triton_paged_attention.py (no
 cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way;
-``add_rms_norm`` (residual add + RMSNorm) between norm.py and norm_torch.py.
+``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
 are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
@@ -72,8 +72,9 @@ TORCH_IMPLS = {
 }
 # The Triton module (under specdec.kernels) of each dispatched name.
 TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
-    "plan_paged_attention": "paged_attention", "paged_attention": "paged_attention",
-    "add_rms_norm": "norm"}
+    "plan_paged_attention": "triton_paged_attention",
+    "paged_attention": "triton_paged_attention",
+    "add_rms_norm": "triton_norm"}
 
 
 def _by_device(name: str):

@@ -1,4 +1,4 @@
-"""Residual add + RMSNorm in pure torch: the CPU path and the oracle of ``norm.py``.
+"""Residual add + RMSNorm in pure torch: the CPU path and the oracle of ``triton_norm.py``.
 
 ``add_rms_norm(x, residual, weight, eps) -> (h, normed)`` with ``h = x + residual`` (in x's
 dtype) and ``normed = rms_norm(h) * weight`` (statistics in float32, as ``F.rms_norm``).

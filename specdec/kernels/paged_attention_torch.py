@@ -1,6 +1,6 @@
 """Paged attention in pure torch: gather each request's keys up to a static bound, then SDPA.
 
-The CPU path and the oracle of the Triton kernel (``paged_attention.py``). Both take a
+The CPU path and the oracle of the Triton kernel (``triton_paged_attention.py``). Both take a
 per-forward plan (shared by every layer) and one layer's cache:
 
     q        [N, Hq, D]   queries (RoPE applied), any float dtype; rows may be strided

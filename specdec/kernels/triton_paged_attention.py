@@ -24,7 +24,7 @@ import triton.language as tl
 
 from specdec.kernels.paged_attention_torch import token_requests
 
-KEYS_PER_ITERATION = 32  # BLOCK_N
+KEYS_PER_ITERATION = 16  # BLOCK_N (x BLOCK_G x BLOCK_D products live in registers)
 
 
 # Local combiners, not tl.sum / tl.max (see triton_padded.py: triton's own @jit helpers do
