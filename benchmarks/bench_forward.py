@@ -68,7 +68,7 @@ VIEW_OPS = {"aten::view", "aten::reshape", "aten::slice", "aten::select", "aten:
 
 # the Triton kernels a target forward launches: module under specdec.kernels -> kernel
 FORWARD_KERNELS = {"triton_paged_attention": "_paged_attention_kernel",
-                   "triton_norm": "_add_rms_norm_kernel"}
+                   "triton_norm": "_add_rms_norm_kernel", "triton_rope": "_rope_kernel"}
 
 
 class _CountLaunches:

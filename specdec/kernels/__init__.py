@@ -11,7 +11,8 @@ implementation from the device of their first tensor argument (``specdec.platfor
 ``prepare_padded_step`` (one kernel for all five per-request prep outputs, ``out=`` buffers);
 ``plan_paged_attention`` + ``paged_attention`` pick between triton_paged_attention.py (no
 cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way;
-``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py.
+``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py,
+``apply_rope`` (rotary embedding) between triton_rope.py and rope_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
 are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
@@ -26,7 +27,7 @@ import importlib
 import torch
 
 from specdec import platform
-from specdec.kernels import norm_torch, paged_attention_torch, reference
+from specdec.kernels import norm_torch, paged_attention_torch, reference, rope_torch
 from specdec.kernels.paged_attention_torch import token_requests
 from specdec.kernels.reference import (
     DraftStep,
@@ -69,12 +70,14 @@ TORCH_IMPLS = {
     "plan_paged_attention": paged_attention_torch.plan_paged_attention,
     "paged_attention": paged_attention_torch.paged_attention,
     "add_rms_norm": norm_torch.add_rms_norm,
+    "apply_rope": rope_torch.apply_rope,
 }
 # The Triton module (under specdec.kernels) of each dispatched name.
 TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
     "plan_paged_attention": "triton_paged_attention",
     "paged_attention": "triton_paged_attention",
-    "add_rms_norm": "triton_norm"}
+    "add_rms_norm": "triton_norm",
+    "apply_rope": "triton_rope"}
 
 
 def _by_device(name: str):
@@ -101,12 +104,14 @@ prepare_padded_step = _by_device("prepare_padded_step")
 plan_paged_attention = _by_device("plan_paged_attention")
 paged_attention = _by_device("paged_attention")
 add_rms_norm = _by_device("add_rms_norm")
+apply_rope = _by_device("apply_rope")
 
 __all__ = [
     "DraftStep",
     "PaddedPrep",
     "TORCH_IMPLS",
     "add_rms_norm",
+    "apply_rope",
     "advance_draft_step",
     "gather_backup_tokens",
     "paged_attention",

@@ -167,8 +167,9 @@ class Rope(NamedTuple):
         return cls(torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., T, H, D] (may be a strided view) -> rotated copy, same shape and dtype."""
-        return torch.addcmul(x * self.cos, x.roll(x.shape[-1] // 2, dims=-1), self.sin)
+        """x [..., T, H, D] (may be a strided view) -> rotated copy, same shape and dtype
+        (one kernel where Triton runs: ``specdec.kernels.apply_rope``)."""
+        return kernels.apply_rope(x, self.cos, self.sin)
 
 
 class Attention(nn.Module):
