@@ -45,7 +45,7 @@ def build(model: str, method: str, padded: bool, backend: str, conc: int, device
     if model == "embedded":
         return LLM(speculative_config=spec, **kw)
     target, heads = build_synthetic(model, dtype=torch.bfloat16, device=device, init="zeros",
-                                    heads=(method,) if method != "none" else ())
+                                    methods=(method,) if method != "none" else ())
     return LLM(target=target, draft_head=heads.get(method), speculative_config=spec,
                tokenizer=None, **kw)
 

@@ -20,9 +20,12 @@ from rich.table import Table
 
 from benchmarks.bench_prepare import MAX_MODEL_LEN, VOCAB, make_step
 from specdec import platform
-from specdec.kernels import TORCH_IMPLS
+from specdec.kernels import TORCH_IMPLS, PaddedPrep
 
 BLOCK_SIZE = 16
+# the padded-drafting kernels of triton_padded.py (paged attention has its own benchmark)
+NAMES = ("prepare_next_tokens_padded", "prepare_inputs_padded", "shift_first_pass_input_ids",
+         "advance_draft_step", "prepare_padded_step")
 
 
 def kernel_inputs(b: int, k: int, device: torch.device) -> dict[str, tuple]:
@@ -46,6 +49,10 @@ def kernel_inputs(b: int, k: int, device: torch.device) -> dict[str, tuple]:
         "shift_first_pass_input_ids": (target_ids, sample_idx, next_ids),
         "advance_draft_step": (s["seq_lens"].long() - 1, s["seq_lens"], block_table, b,
                                BLOCK_SIZE, MAX_MODEL_LEN),
+        # the five outputs of the two calls above, into preallocated buffers, one launch
+        "prepare_padded_step": (s["sampled"], s["discard"], s["token_table"], s["rows"],
+                                s["seq_lens"], s["cu_num_draft"], s["query_start_loc"], VOCAB,
+                                PaddedPrep.empty(b, device)),
     }
 
 
@@ -82,10 +89,10 @@ def main() -> None:
     impls = {"torch": TORCH_IMPLS}
     if use_triton:
         from specdec.kernels import triton_padded
-        impls["triton"] = {name: getattr(triton_padded, name) for name in TORCH_IMPLS}
+        impls["triton"] = {name: getattr(triton_padded, name) for name in NAMES}
 
     inputs = {b: kernel_inputs(b, args.k, device) for b in args.batch_sizes}
-    cells = [(b, name, impl) for b in args.batch_sizes for name in TORCH_IMPLS for impl in impls]
+    cells = [(b, name, impl) for b in args.batch_sizes for name in NAMES for impl in impls]
     for b, name, impl in cells:  # warm-up (compiles) and, for Triton, a correctness check
         out = impls[impl][name](*inputs[b][name])
         if impl == "triton":
@@ -103,7 +110,7 @@ def main() -> None:
     for col in ("B", "kernel", "torch µs", "triton µs", "torch / triton"):
         table.add_column(col, justify="right")
     for b in args.batch_sizes:
-        for name in TORCH_IMPLS:
+        for name in NAMES:
             t = statistics.median(samples[(b, name, "torch")])
             if use_triton:
                 tr = statistics.median(samples[(b, name, "triton")])
@@ -116,7 +123,8 @@ def main() -> None:
         index = getattr(torch, device.type).current_device()  # triton's device_caches key
         for kernel in (triton_padded._next_tokens_kernel, triton_padded._prepare_inputs_kernel,
                        triton_padded._shift_left_kernel, triton_padded._scatter_kernel,
-                       triton_padded._advance_draft_step_kernel):
+                       triton_padded._advance_draft_step_kernel,
+                       triton_padded._padded_step_kernel):
             variants = len(kernel.device_caches[index][0])
             console.print(f"{kernel.fn.__name__}: {variants} compiled variant(s) "
                           f"for B in {args.batch_sizes}")

@@ -9,7 +9,8 @@ trash slot at the end of the flat cache, so no boolean masking (and no host sync
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from specdec import kernels
 
 
 @dataclass
@@ -33,9 +34,7 @@ class AttentionMetadata:
 
     def request_of_token(self, num_tokens: int) -> torch.Tensor:
         """[N] int64 request index of each token; tokens past the last request map to it."""
-        tok = torch.arange(num_tokens, device=self.query_start_loc.device, dtype=torch.int32)
-        idx = torch.searchsorted(self.query_start_loc[1:], tok, right=True)
-        return idx.clamp_(max=self.seq_lens.shape[0] - 1)
+        return kernels.token_requests(self.query_start_loc, num_tokens)
 
 
 class KVCache:
@@ -55,46 +54,31 @@ class KVCache:
 
 
 class PagedKV:
-    """The ``kv`` object models call: ``attend(layer_idx, q, k, v)`` writes then attends."""
+    """The ``kv`` object models call: ``attend(layer_idx, q, k, v)`` writes then attends.
+
+    The per-forward plan (request of each token; on the torch path also the key slots and
+    mask up to ``max_seq_len``) is built on the first call and shared by every layer.
+    Attention itself is ``specdec.kernels.paged_attention``: a Triton kernel that reads only
+    each token's visible keys where Triton runs, else gather + SDPA.
+    """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
         self.cache = cache
         self.meta = meta
-        self._prepared: tuple[torch.Tensor, ...] | None = None
-
-    def _prepare(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """Per-forward gather indices, shared by all layers."""
-        meta, bs = self.meta, self.cache.block_size
-        device = meta.seq_lens.device
-        write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot, meta.slot_mapping)
-        req = self.meta.request_of_token(num_tokens)
-        # keys visible to token i of request r: seq_len[r] - (tokens of r after i)
-        q_end = meta.query_start_loc[1:].to(torch.int64)[req]
-        tok = torch.arange(num_tokens, device=device)
-        visible = (meta.seq_lens.to(torch.int64)[req] - (q_end - 1 - tok)).clamp_(min=1)
-        key_pos = torch.arange(meta.max_seq_len, device=device)
-        block_idx = (key_pos // bs).clamp(max=meta.block_table.shape[1] - 1)
-        key_slots = meta.block_table.to(torch.int64)[:, block_idx] * bs + key_pos % bs  # [B, L]
-        mask = key_pos[None, :] < visible[:, None]  # [N, L]
-        return write_slots, req, key_slots, mask
+        self._write_slots: torch.Tensor | None = None
+        self._plan = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied) -> [N, Hq, D]."""
-        n, hq, d = q.shape
-        if self._prepared is None:
-            self._prepared = self._prepare(n)
-        write_slots, req, key_slots, mask = self._prepared
+        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D]."""
+        meta = self.meta
+        if self._plan is None:
+            self._write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot,
+                                            meta.slot_mapping)
+            self._plan = kernels.plan_paged_attention(
+                meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape[0],
+                meta.max_seq_len, self.cache.block_size)
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        k_cache.index_copy_(0, write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, write_slots, v.to(v_cache.dtype))
-        hkv = k_cache.shape[1]
-        keys = k_cache[key_slots][req]  # [N, L, Hkv, D]
-        values = v_cache[key_slots][req]
-        # [N, Hkv, G, D] x [N, Hkv, D, L] -> one query row per (token, head)
-        qg = q.view(n, hkv, hq // hkv, d)
-        out = F.scaled_dot_product_attention(
-            qg, keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
-            attn_mask=mask[:, None, None, :],
-        )
-        return out.reshape(n, hq, d)
+        k_cache.index_copy_(0, self._write_slots, k)
+        v_cache.index_copy_(0, self._write_slots, v)
+        return kernels.paged_attention(q, k_cache, v_cache, self._plan)

@@ -332,7 +332,7 @@ def test_synthetic_target_with_captured_padded_steps(tmp_path):
                                  warmup=0, synthetic="llama-tiny", graph_backend="replay"))
     r = itl.run_sweep(sweep, Console(quiet=True))
     assert [c["status"] for c in r["configs"]] == ["ok", "ok", "ok"]
-    target, _ = build_synthetic("llama-tiny", dtype=torch.float32, heads=())
+    target, _ = build_synthetic("llama-tiny", dtype=torch.float32, methods=())
     assert r["weights"]["bytes"] == weight_bytes(target)
     assert r["weights"]["weight_read_ms"] is None  # measured on CUDA only
     for c in r["configs"]:

@@ -33,7 +33,7 @@ def target():
 @pytest.fixture(scope="module")
 def heads(target):
     out = {}
-    for method, seed in (("mtp", 1), ("eagle", 4), ("eagle3", 6)):  # seeds with acceptance
+    for method, seed in (("mtp", 9), ("eagle", 8), ("eagle3", 6)):  # seeds with acceptance
         torch.manual_seed(seed)
         extra = {"eagle_aux_hidden_state_layer_ids": AUX} if method == "eagle3" else {}
         out[method] = build_head(method, target, **extra).to(torch.float64).eval()

@@ -1,9 +1,6 @@
 """The Triton kernels (kernels/triton_padded.py) against their torch reference, on CPU
 under the Triton interpreter, and one compiled kernel for every batch size."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -11,33 +8,14 @@ from hypothesis import given, settings, strategies as st
 import specdec.kernels as kernels
 from specdec import platform
 from specdec.kernels import reference
+from triton_interpret import load_interpreted
 
 pytest.importorskip("triton")
 
 
-def load_interpreted():
-    """A private copy of triton_padded.py whose kernels run in the Triton interpreter.
-    Setting TRITON_INTERPRET around this one import is enough even when triton was
-    imported before (its kernels use builtins and local @jit helpers only); the variable
-    is restored, so specdec.kernels' own copy stays compiled on a GPU box."""
-    path = os.path.join(os.path.dirname(kernels.__file__), "triton_padded.py")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("triton_padded_interpreted", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return module
-
-
-TP = load_interpreted()
+TP = load_interpreted("triton_padded")
 KERNELS = [TP._next_tokens_kernel, TP._prepare_inputs_kernel, TP._shift_left_kernel,
-           TP._scatter_kernel, TP._advance_draft_step_kernel]
+           TP._scatter_kernel, TP._advance_draft_step_kernel, TP._padded_step_kernel]
 FEW = settings(max_examples=25)
 
 
@@ -120,6 +98,35 @@ def test_padded_prep_equals_reference_on_step_batches(step_batch, b, k, seed):
     expected = reference.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
     got = TP.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
     for a, e in zip(got, expected):
+        assert_same(a, e)
+
+
+def test_worked_example_padded_step():
+    args = (i32([[11, 12, 13], [21, -1, -1], [31, 32, -1], [41, -1, -1]]),
+            torch.tensor([False, False, False, True]), i32([[99] * 6]),
+            torch.zeros(4, dtype=torch.int64), i32([2, 5, 8, 5]), i32([2, 4, 6, 6]),
+            i32([0, 3, 6, 9, 14]), 100)
+    for impl in (kernels.prepare_padded_step, TP.prepare_padded_step):
+        out = kernels.PaddedPrep.empty(4, "cpu")
+        assert impl(*args, out=out) is out
+        assert [t.tolist() for t in out] == [[13, 21, 32, 99], [3, 1, 2, 0], [99, 99, -1, 99],
+                                             [2, 3, 7, 13], [0, 2, 1, 0]]
+
+
+@FEW
+@given(b=st.integers(1, 300), k=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_padded_step_equals_reference_on_step_batches(step_batch, b, k, seed):
+    """Realistic steps (conftest.make_step_batch) across several 128-row programs; the
+    outputs are written into the given buffers (pre-filled with junk)."""
+    s = step_batch(b, k, seed)
+    args = (torch.tensor(s.sampled, dtype=torch.int32), torch.tensor(s.discard),
+            s.token_table, s.rows, s.seq_lens, s.cu_num_draft_tokens, s.query_start_loc,
+            s.vocab_size)
+    expected = reference.prepare_padded_step(*args, out=reference.PaddedPrep.empty(b, "cpu"))
+    out = reference.PaddedPrep(*(torch.full((b,), -7, dtype=torch.int32) for _ in range(5)))
+    got = TP.prepare_padded_step(*args, out=out)
+    for a, e, o in zip(got, expected, out):
+        assert a is o
         assert_same(a, e)
 
 
@@ -251,10 +258,14 @@ def _launchers():
             torch.arange(b), torch.ones(b, dtype=torch.int32), table, b, 4, 30)),
         (TP._advance_draft_step_kernel, lambda b: TP.advance_draft_step(
             torch.arange(b), torch.ones(b, dtype=torch.int32), table, torch.tensor(b), 4, 30)),
+        (TP._padded_step_kernel, lambda b: TP.prepare_padded_step(
+            randint(gen, -1, 50, (b, 4)), torch.zeros(b, dtype=torch.bool), table,
+            torch.arange(b), randint(gen, 0, 10, (b,)), torch.arange(b, dtype=torch.int32),
+            torch.arange(b + 1, dtype=torch.int32), 50, out=reference.PaddedPrep.empty(b, "cpu"))),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_one_compiled_kernel_for_every_batch_size(case):
     kernel, launch = _launchers()[case]
     calls = launch_args(kernel, launch, [1, 2, 16, 17, 64, 129])

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from specdec.models.heads import (Eagle3Head, EagleHead, MtpHead, build_head, head_config,
                                   load_head)
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM, apply_rope, load_pretrained
+from specdec.models.llama import LlamaConfig, LlamaForCausalLM, Rope, load_pretrained
 
 from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_inputs
 
@@ -110,10 +110,12 @@ def test_wrong_shape_is_named(tmp_path):
 def test_rope_position_zero_is_identity_and_scores_are_relative():
     torch.manual_seed(0)
     q, k = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
-    assert torch.equal(apply_rope(q, torch.zeros(1), 1e4), q)
+    def apply_rope(x, pos):
+        return Rope.at(torch.tensor([pos]), 16, 1e4, x.dtype).apply(x)
+    assert torch.equal(apply_rope(q, 0), q)
 
     def score(pq, pk):
-        return (apply_rope(q, torch.tensor([pq]), 1e4) * apply_rope(k, torch.tensor([pk]), 1e4)).sum(-1)
+        return (apply_rope(q, pq) * apply_rope(k, pk)).sum(-1)
     torch.testing.assert_close(score(7, 3), score(14, 10))
 
 
@@ -138,7 +140,7 @@ def test_aux_layer0_is_the_embedding_and_last_hidden_is_normed_stream():
         assert torch.equal(aux[:, :, 0], model.model.embed_tokens(ids))
         x = model.model.embed_tokens(ids)
         for layer in model.model.layers[:2]:
-            x = layer(x, torch.arange(5))
+            x = layer(x, model.rope(torch.arange(5), x.dtype))
         torch.testing.assert_close(aux[:, :, 1], x)
     assert model(ids, torch.arange(5))[1] is None
     with pytest.raises(ValueError, match="aux_layer_ids"):

@@ -25,8 +25,8 @@ def reference_moe(moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         top = sorted(range(len(probs)), key=lambda e: -probs[e])[:moe.top_k]
         total = sum(probs[e] for e in top) if moe.norm_topk_prob else 1.0
         for e in top:
-            ex = moe.experts[str(e)]
-            y = ex.down_proj.weight @ (F.silu(ex.gate_proj.weight @ x[t]) * (ex.up_proj.weight @ x[t]))
+            w = moe.experts[str(e)].state_dict()  # HF names: gate_proj, up_proj, down_proj
+            y = w["down_proj.weight"] @ (F.silu(w["gate_proj.weight"] @ x[t]) * (w["up_proj.weight"] @ x[t]))
             out[t] += probs[e] / total * y
     return out
 

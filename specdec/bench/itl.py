@@ -399,7 +399,7 @@ def synthetic_model(sweep: dict, spec: dict | None) -> dict:
     method = spec["method"] if spec else None
     target, heads = build_synthetic(sweep["synthetic"], dtype=DTYPES[sweep["dtype"]],
                                     device=sweep["device"], init="zeros",
-                                    heads=(method,) if method else ())
+                                    methods=(method,) if method else ())
     return dict(target=target, draft_head=heads.get(method))
 
 

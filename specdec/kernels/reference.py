@@ -138,6 +138,50 @@ def slot_mapping_for_positions(
     return blocks * block_size + positions.long() % block_size
 
 
+class PaddedPrep(NamedTuple):
+    """Every per-request output of the padded prep, each [B] int32 (preallocate with
+    :meth:`empty` and pass as ``out=`` so a captured step reuses the same buffers)."""
+
+    next_token_ids: torch.Tensor
+    valid_count: torch.Tensor
+    backup_token_ids: torch.Tensor
+    token_indices_to_sample: torch.Tensor
+    num_rejected: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_reqs: int, device: torch.device | str) -> "PaddedPrep":
+        return cls(*(torch.empty(num_reqs, dtype=torch.int32, device=device) for _ in range(5)))
+
+
+def prepare_padded_step(
+    sampled_token_ids: torch.Tensor,
+    discard_mask: torch.Tensor,
+    token_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    vocab_size: int,
+    out: PaddedPrep,
+) -> PaddedPrep:
+    """gather_backup_tokens + prepare_next_token_ids_padded + prepare_inputs_padded in one
+    call, written into ``out`` (returned). Arguments as in those three functions.
+
+    Example (the module's): sampled = [[11,12,13], [21,-1,-1], [31,32,-1], [41,-1,-1]],
+    discard = [F,F,F,T], table = [[99]*6], rows = [0,0,0,0], seq_lens = [2,5,8,5],
+    cu = [2,4,6,6], qsl = [0,3,6,9,14], vocab_size = 100 -> next = [13,21,32,99],
+    valid_count = [3,1,2,0], backup = [99,99,-1,99], sample_index = [2,3,7,13],
+    num_rejected = [0,2,1,0].
+    """
+    backup = gather_backup_tokens(token_table, rows, seq_lens)
+    next_ids, valid = prepare_next_token_ids_padded(sampled_token_ids, discard_mask, backup,
+                                                    vocab_size)
+    sample_idx, rejected = prepare_inputs_padded(cu_num_draft_tokens, valid, query_start_loc)
+    for dst, src in zip(out, (next_ids, valid, backup, sample_idx, rejected)):
+        dst.copy_(src)
+    return out
+
+
 class DraftStep(NamedTuple):
     positions: torch.Tensor  # [Bp] int64, carried to the next step (never clamped)
     input_positions: torch.Tensor  # [Bp] int64, fed to the model: 0 where inactive

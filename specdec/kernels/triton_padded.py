@@ -5,6 +5,8 @@ Every wrapper returns exactly what its torch reference returns (``reference.py``
 oracle; ``tests/test_kernels_triton.py`` compares them under ``TRITON_INTERPRET=1``):
 
     prepare_next_tokens_padded  = gather_backup_tokens + prepare_next_token_ids_padded
+    prepare_padded_step         = prepare_padded_step (all of the above + prepare_inputs_padded,
+                                  into preallocated outputs)
     prepare_inputs_padded       = prepare_inputs_padded
     shift_first_pass_input_ids  = shift_first_pass_input_ids   (two launches: shift, scatter)
     advance_draft_step          = advance_draft_step
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.reference import DraftStep
+from specdec.kernels.reference import DraftStep, PaddedPrep
 
 ROWS_PER_PROGRAM = 128  # requests per program
 TOKENS_PER_PROGRAM = 1024  # tokens per program (first-pass shift)
@@ -64,13 +66,11 @@ def _add(a, b):
 
 # ---- next token + valid count + backup token (one kernel) ----
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _next_tokens_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
-                        table_ptr, table_stride, table_len, rows_ptr, seq_lens_ptr,
-                        next_ptr, valid_ptr, backup_ptr, vocab_size, num_rows,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = r < num_rows
+@triton.jit
+def _next_token_rows(r, live, sampled_ptr, sampled_stride, num_cols, discard_ptr, table_ptr,
+                     table_stride, table_len, rows_ptr, seq_lens_ptr, vocab_size,
+                     BLOCK_COLS: tl.constexpr):
+    """(valid count, next token, backup token) of rows ``r``."""
     c = tl.arange(0, BLOCK_COLS)
     tok = tl.load(sampled_ptr + r[:, None].to(tl.int64) * sampled_stride + c[None, :],
                   mask=live[:, None] & (c[None, :] < num_cols), other=-1)
@@ -87,7 +87,28 @@ def _next_tokens_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
     known = seq_len < table_len
     backup = tl.load(table_ptr + row * table_stride + tl.minimum(seq_len, table_len - 1),
                      mask=live & known, other=-1)
-    tl.store(next_ptr + r, tl.where(count > 0, last, backup), mask=live)
+    return count, tl.where(count > 0, last, backup), backup
+
+
+@triton.jit
+def _rejected_rows(r, live, cu_ptr, valid):
+    """num_rejected of rows ``r`` from the inclusive draft cumsum and the valid counts."""
+    num_draft = (tl.load(cu_ptr + r, mask=live, other=0)
+                 - tl.load(cu_ptr + r - 1, mask=live & (r > 0), other=0))
+    return tl.where(num_draft > 0, num_draft + 1 - valid, 0)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _next_tokens_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
+                        table_ptr, table_stride, table_len, rows_ptr, seq_lens_ptr,
+                        next_ptr, valid_ptr, backup_ptr, vocab_size, num_rows,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = r < num_rows
+    count, next_id, backup = _next_token_rows(
+        r, live, sampled_ptr, sampled_stride, num_cols, discard_ptr, table_ptr, table_stride,
+        table_len, rows_ptr, seq_lens_ptr, vocab_size, BLOCK_COLS)
+    tl.store(next_ptr + r, next_id, mask=live)
     tl.store(valid_ptr + r, count, mask=live)
     tl.store(backup_ptr + r, backup, mask=live)
 
@@ -119,6 +140,48 @@ def prepare_next_tokens_padded(sampled_token_ids: torch.Tensor, discard_mask: to
     return next_ids, valid, backup
 
 
+# ---- the whole per-request prep in one launch ----
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _padded_step_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
+                        table_ptr, table_stride, table_len, rows_ptr, seq_lens_ptr,
+                        cu_ptr, qsl_ptr, next_ptr, valid_ptr, backup_ptr, sample_ptr,
+                        rejected_ptr, vocab_size, num_rows,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = r < num_rows
+    count, next_id, backup = _next_token_rows(
+        r, live, sampled_ptr, sampled_stride, num_cols, discard_ptr, table_ptr, table_stride,
+        table_len, rows_ptr, seq_lens_ptr, vocab_size, BLOCK_COLS)
+    rejected = _rejected_rows(r, live, cu_ptr, count)
+    end = tl.load(qsl_ptr + r + 1, mask=live, other=0)
+    tl.store(next_ptr + r, next_id, mask=live)
+    tl.store(valid_ptr + r, count, mask=live)
+    tl.store(backup_ptr + r, backup, mask=live)
+    tl.store(sample_ptr + r, end - 1 - rejected, mask=live)
+    tl.store(rejected_ptr + r, rejected, mask=live)
+
+
+def prepare_padded_step(sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
+                        token_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_num_draft_tokens: torch.Tensor, query_start_loc: torch.Tensor,
+                        vocab_size: int, out: PaddedPrep) -> PaddedPrep:
+    """One launch for reference.prepare_padded_step. sampled [B, K+1] int32, discard_mask
+    [B] bool, token_table [R, L] int32, rows [B] int32/int64, seq_lens / cu_num_draft_tokens
+    [B] int32, query_start_loc [B+1] int32, out: five [B] int32 (unit stride; the 1-D inputs
+    too). Only O(1) checks here (the launch itself is the hot path)."""
+    b, cols = sampled_token_ids.shape
+    if out.num_rejected.shape[0] != b or query_start_loc.shape[0] != b + 1:
+        raise ValueError(f"out has {out.num_rejected.shape[0]} rows and query_start_loc "
+                         f"{query_start_loc.shape[0]}; need {b} and {b + 1}")
+    _padded_step_kernel[_grid(b, ROWS_PER_PROGRAM)](
+        sampled_token_ids, sampled_token_ids.stride(0), cols, discard_mask.view(torch.int8),
+        token_table, token_table.stride(0), token_table.shape[1], rows, seq_lens,
+        cu_num_draft_tokens, query_start_loc, *out, vocab_size, b,
+        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=triton.next_power_of_2(cols))
+    return out
+
+
 # ---- sample index + num rejected ----
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -126,10 +189,8 @@ def _prepare_inputs_kernel(cu_ptr, valid_ptr, qsl_ptr, sample_ptr, rejected_ptr,
                            BLOCK_ROWS: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = r < num_rows
-    num_draft = (tl.load(cu_ptr + r, mask=live, other=0)
-                 - tl.load(cu_ptr + r - 1, mask=live & (r > 0), other=0))
     valid = tl.load(valid_ptr + r, mask=live, other=0)
-    rejected = tl.where(num_draft > 0, num_draft + 1 - valid, 0)
+    rejected = _rejected_rows(r, live, cu_ptr, valid)
     end = tl.load(qsl_ptr + r + 1, mask=live, other=0)
     tl.store(sample_ptr + r, end - 1 - rejected, mask=live)
     tl.store(rejected_ptr + r, rejected, mask=live)

@@ -25,8 +25,10 @@ def save_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]
         raise ValueError(f"save dtype={dtype}: allowed {SAVE_DTYPES}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    out = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-           for k, v in tensors.items()}
+    # a fresh contiguous copy each: merged projections hand out row views of one weight
+    # (models/merged.py), and safetensors refuses tensors that share storage
+    out = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu()
+           .clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     save_file(out, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     config = dict(config, torch_dtype=str(dtype).removeprefix("torch."))
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

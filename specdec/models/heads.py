@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from specdec.models import checkpoint
-from specdec.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, RMSNorm
+from specdec.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, RMSNorm, Rope
 
 MTP_ARCH = "MiMoForCausalLM"
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
@@ -117,6 +117,9 @@ class DraftHead(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.shared.embed_tokens(input_ids)
 
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return Rope.at(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
 
 class MtpHead(DraftHead):
     """MiMo-style MTP layer: ``model.mtp_layers.0.*`` (Qwen2 decoder layer + input projection)."""
@@ -137,7 +140,7 @@ class MtpHead(DraftHead):
         emb = self._embed(input_ids).masked_fill((positions == 0)[..., None], 0.0)
         x = layer.input_proj(torch.cat((layer.hidden_layernorm(hidden),
                                         layer.token_layernorm(emb)), dim=-1))
-        out = layer.final_layernorm(layer(x, positions, kv))
+        out = layer.final_layernorm(layer(x, self._rope(positions, x.dtype), kv))
         return out, out
 
     def checkpoint_tensors(self):
@@ -172,7 +175,7 @@ class EagleHead(DraftHead):
 
     def forward(self, input_ids, positions, hidden, kv=None):
         x = self.fc(torch.cat((self._embed(input_ids), hidden), dim=-1))
-        out = self.layers[0](x, positions, kv)
+        out = self.layers[0](x, self._rope(positions, x.dtype), kv)
         return out, out
 
 
@@ -221,7 +224,8 @@ class Eagle3Head(DraftHead):
         return self.fc(target_aux)
 
     def forward(self, input_ids, positions, hidden, kv=None):
-        out = self.midlayer.run(self._embed(input_ids), hidden, positions, kv)
+        out = self.midlayer.run(self._embed(input_ids), hidden,
+                                self._rope(positions, hidden.dtype), kv)
         return self.norm(out), out
 
     def compute_logits(self, logits_hidden):
@@ -247,9 +251,9 @@ class _Eagle3Layer(DecoderLayer):
         super().__init__(config, 0, qkv_in_features=2 * config.hidden_size)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def run(self, embeds, hidden, positions, kv):
+    def run(self, embeds, hidden, rope, kv):
         attn_in = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        return self(hidden, positions, kv, attn_in=attn_in)
+        return self(hidden, rope, kv, attn_in=attn_in)
 
 
 def head_config(method: str, target_config: LlamaConfig, **extra) -> LlamaConfig:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec import kernels
 from specdec.models import checkpoint
+from specdec.models.merged import MergedLinear, save_merged_as_parts
 
 QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
 LLAMA_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
@@ -124,7 +127,11 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """HF RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``, statistics in float32."""
+    """HF RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``, statistics in float32, output in x's dtype.
+
+    ``F.rms_norm``: one fused kernel on CUDA; x [..., H] -> [..., H].
+    Example: x = [3, 4], w = [1, 2], eps -> 0: rms = sqrt(12.5) -> [0.8485, 2.2627].
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -132,66 +139,86 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x [..., T, H, D]`` by ``positions [..., T]`` (HF rotate_half convention).
+class Rope(NamedTuple):
+    """Rotary cos/sin for a set of positions, computed once per forward and shared by all layers.
 
-    Channel pairs are (j, j + D/2) with frequency ``theta ** (-2j / D)``; position 0 is the identity:
-    ``apply_rope(x, zeros, theta) == x``.
+    cos, sin: [..., T, 1, D] in the model dtype (broadcast over heads). ``sin`` carries the sign of
+    HF's ``rotate_half``: ``[-sin(a), sin(a)]``, so ``apply(x) = x * cos + swap_halves(x) * sin``
+    equals HF's ``x * cos + cat(-x2, x1) * sin`` exactly. Channel pairs are (j, j + D/2) with
+    angle ``pos * theta ** (-2j / D)``, computed in float32 then cast (as HF does).
+
+    Example (D=2, theta any, pos=1): angle a = 1 -> x = [1, 0] becomes [cos 1, sin 1].
     """
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)[..., None, :]  # [..., T, 1, D]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, head_dim: int, theta: float,
+           dtype: torch.dtype) -> "Rope":
+        """positions [..., T] (any int/float dtype) -> Rope with [..., T, 1, head_dim] tables."""
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device,
+                                           dtype=torch.float32) / head_dim)
+        angles = positions.to(torch.float32)[..., None, None] * inv_freq  # [..., T, 1, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        return cls(torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., T, H, D] (may be a strided view) -> rotated copy, same shape and dtype
+        (one kernel where Triton runs: ``specdec.kernels.apply_rope``)."""
+        return kernels.apply_rope(x, self.cos, self.sin)
 
 
 class Attention(nn.Module):
+    """One ``qkv_proj`` matmul (checkpoint names q_proj/k_proj/v_proj), one RoPE pass on q and k."""
+
     def __init__(self, config: LlamaConfig, layer_idx: int, in_features: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.theta = config.head_dim, config.rope_theta
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.head_dim = config.head_dim
+        d = self.head_dim
+        self.qkv_proj = MergedLinear(in_features, {"q_proj": self.n_heads * d,
+                                                   "k_proj": self.n_kv * d,
+                                                   "v_proj": self.n_kv * d},
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, config.hidden_size, bias=False)
+        save_merged_as_parts(self)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None) -> torch.Tensor:
-        """x: [B, T, in] with kv=None, else [N, in]; positions: [B, T] / [T], or [N]."""
-        lead = x.shape[:-1]
-        q = apply_rope(self.q_proj(x).view(*lead, self.n_heads, self.head_dim), positions, self.theta)
-        k = apply_rope(self.k_proj(x).view(*lead, self.n_kv, self.head_dim), positions, self.theta)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: Rope, kv=None) -> torch.Tensor:
+        """x: [B, T, in] with kv=None, else [N, in]; rope: tables for the same leading dims."""
+        lead, hq, hkv = x.shape[:-1], self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(*lead, hq + 2 * hkv, self.head_dim)
+        qk = rope.apply(qkv[..., :hq + hkv, :])
+        q, k, v = qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv:, :]
         if kv is not None:
             out = kv.attend(self.layer_idx, q, k, v)
         else:
-            rep = self.n_heads // self.n_kv
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+            q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, H, T, D]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=hq != hkv).transpose(-3, -2)
+        return self.o_proj(out.reshape(*lead, hq * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, [..., H] -> [..., H] (also each MoE expert)."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, [..., H] -> [..., H] (also each MoE expert).
+
+    gate and up are one ``gate_up_proj`` matmul (checkpoint names gate_proj/up_proj).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         h, i = hidden_size, intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        save_merged_as_parts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -218,12 +245,14 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None,
+    def forward(self, x: torch.Tensor, rope: Rope, kv=None,
                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
         if attn_in is None:
             attn_in = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        h = x + self.self_attn(attn_in, positions, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, normed = kernels.add_rms_norm(x, self.self_attn(attn_in, rope, kv), norm.weight,
+                                         norm.eps)  # one kernel where Triton runs
+        return h + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -258,13 +287,18 @@ class LlamaForCausalLM(nn.Module):
             if not 0 <= i < self.config.num_hidden_layers:
                 raise ValueError(f"aux_layer_ids contains {i}: allowed 0..{self.config.num_hidden_layers - 1}")
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)
         aux = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layer_ids:
                 aux[i] = x
-            x = layer(x, positions, kv)
+            x = layer(x, rope, kv)
         stacked = torch.stack([aux[i] for i in aux_layer_ids], dim=-2) if aux_layer_ids else None
         return self.model.norm(x), stacked
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary tables every layer of this forward uses (see :class:`Rope`)."""
+        return Rope.at(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., vocab_size]."""

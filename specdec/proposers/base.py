@@ -29,10 +29,10 @@ from specdec.config import SpeculativeConfig
 from specdec.graphs import StepGraph
 from specdec.kernels import (
     DraftStep,
+    PaddedPrep,
     advance_draft_step,
     gather_backup_tokens,
-    prepare_inputs_padded,
-    prepare_next_tokens_padded,
+    prepare_padded_step,
     shift_first_pass_input_ids,
 )
 from specdec.kernels.ragged import (
@@ -63,19 +63,23 @@ class Proposer:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # the padded prep's outputs: fixed addresses, sliced to [Bp] (a captured step reuses them)
+        self.prep = PaddedPrep.empty(max_num_seqs, self.device)
 
     def prepare_padded(self, sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
                        cu_num_draft_tokens: torch.Tensor, query_start_loc: torch.Tensor,
                        token_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded mode, all on the device. sampled_token_ids [B, K+1] int32, discard_mask
-        [B] bool, cu_num_draft_tokens [B] int32, query_start_loc [B+1] int32, token_table
-        [R, L] int32, rows [B] int, seq_lens [B] int32 (the target step's).
-        -> (next_token_ids, valid_count, token_indices_to_sample, num_rejected), [B] int32."""
-        next_ids, valid, _ = prepare_next_tokens_padded(
-            sampled_token_ids, discard_mask, token_table, rows, seq_lens, self.vocab_size)
-        sample_idx, rejected = prepare_inputs_padded(cu_num_draft_tokens, valid, query_start_loc)
-        return next_ids, valid, sample_idx, rejected
+        """Padded mode, all on the device, one launch. sampled_token_ids [B, K+1] int32,
+        discard_mask [B] bool, cu_num_draft_tokens [B] int32, query_start_loc [B+1] int32,
+        token_table [R, L] int32, rows [B] int, seq_lens [B] int32 (the target step's).
+        -> (next_token_ids, valid_count, token_indices_to_sample, num_rejected), [B] int32
+        views of the proposer's prep buffers."""
+        b = sampled_token_ids.shape[0]
+        out = prepare_padded_step(sampled_token_ids, discard_mask, token_table, rows, seq_lens,
+                                  cu_num_draft_tokens, query_start_loc, self.vocab_size,
+                                  out=PaddedPrep(*(t[:b] for t in self.prep)))
+        return out.next_token_ids, out.valid_count, out.token_indices_to_sample, out.num_rejected
 
     def prepare_ragged(self, sampled: list[list[int]], discard: list[bool], backup: list[int],
                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -1,0 +1,85 @@
+"""Paged attention in pure torch: gather each request's keys up to a static bound, then SDPA.
+
+The CPU path and the oracle of the Triton kernel (``triton_paged_attention.py``). Both take a
+per-forward plan (shared by every layer) and one layer's cache:
+
+    q        [N, Hq, D]   queries (RoPE applied), any float dtype; rows may be strided
+    k_cache  [S, Hkv, D]  one layer's flat cache (S = num_blocks * block_size + 1 trash slot)
+    v_cache  [S, Hkv, D]
+    -> out   [N, Hq, D]   q's dtype
+
+Token ``i`` of request ``r`` (``r = req[i]``, tokens past the last request map to it) sees the
+first ``visible[i]`` keys of ``r``, where, with ``q_end = query_start_loc[r + 1]``,
+
+    visible[i] = clamp(seq_len[r] - (q_end - 1 - i), 1, seq_len[r])   (at least 1 key)
+
+i.e. everything before the chunk plus the chunk's tokens up to and including ``i`` (causal).
+Key position ``p`` of ``r`` lives in slot ``block_table[r, p // bs] * bs + p % bs``.
+
+Worked example: query_start_loc = [0, 3, 4], seq_lens = [5, 9] (request 0: a 3-token chunk
+after 2 cached tokens; request 1: one decode token), N = 5 (token 4 is padding)
+-> req = [0, 0, 0, 1, 1], visible = [3, 4, 5, 9, 9] (the padding token is clamped to 9).
+
+``bound`` (the gather length L) is any host int >= max(seq_lens): keys at positions >=
+``visible`` are masked out, so the result does not depend on it. Shapes depend only on N, B,
+the block table's width and ``bound``; nothing is read back to the host.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class PagedPlan(NamedTuple):
+    """Per-forward indices, built once and reused by every layer."""
+
+    req: torch.Tensor  # [N] int64, request of each token
+    visible: torch.Tensor  # [N] int64, keys each token sees (>= 1)
+    key_slots: torch.Tensor  # [B, L] int64, slot of each request's key positions 0..L-1
+    key_mask: torch.Tensor  # [N, L] bool, key position < visible
+
+
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N] int64 request of each token; tokens past the last request map to it.
+
+    Example: query_start_loc = [0, 3, 3, 4], N = 6 -> [0, 0, 0, 2, 2, 2] (request 1 is empty).
+    """
+    tok = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    idx = torch.searchsorted(query_start_loc[1:], tok, right=True)
+    return idx.clamp_(max=query_start_loc.shape[0] - 2)
+
+
+def visible_keys(req: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor) -> torch.Tensor:
+    """[N] int64 keys seen by each token (module formula; example in the module docstring)."""
+    tok = torch.arange(req.shape[0], device=req.device)
+    seq_len = seq_lens.to(torch.int64)[req]
+    q_end = query_start_loc.to(torch.int64)[req + 1]
+    return torch.minimum(seq_len - (q_end - 1 - tok), seq_len).clamp_(min=1)
+
+
+def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+         num_tokens: int, bound: int, block_size: int) -> PagedPlan:
+    """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan."""
+    device = seq_lens.device
+    req = token_requests(query_start_loc, num_tokens)
+    visible = visible_keys(req, query_start_loc, seq_lens)
+    key_pos = torch.arange(bound, device=device)
+    block_idx = (key_pos // block_size).clamp_(max=block_table.shape[1] - 1)
+    key_slots = block_table.to(torch.int64)[:, block_idx] * block_size + key_pos % block_size
+    return PagedPlan(req, visible, key_slots, key_pos[None, :] < visible[:, None])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    p: PagedPlan) -> torch.Tensor:
+    """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring)."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    keys = k_cache[p.key_slots][p.req]  # [N, L, Hkv, D]
+    values = v_cache[p.key_slots][p.req]
+    # [N, Hkv, G, D] x [N, Hkv, D, L]: one query row per (token, head)
+    out = F.scaled_dot_product_attention(
+        q.view(n, hkv, hq // hkv, d), keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
+        attn_mask=p.key_mask[:, None, None, :])
+    return out.reshape(n, hq, d)

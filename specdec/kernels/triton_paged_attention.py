@@ -1,0 +1,129 @@
+"""Paged attention as one Triton kernel: no gather of the cache, each token reads only its
+own request's blocks up to its own ``visible`` count (read on the device).
+
+Same contract and formulas as the torch reference (``paged_attention_torch.py``, the oracle;
+``tests/test_paged_attention.py`` compares them under ``TRITON_INTERPRET=1``). One program
+per (token, kv head): it loads the token's ``G = Hq / Hkv`` query heads of that kv head once,
+then walks the request's keys ``BLOCK_N`` at a time up to ``visible`` (a device value, so
+the loop length is data-dependent but the launch shape is not: grid ``(N, Hkv)``), with an
+online softmax (running max ``m``, sum ``l``, accumulator ``acc``) in float32 (float64 for a
+float64 cache). Keys past ``visible`` are never read, so the static bound the torch path
+gathers up to plays no part here.
+
+Worked example of the online softmax (one head, scores [1, 3] then [2]): after block 1
+m = 3, l = e^(1-3) + 1; block 2: m' = 3, alpha = 1, l' = l + e^(2-3); out = acc / l'
+= the softmax over all three scores. Padding tokens (past the last request) attend like the
+last request's last token; their rows are junk the engine never reads.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.kernels.paged_attention_torch import token_requests
+
+KEYS_PER_ITERATION = 16  # BLOCK_N (x BLOCK_G x BLOCK_D products live in registers)
+
+
+# Local combiners, not tl.sum / tl.max (see triton_padded.py: triton's own @jit helpers do
+# not switch to the interpreter after import).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stride_s,
+                            kv_stride_h, out_ptr, out_stride_t, out_stride_h, req_ptr,
+                            qsl_ptr, seq_lens_ptr, table_ptr, table_stride, scale,
+                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)  # token
+    h = tl.program_id(1)  # kv head
+    r = tl.load(req_ptr + i).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
+    q_end = tl.load(qsl_ptr + r + 1).to(tl.int64)
+    visible = tl.maximum(tl.minimum(seq_len - (q_end - 1 - i), seq_len), 1)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_live = g < GROUP
+    d_live = d < HEAD_DIM
+    heads = h * GROUP + g
+    q = tl.load(q_ptr + i * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=g_live[:, None] & d_live[None, :], other=0.0).to(ACC)
+    m = tl.full([BLOCK_G], float("-inf"), ACC)
+    l = tl.full([BLOCK_G], 0.0, ACC)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, ACC)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(0, visible, BLOCK_N):
+        pos = start + n
+        live = pos < visible
+        block = tl.load(table_ptr + r * table_stride + pos // BLOCK_SIZE, mask=live,
+                        other=0).to(tl.int64)
+        kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * kv_stride_s
+                  + h * kv_stride_h + d[None, :])
+        kv_mask = live[:, None] & d_live[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(ACC)  # [BLOCK_N, BLOCK_D]
+        s = tl.reduce(q[:, None, :] * k[None, :, :], 2, _add) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(s, 1, _max))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(ACC)
+        l = l * alpha + tl.reduce(p, 1, _add)
+        acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, _add)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + i * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_live[:, None] & d_live[None, :])
+
+
+class TritonPlan(NamedTuple):
+    """The kernel's per-forward plan: ``req`` [N] int64 plus the metadata it reads."""
+
+    req: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+
+
+def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+         num_tokens: int, bound: int, block_size: int) -> TritonPlan:
+    """Same arguments as the torch ``plan_paged_attention``; ``bound`` is unused (the kernel stops at each
+    token's own ``visible``)."""
+    return TritonPlan(token_requests(query_start_loc, num_tokens), query_start_loc, seq_lens,
+                      block_table, block_size)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    p: TritonPlan) -> torch.Tensor:
+    """q [N, Hq, D] (unit last stride), k_cache/v_cache [S, Hkv, D] (same layout) ->
+    [N, Hq, D] in q's dtype. O(1) host checks only."""
+    req, qsl, seq_lens, table, block_size = p
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"paged_attention: q.stride()={q.stride()}, k_cache.stride()="
+                         f"{k_cache.stride()}, v_cache.stride()={v_cache.stride()}: need unit "
+                         "last strides and the same cache layout")
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    acc = tl.float64 if k_cache.dtype == torch.float64 else tl.float32
+    _paged_attention_kernel[(n, hkv)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        out, out.stride(0), out.stride(1), req, qsl, seq_lens, table, table.stride(0),
+        d ** -0.5, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=KEYS_PER_ITERATION, ACC=acc)
+    return out
