@@ -10,9 +10,10 @@ wrapper gives each of them every backend:
     compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per bucket
     torchair     the same through torchair's NPU backend when torch_npu + torchair are
                  installed (specdec.platform.compile_graph), torch.compile elsewhere
-    cuda_graph   per bucket: copy args into static inputs, warm up, capture once with
-                 torch.cuda.CUDAGraph (one memory pool shared by every bucket); later calls
-                 copy args into the static inputs and replay. Returns the static outputs.
+    cuda_graph   per bucket: the first call's args become the static inputs; warm up, capture
+                 once with torch.cuda.CUDAGraph (one memory pool shared by every bucket);
+                 later calls copy in each arg not already at its static input's address,
+                 and replay. Returns the static outputs.
     replay       the cuda_graph code path without a graph (static inputs and outputs per
                  bucket, fn run eagerly on the static inputs): proves the capture logic on CPU
 
@@ -35,11 +36,15 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
 
 
 class _Captured:
-    """One bucket's static inputs and outputs (and its CUDA graph, on cuda_graph)."""
+    """One bucket's static inputs and outputs (and its CUDA graph, on cuda_graph).
+
+    The first call's arguments become the static inputs (held, so their memory stays
+    theirs): persistent buffers passed again at the same address -- the runner's step
+    buffers, a captured step's outputs -- cost no copy; any other argument is copied in."""
 
     def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], use_cuda_graph: bool,
                  pool):
-        self.inputs = tuple(a.clone() for a in args)
+        self.inputs = args
         self.graph = None
         if use_cuda_graph:
             stream = torch.cuda.Stream()

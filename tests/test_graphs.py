@@ -162,3 +162,15 @@ def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
 def test_unknown_compile_backend_names_the_field():
     with pytest.raises(ValueError, match="compile_backend='tensorrt'.*inductor"):
         StepGraph(lambda x: x, "compile", "tensorrt")
+
+
+def test_static_inputs_are_the_first_args_and_other_tensors_are_copied_in():
+    """A persistent buffer passed again is read in place (no copy); a new tensor is copied
+    into the static input before the replay."""
+    buf = torch.tensor([1.0, 2.0])
+    graph = StepGraph(lambda x: x * 10, "replay")
+    assert graph(2, buf).tolist() == [10.0, 20.0]
+    buf.copy_(torch.tensor([3.0, 4.0]))  # the caller refills its buffer in place
+    assert graph(2, buf).tolist() == [30.0, 40.0]
+    assert graph(2, torch.tensor([5.0, 6.0])).tolist() == [50.0, 60.0]
+    assert graph.captured[2].inputs[0] is buf and buf.tolist() == [5.0, 6.0]

@@ -216,8 +216,9 @@ class LLM:
             syncs = 0 if self.padded else counter.count
         else:
             sampled, drafts = self.runner.execute(batch)
-        sampled = sampled.tolist()  # the step's one host read (after the drafter was launched)
-        drafts = drafts.tolist() if drafts is not None else [[] for _ in scheduled]
+        width = sampled.shape[1]  # the step's one host read (after the drafter was launched)
+        rows = (sampled if drafts is None else torch.cat([sampled, drafts], dim=1)).tolist()
+        sampled, drafts = [r[:width] for r in rows], [r[width:] for r in rows]
         new_tokens = {}
         for s, row, draft in zip(scheduled, sampled, drafts):
             new_tokens[s.request.request_id] = self._update(s, row, draft)
