@@ -46,7 +46,9 @@ def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tens
     Example: query_start_loc = [0, 3, 3, 4], N = 6 -> [0, 0, 0, 2, 2, 2] (request 1 is empty).
     """
     tok = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    idx = torch.searchsorted(query_start_loc[1:], tok, right=True)
+    # = searchsorted(query_start_loc[1:], tok, right=True), as a count: inductor's CUDA
+    # lowering of searchsorted rejects a sliced boundary tensor (graph_mode="torchair")
+    idx = (query_start_loc[None, 1:] <= tok[:, None]).sum(dim=1)
     return idx.clamp_(max=query_start_loc.shape[0] - 2)
 
 
