@@ -24,18 +24,19 @@ from specdec.kernels import TORCH_IMPLS, PaddedPrep
 
 BLOCK_SIZE = 16
 # the padded-drafting kernels of triton_padded.py (paged attention has its own benchmark)
-NAMES = ("prepare_next_tokens_padded", "prepare_inputs_padded", "shift_first_pass_input_ids",
-         "advance_draft_step", "prepare_padded_step")
+NAMES = ("prepare_padded_step", "prepare_inputs_padded", "shift_first_pass_input_ids",
+         "advance_draft_step")
 
 
 def kernel_inputs(b: int, k: int, device: torch.device) -> dict[str, tuple]:
     """Arguments of each dispatched kernel for one step of B requests."""
     s = {key: v.to(device) if isinstance(v, torch.Tensor) else v
          for key, v in make_step(b, k).items()}
-    next_ids, valid, _ = TORCH_IMPLS["prepare_next_tokens_padded"](
-        s["sampled"], s["discard"], s["token_table"], s["rows"], s["seq_lens"], VOCAB)
-    sample_idx, _ = TORCH_IMPLS["prepare_inputs_padded"](s["cu_num_draft"], valid,
-                                                         s["query_start_loc"])
+    prep = TORCH_IMPLS["prepare_padded_step"](
+        s["sampled"], s["discard"], s["token_table"], s["rows"], s["seq_lens"],
+        s["cu_num_draft"], s["query_start_loc"], VOCAB, out=PaddedPrep.empty(b, device))
+    next_ids, valid, sample_idx = (prep.next_token_ids, prep.valid_count,
+                                   prep.token_indices_to_sample)
     n = int(s["query_start_loc"][-1])
     gen = torch.Generator().manual_seed(b)
     target_ids = torch.randint(0, VOCAB, (n,), generator=gen).to(device)
@@ -43,13 +44,11 @@ def kernel_inputs(b: int, k: int, device: torch.device) -> dict[str, tuple]:
     block_table = torch.randint(0, 100_000, (b, blocks), generator=gen,
                                 dtype=torch.int32).to(device)
     return {
-        "prepare_next_tokens_padded": (s["sampled"], s["discard"], s["token_table"],
-                                       s["rows"], s["seq_lens"], VOCAB),
         "prepare_inputs_padded": (s["cu_num_draft"], valid, s["query_start_loc"]),
         "shift_first_pass_input_ids": (target_ids, sample_idx, next_ids),
         "advance_draft_step": (s["seq_lens"].long() - 1, s["seq_lens"], block_table, b,
                                BLOCK_SIZE, MAX_MODEL_LEN),
-        # the five outputs of the two calls above, into preallocated buffers, one launch
+        # next token, valid count, backup, sample index, num rejected: one launch
         "prepare_padded_step": (s["sampled"], s["discard"], s["token_table"], s["rows"],
                                 s["seq_lens"], s["cu_num_draft"], s["query_start_loc"], VOCAB,
                                 PaddedPrep.empty(b, device)),

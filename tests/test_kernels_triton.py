@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 
 TP = load_interpreted("triton_padded")
-KERNELS = [TP._next_tokens_kernel, TP._prepare_inputs_kernel, TP._shift_left_kernel,
+KERNELS = [TP._prepare_inputs_kernel, TP._shift_left_kernel,
            TP._scatter_kernel, TP._advance_draft_step_kernel, TP._padded_step_kernel]
 FEW = settings(max_examples=25)
 
@@ -50,21 +50,10 @@ def test_dispatch_rule():
         TP.prepare_inputs_padded(cu, valid, qsl)
 
 
-def test_worked_example_fused_next_tokens():
-    args = (i32([[11, 12, 13], [21, -1, -1], [31, 32, -1], [41, -1, -1]]),
-            torch.tensor([False, False, False, True]), i32([[99] * 6]),
-            torch.zeros(4, dtype=torch.int64), i32([2, 5, 8, 5]), 100)
-    for impl in (kernels.prepare_next_tokens_padded, TP.prepare_next_tokens_padded):
-        next_ids, valid, backup = impl(*args)
-        assert next_ids.tolist() == [13, 21, 32, 99]
-        assert valid.tolist() == [3, 1, 2, 0]
-        assert backup.tolist() == [99, 99, -1, 99]
-
-
 @FEW
 @given(b=st.integers(0, 140), k=st.integers(0, 5), vocab=st.sampled_from([1, 5, 1000]),
        rows_int64=st.booleans(), seed=st.integers(0, 2**16))
-def test_next_tokens_equals_reference(b, k, vocab, rows_int64, seed):
+def test_padded_step_equals_reference_on_arbitrary_rows(b, k, vocab, rows_int64, seed):
     """Arbitrary sampled rows (valid entries not only as a prefix, ids at and past the
     vocab edge), a row-strided token table, seq_lens at and past its end."""
     gen = torch.Generator().manual_seed(seed)
@@ -74,27 +63,24 @@ def test_next_tokens_equals_reference(b, k, vocab, rows_int64, seed):
     table = randint(gen, -1, vocab, (num_rows, length + 3))[:, :length]
     rows = randint(gen, 0, num_rows, (b,), torch.int64 if rows_int64 else torch.int32)
     seq_lens = randint(gen, 0, length + 3, (b,))
-    backup = reference.gather_backup_tokens(table, rows, seq_lens)
-    next_ids, valid = reference.prepare_next_token_ids_padded(sampled, discard, backup, vocab)
-    got = TP.prepare_next_tokens_padded(sampled, discard, table, rows, seq_lens, vocab)
-    for a, e in zip(got, (next_ids, valid, backup)):
+    cu = randint(gen, 0, k + 1, (b,)).cumsum(0).to(torch.int32)
+    qsl = torch.cat([i32([0]), randint(gen, 1, k + 3, (b,)).cumsum(0).to(torch.int32)])
+    args = (sampled, discard, table, rows, seq_lens, cu, qsl, vocab)
+    expected = reference.prepare_padded_step(*args, out=reference.PaddedPrep.empty(b, "cpu"))
+    got = TP.prepare_padded_step(*args, out=reference.PaddedPrep.empty(b, "cpu"))
+    for a, e in zip(got, expected):
         assert_same(a, e)
 
 
 @FEW
 @given(b=st.integers(1, 40), k=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_padded_prep_equals_reference_on_step_batches(step_batch, b, k, seed):
-    """Realistic steps (conftest.make_step_batch): fused next tokens, then sample indices."""
+def test_prepare_inputs_equals_reference_on_step_batches(step_batch, b, k, seed):
+    """Realistic steps (conftest.make_step_batch): sample indices from the valid counts."""
     s = step_batch(b, k, seed)
-    sampled = torch.tensor(s.sampled, dtype=torch.int32)
-    discard = torch.tensor(s.discard)
     backup = reference.gather_backup_tokens(s.token_table, s.rows, s.seq_lens)
-    next_ids, valid = reference.prepare_next_token_ids_padded(sampled, discard, backup,
-                                                              s.vocab_size)
-    got = TP.prepare_next_tokens_padded(sampled, discard, s.token_table, s.rows, s.seq_lens,
-                                        s.vocab_size)
-    for a, e in zip(got, (next_ids, valid, backup)):
-        assert_same(a, e)
+    _, valid = reference.prepare_next_token_ids_padded(
+        torch.tensor(s.sampled, dtype=torch.int32), torch.tensor(s.discard), backup,
+        s.vocab_size)
     expected = reference.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
     got = TP.prepare_inputs_padded(s.cu_num_draft_tokens, valid, s.query_start_loc)
     for a, e in zip(got, expected):
@@ -185,20 +171,17 @@ def test_advance_draft_step_equals_reference(rows, block_size, max_model_len, sh
 
 
 def test_wrappers_check_their_inputs():
-    with pytest.raises(TypeError, match="sampled_token_ids.dtype=torch.int64"):
-        TP.prepare_next_tokens_padded(torch.zeros(2, 3, dtype=torch.int64),
-                                      torch.zeros(2, dtype=torch.bool), i32([[1]]),
-                                      i32([0, 0]), i32([0, 0]), 10)
     with pytest.raises(ValueError, match="block_table.stride"):
         TP.advance_draft_step(torch.zeros(2, dtype=torch.int64), i32([1, 1]),
                               torch.zeros(4, 2, dtype=torch.int32).t(), 2, 4, 8)
     with pytest.raises(ValueError, match="next_token_ids.device=meta"):
         TP.shift_first_pass_input_ids(torch.zeros(4, dtype=torch.int64), i32([1]),
                                       torch.zeros(1, dtype=torch.int32, device="meta"))
-    with pytest.raises(ValueError, match=r"seq_lens.shape=\(3,\) must be \(2,\)"):
-        TP.prepare_next_tokens_padded(torch.zeros(2, 3, dtype=torch.int32),
-                                      torch.zeros(2, dtype=torch.bool), i32([[1]]),
-                                      i32([0, 0]), i32([0, 0, 0]), 10)
+    with pytest.raises(ValueError, match="out has 2 rows and query_start_loc 2; need 2 and 3"):
+        TP.prepare_padded_step(torch.zeros(2, 3, dtype=torch.int32),
+                               torch.zeros(2, dtype=torch.bool), i32([[1]]), i32([0, 0]),
+                               i32([0, 0]), i32([0, 0]), i32([0, 0]), 10,
+                               out=reference.PaddedPrep.empty(2, "cpu"))
     with pytest.raises(ValueError, match="query_start_loc.shape"):
         TP.prepare_inputs_padded(i32([1, 2]), i32([1, 1]), i32([0, 2]))
 
@@ -242,9 +225,6 @@ def _launchers():
     gen = torch.Generator().manual_seed(0)
     table = randint(gen, -1, 50, (300, 9))
     return [
-        (TP._next_tokens_kernel, lambda b: TP.prepare_next_tokens_padded(
-            randint(gen, -1, 50, (b, 4)), torch.zeros(b, dtype=torch.bool), table,
-            torch.arange(b), randint(gen, 0, 10, (b,)), 50)),
         (TP._prepare_inputs_kernel, lambda b: TP.prepare_inputs_padded(
             torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
             torch.arange(b + 1, dtype=torch.int32))),
@@ -265,7 +245,7 @@ def _launchers():
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(6))
 def test_one_compiled_kernel_for_every_batch_size(case):
     kernel, launch = _launchers()[case]
     calls = launch_args(kernel, launch, [1, 2, 16, 17, 64, 129])

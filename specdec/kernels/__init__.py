@@ -6,16 +6,16 @@ implementation from the device of their first tensor argument (``specdec.platfor
     CUDA with triton, NPU with torch_npu + triton-ascend -> triton_padded.py (Triton)
     everything else (CPU)                                -> reference.py (pure torch)
 
-``prepare_next_tokens_padded`` (one kernel: next token + valid count + backup token),
-``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``,
-``prepare_padded_step`` (one kernel for all five per-request prep outputs, ``out=`` buffers);
+``prepare_padded_step`` (one kernel for all five per-request prep outputs -- next token,
+valid count, backup token, sample index, num rejected -- into ``out=`` buffers: the
+proposer's), ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``;
 ``plan_paged_attention`` + ``paged_attention`` pick between triton_paged_attention.py (no
 cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way;
 ``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py,
 ``apply_rope`` (rotary embedding) between triton_rope.py and rope_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
-are fused in ``prepare_next_tokens_padded``). Under ``torch.compile`` (Torchair-MTP's
+are fused in ``prepare_padded_step``). Under ``torch.compile`` (Torchair-MTP's
 graph) the torch formulas are traced instead, so the graph holds no opaque launch.
 ``reference.py`` is the oracle the Triton kernels are tested against; ``ragged.py`` holds
 the host-side reference for ``disable_padded_drafter_batch=True``.
@@ -38,31 +38,8 @@ from specdec.kernels.reference import (
 )
 
 
-def _next_tokens_reference(sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
-                           token_table: torch.Tensor, rows: torch.Tensor,
-                           seq_lens: torch.Tensor, vocab_size: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Next token, valid count and backup token per request, in one call.
-
-    sampled_token_ids: [B, K+1] int32; discard_mask: [B] bool; token_table: [R, L] int32;
-    rows: [B] int; seq_lens: [B] int32 (see gather_backup_tokens and
-    prepare_next_token_ids_padded). Returns (next_token_ids, valid_count,
-    backup_token_ids), each [B] int32.
-
-    Example: sampled = [[11,12,13], [21,-1,-1], [31,32,-1], [41,-1,-1]],
-    discard = [F,F,F,T], table = [[99]*6], rows = [0,0,0,0], seq_lens = [2,5,8,5],
-    vocab_size = 100 -> next = [13, 21, 32, 99], valid_count = [3, 1, 2, 0],
-    backup = [99, 99, -1, 99].
-    """
-    backup = gather_backup_tokens(token_table, rows, seq_lens)
-    next_token_ids, valid_count = prepare_next_token_ids_padded(
-        sampled_token_ids, discard_mask, backup, vocab_size)
-    return next_token_ids, valid_count, backup
-
-
 # The torch implementation of each dispatched name (the CPU path and the oracle).
 TORCH_IMPLS = {
-    "prepare_next_tokens_padded": _next_tokens_reference,
     "prepare_inputs_padded": reference.prepare_inputs_padded,
     "shift_first_pass_input_ids": reference.shift_first_pass_input_ids,
     "advance_draft_step": reference.advance_draft_step,
@@ -96,7 +73,6 @@ def _by_device(name: str):
     return call
 
 
-prepare_next_tokens_padded = _by_device("prepare_next_tokens_padded")
 prepare_inputs_padded = _by_device("prepare_inputs_padded")
 shift_first_pass_input_ids = _by_device("shift_first_pass_input_ids")
 advance_draft_step = _by_device("advance_draft_step")
@@ -118,7 +94,6 @@ __all__ = [
     "plan_paged_attention",
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
-    "prepare_next_tokens_padded",
     "prepare_padded_step",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",

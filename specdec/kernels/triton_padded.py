@@ -4,9 +4,8 @@
 Every wrapper returns exactly what its torch reference returns (``reference.py``, the
 oracle; ``tests/test_kernels_triton.py`` compares them under ``TRITON_INTERPRET=1``):
 
-    prepare_next_tokens_padded  = gather_backup_tokens + prepare_next_token_ids_padded
-    prepare_padded_step         = prepare_padded_step (all of the above + prepare_inputs_padded,
-                                  into preallocated outputs)
+    prepare_padded_step         = gather_backup_tokens + prepare_next_token_ids_padded
+                                  + prepare_inputs_padded, one launch, into ``out=`` buffers
     prepare_inputs_padded       = prepare_inputs_padded
     shift_first_pass_input_ids  = shift_first_pass_input_ids   (two launches: shift, scatter)
     advance_draft_step          = advance_draft_step
@@ -64,7 +63,7 @@ def _add(a, b):
     return a + b
 
 
-# ---- next token + valid count + backup token (one kernel) ----
+# ---- per-request rows: next token + valid count + backup token, num rejected ----
 
 @triton.jit
 def _next_token_rows(r, live, sampled_ptr, sampled_stride, num_cols, discard_ptr, table_ptr,
@@ -96,48 +95,6 @@ def _rejected_rows(r, live, cu_ptr, valid):
     num_draft = (tl.load(cu_ptr + r, mask=live, other=0)
                  - tl.load(cu_ptr + r - 1, mask=live & (r > 0), other=0))
     return tl.where(num_draft > 0, num_draft + 1 - valid, 0)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _next_tokens_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
-                        table_ptr, table_stride, table_len, rows_ptr, seq_lens_ptr,
-                        next_ptr, valid_ptr, backup_ptr, vocab_size, num_rows,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = r < num_rows
-    count, next_id, backup = _next_token_rows(
-        r, live, sampled_ptr, sampled_stride, num_cols, discard_ptr, table_ptr, table_stride,
-        table_len, rows_ptr, seq_lens_ptr, vocab_size, BLOCK_COLS)
-    tl.store(next_ptr + r, next_id, mask=live)
-    tl.store(valid_ptr + r, count, mask=live)
-    tl.store(backup_ptr + r, backup, mask=live)
-
-
-def prepare_next_tokens_padded(sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
-                               token_table: torch.Tensor, rows: torch.Tensor,
-                               seq_lens: torch.Tensor, vocab_size: int
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sampled [B, K+1] int32, discard_mask [B] bool, token_table [R, L] int32, rows [B]
-    int32/int64, seq_lens [B] int32 -> (next_token_ids, valid_count, backup_token_ids),
-    each [B] int32."""
-    dev = sampled_token_ids.device
-    _check("sampled_token_ids", sampled_token_ids, (torch.int32,), 2)
-    _check("discard_mask", discard_mask, (torch.bool,), 1, dev)
-    _check("token_table", token_table, (torch.int32,), 2, dev)
-    _check("rows", rows, (torch.int32, torch.int64), 1, dev)
-    _check("seq_lens", seq_lens, (torch.int32,), 1, dev)
-    b, cols = sampled_token_ids.shape
-    for name, t in (("discard_mask", discard_mask), ("rows", rows), ("seq_lens", seq_lens)):
-        if t.shape[0] != b:
-            raise ValueError(f"{name}.shape={tuple(t.shape)} must be ({b},) like the rows of "
-                             "sampled_token_ids")
-    next_ids, valid, backup = (torch.empty(b, dtype=torch.int32, device=dev) for _ in range(3))
-    _next_tokens_kernel[_grid(b, ROWS_PER_PROGRAM)](
-        sampled_token_ids, sampled_token_ids.stride(0), cols, discard_mask.view(torch.int8),
-        token_table, token_table.stride(0), token_table.shape[1], rows, seq_lens,
-        next_ids, valid, backup, vocab_size, b,
-        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=triton.next_power_of_2(cols))
-    return next_ids, valid, backup
 
 
 # ---- the whole per-request prep in one launch ----
