@@ -159,10 +159,12 @@ class AsyncEngine:
                     self.metrics.on_finish(req)
 
     def _fail_running(self, message: str) -> None:
-        for req in list(self.llm.scheduler.running):
-            self.llm.abort_request(req.request_id)
-            if self.metrics is not None:
-                self.metrics.on_finish(req)
-            handle = self._handles.pop(req.request_id, None)
-            if handle is not None:
+        """After a failed step: ``LLM.step`` has finished the requests of that step with
+        reason "error" (blocks freed); tell their clients. The others go on."""
+        for rid, handle in list(self._handles.items()):
+            req = handle.request
+            if req is not None and req.status is Status.FINISHED:
+                del self._handles[rid]
+                if self.metrics is not None:
+                    self.metrics.on_finish(req)
                 handle.chunks.put_nowait(TokenChunk([], error=message))
