@@ -713,8 +713,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
         ax.minorticks_off()
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} vs concurrency (bars: p10-p90 over repeats): padded (solid, "
-                     "circles) vs ragged (dashed, squares)")
+        ax.set_title(f"{ylabel} vs concurrency (bars: p10-p90 over repeats)\n"
+                     "padded: solid, circles; ragged: dashed, squares", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
