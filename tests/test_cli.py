@@ -7,33 +7,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from specdec.cli import main, speculative_config
 from specdec.engine.llm import LLM
-from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
-from specdec.train import data
 
 PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A tiny random target with a byte-level BPE tokenizer, and mtp/eagle/eagle3 heads beside it."""
-    root = tmp_path_factory.mktemp("cli")
-    tok = data.train_tokenizer(data.read_texts(data.list_files()[0][:3]), 300)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      eos_token_id=0)
-    target = LlamaForCausalLM(cfg).eval()
-    target.save_pretrained(root / "target", dtype=torch.float32)
-    tok.save(str(root / "target" / "tokenizer.json"))
-    for method in ("mtp", "eagle", "eagle3"):
-        extra = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]} if method == "eagle3" else {}
-        build_head(method, target, **extra).save_pretrained(root / method, dtype=torch.float32)
-    return root / "target"
+def model(folder) -> Path:
+    """A tiny random target with a byte-level BPE tokenizer, and mtp/eagle/eagle3 heads beside
+    it (conftest's saved model): its target folder."""
+    return folder / "target"
 
 
 def run(capsys, *argv):
