@@ -76,9 +76,10 @@ class StepGraph:
     def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
         if backend not in BACKENDS:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
-        compilers = torch._dynamo.list_backends(exclude_tags=())
-        if backend in ("compile", "torchair") and compile_backend not in compilers:
-            raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
+        if backend in ("compile", "torchair"):
+            compilers = torch._dynamo.list_backends(exclude_tags=())
+            if compile_backend not in compilers:
+                raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
         self.fn = fn
         self.backend = backend
         self.captured: dict[int, _Captured] = {}  # cuda_graph / replay
@@ -102,6 +103,8 @@ class StepGraph:
             raise TypeError(f"step arguments must be tensors (a Python value would be baked "
                             f"into a captured graph); got {bad}")
         self.calls += 1
+        if self.backend == "eager":  # nothing to set up: every call is the steady state
+            return self.run(*args)
         static = self.backend in ("cuda_graph", "replay")
         if bucket not in self.seen:  # compile / capture outside the sync guards
             self.seen.add(bucket)

@@ -144,12 +144,15 @@ def test_only_the_first_call_of_a_bucket_runs_outside_the_sync_guard():
         x.sum().item()
         return x + 1
 
-    graph = StepGraph(syncing_step, "eager")
+    graph = StepGraph(syncing_step, "replay")
     with forbid_host_sync():
-        graph(1, torch.zeros(2))  # compile / capture / warm-up of bucket 1
+        graph(1, torch.zeros(2))  # capture / warm-up of bucket 1
         graph(2, torch.zeros(3))  # a new bucket: its first call is set-up too
         with pytest.raises(HostSyncError, match="Tensor.item"):
             graph(1, torch.zeros(2))
+    eager = StepGraph(syncing_step, "eager")  # no set-up: even the first call is checked
+    with forbid_host_sync(), pytest.raises(HostSyncError, match="Tensor.item"):
+        eager(1, torch.zeros(2))
 
 
 def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
