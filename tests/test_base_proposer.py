@@ -24,7 +24,7 @@ def make_proposer(k=2, padded=True, max_num_seqs=300, max_model_len=80, block_si
     config = SpeculativeConfig("mtp", k, disable_padded_drafter_batch=not padded)
     target = tiny_target()
     return MtpProposer(config, head=tiny_head("mtp", target), num_kv_blocks=4,
-                       dtype=torch.float64, max_num_seqs=max_num_seqs, max_num_tokens=4096,
+                       dtype=torch.float64, max_num_seqs=max_num_seqs,
                        block_size=block_size, max_model_len=max_model_len,
                        vocab_size=vocab_size, device="cpu")
 
@@ -78,7 +78,7 @@ def test_padded_rows_out_of_range():
     ("max_num_seqs", 0, ValueError), ("block_size", 2.0, TypeError),
     ("vocab_size", True, TypeError), ("max_model_len", -3, ValueError)])
 def test_constructor_validates_sizes(field, value, exc):
-    kw = dict(max_num_seqs=4, max_num_tokens=64, block_size=4, max_model_len=64, vocab_size=10)
+    kw = dict(max_num_seqs=4, block_size=4, max_model_len=64, vocab_size=10)
     kw[field] = value
     with pytest.raises(exc, match=f"{field}={value!r}"):
         Proposer(SpeculativeConfig("mtp", 1), **kw)

@@ -116,11 +116,9 @@ class LLM:
                                    self.allocator, num_speculative_tokens=k)
         proposer, aux_ids = None, ()
         if self.spec is not None:
-            max_tokens, max_reqs = largest_step(self.padder, k, max_num_seqs,
-                                                max_num_batched_tokens)
+            _, max_reqs = largest_step(self.padder, k, max_num_seqs, max_num_batched_tokens)
             proposer, aux_ids = build_proposer(
-                self.spec, target, model_dir=model, draft_head=head,
-                max_num_seqs=max_reqs, max_num_tokens=max_tokens,
+                self.spec, target, model_dir=model, draft_head=head, max_num_seqs=max_reqs,
                 block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                 dtype=cfg.dtype, device=self.device, graph_backend=self.graph_backend,
                 compile_backend=compile_backend)

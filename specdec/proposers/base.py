@@ -48,17 +48,15 @@ from specdec.proposers.inputs import DraftInputs
 class Proposer:
     """Sizes and the acceptance-dependent preparation shared by every proposer."""
 
-    def __init__(self, config: SpeculativeConfig, *, max_num_seqs: int, max_num_tokens: int,
-                 block_size: int, max_model_len: int, vocab_size: int,
-                 device: torch.device | str = "cpu"):
-        sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-                     block_size=block_size, max_model_len=max_model_len, vocab_size=vocab_size)
+    def __init__(self, config: SpeculativeConfig, *, max_num_seqs: int, block_size: int,
+                 max_model_len: int, vocab_size: int, device: torch.device | str = "cpu"):
+        sizes = dict(max_num_seqs=max_num_seqs, block_size=block_size,
+                     max_model_len=max_model_len, vocab_size=vocab_size)
         for name, value in sizes.items():  # a proposer is usable without the engine
             check_int(name, value, lo=1)
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_num_seqs = max_num_seqs  # the largest padded request count of a step
-        self.max_num_tokens = max_num_tokens  # the largest padded token count of a step
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -202,16 +200,16 @@ class DraftModelProposer(Proposer):
         sample_idx = r.sample_indices.to(dev, torch.int64)
         next_t = torch.tensor(next_ids, dtype=torch.int32).to(dev)
         ids = shift_first_pass_input_ids(_pad_rows(x.input_ids[keep], n), sample_idx, next_t)
+        kept_positions = x.positions[keep]
         slots = torch.cat([a.slot_mapping[keep], a.slot_mapping.new_full((n - kept,), -1)])
         attn = AttentionMetadata(slots, r.new_query_start_loc.to(dev), r.new_seq_lens.to(dev),
                                  a.block_table[:b], a.max_seq_len)
         hidden = self.first_pass_hidden(_pad_rows(self.draft_features(x)[keep], n))
-        logits_h, next_h = self.head(ids, _pad_rows(x.positions[keep], n), hidden,
+        logits_h, next_h = self.head(ids, _pad_rows(kept_positions, n), hidden,
                                      kv=self.kv.bind(attn))
         token = self.sample(logits_h[sample_idx])
-        positions = x.positions[keep][sample_idx]
         drafts = [token] + self.draft_loop_steps(
-            _pad_rows(token, bp), _pad_rows(next_h[sample_idx], bp), positions,
+            _pad_rows(token, bp), _pad_rows(next_h[sample_idx], bp), kept_positions[sample_idx],
             attn.seq_lens, None, b, a.block_table, a.max_seq_len)
         return torch.stack([d[:b] for d in drafts], dim=1)
 

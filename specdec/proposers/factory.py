@@ -59,19 +59,19 @@ def load_checked_head(spec: SpeculativeConfig, target: LlamaForCausalLM, *, mode
 
 
 def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir, draft_head,
-                   max_num_seqs: int, max_num_tokens: int, block_size: int, num_kv_blocks: int,
+                   max_num_seqs: int, block_size: int, num_kv_blocks: int,
                    max_model_len: int, dtype: torch.dtype, device: torch.device,
                    graph_backend: str = "eager", compile_backend: str = "inductor"):
     """-> (proposer, aux_layer_ids the target must return).
 
-    max_num_seqs / max_num_tokens: the largest *padded* request / token counts of a step.
+    max_num_seqs: the largest *padded* request count of a step.
     """
     head = load_checked_head(spec, target, model_dir=model_dir, draft_head=draft_head,
                              dtype=dtype, device=device)
     aux_ids = spec.aux_layer_ids(target.config.num_hidden_layers) \
         if spec.uses_aux_hidden_states else ()
     cls = get_proposer_class(spec)
-    sizes = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, block_size=block_size,
+    sizes = dict(max_num_seqs=max_num_seqs, block_size=block_size,
                  max_model_len=max_model_len, vocab_size=target.config.vocab_size, device=device)
     if spec.method == "extract_hidden_states":
         proposer = cls(spec, num_aux_layers=len(aux_ids),
