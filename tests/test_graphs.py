@@ -177,3 +177,12 @@ def test_static_inputs_are_the_first_args_and_other_tensors_are_copied_in():
     assert graph(2, buf).tolist() == [30.0, 40.0]
     assert graph(2, torch.tensor([5.0, 6.0])).tolist() == [50.0, 60.0]
     assert graph.captured[2].inputs[0] is buf and buf.tolist() == [5.0, 6.0]
+
+
+@pytest.mark.parametrize("kwargs,exc,field", [
+    ({"graph_backend": "xla"}, ValueError, "graph_backend"),
+    ({"check_host_syncs": "yes"}, TypeError, "check_host_syncs")])
+def test_graph_and_sync_options_are_checked_on_the_dp_parent(target, kwargs, exc, field):
+    """Before any rank starts, like every other option."""
+    with pytest.raises(exc, match=field):
+        LLM(target=target, dtype=torch.float64, data_parallel_size=2, **kwargs)

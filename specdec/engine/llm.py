@@ -101,14 +101,14 @@ class LLM:
             if self.spec.method == "extract_hidden_states":
                 check_output_dir(self.spec)
         cfg.check_memory(target.config, num_draft_layers=0 if head is None else 1)
-        if data_parallel_size > 1:
-            return  # generate() launches the ranks; each builds its own engine
-        self.dp = dp or DPContext()
         self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
                                              graph_backend, self.device)
         if check_host_syncs is None:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
+        if data_parallel_size > 1:
+            return  # generate() launches the ranks; each builds its own engine
+        self.dp = dp or DPContext()
         self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
         num_blocks = cfg.num_kv_blocks
         self.allocator = BlockAllocator(num_blocks, block_size)
