@@ -64,7 +64,10 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     l = tl.full([BLOCK_G], 0.0, ACC)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, ACC)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, visible, BLOCK_N):
+    # a while loop, not range(0, visible, ...): triton 3.6's interpreter cannot turn a
+    # loaded scalar into a Python range bound (3.9's can); compiled code is the same loop
+    start = 0
+    while start < visible:
         pos = start + n
         live = pos < visible
         block = tl.load(table_ptr + r * table_stride + pos // BLOCK_SIZE, mask=live,
@@ -82,6 +85,7 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
         l = l * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, _add)
         m = m_new
+        start += BLOCK_N
     out = acc / l[:, None]
     tl.store(out_ptr + i * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_live[:, None] & d_live[None, :])
