@@ -45,11 +45,43 @@ def test_cuda_kernels_give_the_cpu_tokens():
     assert cuda_acc == [o.num_accepted for o in outs]
 
 
-def test_torchair_mtp_compiles_and_equals_eager_on_cuda():
-    eager, eager_acc, _ = generate("mtp", "eager")
-    spec = {"method": "mtp", "num_speculative_tokens": 3, "graph_mode": "torchair"}
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_torchair_graph_mode_compiles_and_equals_eager_on_cuda(method):
+    eager, eager_acc, _ = generate(method, "eager")
+    spec = {"method": method, "num_speculative_tokens": 3, "graph_mode": "torchair"}
     llm = LLM(speculative_config=spec, device="cuda", dtype=torch.float32, max_num_seqs=4,
               check_host_syncs=True)
     outs = llm.generate(PROMPTS, max_tokens=48)
     assert [o.token_ids for o in outs] == eager
     assert llm.runner.proposer.step_graph.seen  # compiled buckets ran
+
+
+def test_padded_kernels_launched_directly_equal_the_torch_reference():
+    """After its first launch each padded kernel is called through its compiled binary
+    (kernels/launch.py); every later call, any batch size, must still equal the reference."""
+    from specdec.kernels import reference, triton_padded as tp
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(-1, 50, (300, 9), generator=gen, dtype=torch.int32)
+    for b in (1, 5, 64, 129, 1, 300):
+        for rows_dtype in (torch.int32, torch.int64):
+            sampled = torch.randint(-1, 50, (b, 4), generator=gen, dtype=torch.int32)
+            args = (sampled, torch.rand(b, generator=gen) < 0.2, table,
+                    torch.randperm(300, generator=gen)[:b].to(rows_dtype),
+                    torch.randint(0, 12, (b,), generator=gen, dtype=torch.int32),
+                    torch.arange(b, dtype=torch.int32) * 3,
+                    torch.arange(b + 1, dtype=torch.int32) * 4, 50)
+            expected = reference.prepare_padded_step(
+                *args, out=reference.PaddedPrep.empty(b, "cpu"))
+            cuda = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+            got = tp.prepare_padded_step(*cuda, out=reference.PaddedPrep.empty(b, "cuda"))
+            assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected)), (b, rows_dtype)
+            positions = torch.randint(0, 40, (b,), generator=gen)
+            step_args = (positions, args[4], table[:b], b // 2, 4, 30)
+            expected = reference.advance_draft_step(*step_args)
+            got = tp.advance_draft_step(*[a.cuda() if isinstance(a, torch.Tensor) else a
+                                          for a in step_args])
+            assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected)), b
+    assert tp._padded_step.compiled and tp._advance_draft_step.compiled  # went direct
+    with pytest.raises(ValueError, match="cpu tensor"):  # a host tensor is refused, not read
+        tp.prepare_padded_step(*cuda[:6], args[6], 50, out=reference.PaddedPrep.empty(b, "cuda"))

@@ -24,3 +24,77 @@ def load_interpreted(name: str):
         else:
             os.environ["TRITON_INTERPRET"] = old
     return module
+
+
+# ---- what a GPU would do with an interpreted kernel's launches (no GPU needed) ----
+
+CUDA_TARGET = ("cuda", 90, 32)  # an H100: backend, compute capability, warp size
+
+
+def launch_args(kernel, launch, batch_sizes):
+    """(args, kwargs) of each launch of ``kernel`` made by ``launch(b)`` for each b."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+    kernel.add_pre_run_hook(record)
+    try:
+        for b in batch_sizes:
+            launch(b)
+    finally:
+        kernel.pre_run_hooks.remove(record)
+    return calls
+
+
+def as_jit(kernel, **jit_options):
+    """(JITFunction of the interpreted ``kernel``'s source, its argument binder, the CUDA
+    backend): triton's own objects, as a CUDA process would build them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = JITFunction(kernel.fn, **{**kernel.kwargs, **jit_options})
+    backend = make_backend(GPUTarget(*CUDA_TARGET))
+    return jit, create_function_from_signature(jit.signature, jit.params, backend), backend
+
+
+def compile_cache_keys(kernel, calls, **jit_options) -> list[str]:
+    """The compile-cache key a compiled JITFunction of ``kernel``'s source would look up for
+    each launch: triton's own binder and key function, with the CUDA backend's
+    specialization rules (the interpreter itself keeps no compile cache)."""
+    from triton.runtime.jit import compute_cache_key
+
+    _, binder, _ = as_jit(kernel, **jit_options)
+    keys = []
+    for args, kwargs in calls:
+        _, specialization, options = binder(*args, **kwargs)
+        keys.append(compute_cache_key({}, specialization, options))
+    return keys
+
+
+def jit_twin(kernel):
+    """The compiled-mode JITFunction of an interpreted ``kernel``: the same kernel from
+    specdec.kernels' own import (its @jit helpers are JITFunctions too, as the compiler
+    needs)."""
+    import importlib
+
+    module = importlib.import_module("specdec.kernels." + kernel.fn.__module__.removesuffix(
+        "_interpreted"))
+    return getattr(module, kernel.fn.__name__)
+
+
+def compile_for_cuda(kernel, args, kwargs):
+    """Compile ``kernel`` (interpreted) for these launch arguments the way triton's JIT does
+    on an H100, down to the cubin (triton ships ptxas, so no GPU is needed). Returns the
+    CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, binder, backend = as_jit(kernel)
+    bound, specialization, options = binder(*args, **kwargs)
+    twin = jit_twin(kernel)
+    options, signature, constexprs, attrs = twin._pack_args(backend, kwargs, bound,
+                                                            specialization, options)
+    return triton.compile(ASTSource(twin, signature, constexprs, attrs),
+                          target=GPUTarget(*CUDA_TARGET), options=options.__dict__)
