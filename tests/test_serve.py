@@ -101,6 +101,23 @@ def test_greedy_completions_equal_generate(method, padded):
         s.close()
 
 
+def test_a_request_seed_gives_the_same_sample_under_concurrent_load(client, server):
+    """temperature 1, the same seed: the same tokens, whatever else the server is running;
+    the seed is what decides (another seed gives another sample)."""
+    async def one(seed, prompt=PROMPTS[0]):
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        r = await c.completions.create(model=NAME, prompt=prompt, max_tokens=32, seed=seed,
+                                       temperature=1.0, extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    async def with_load():
+        return await asyncio.gather(one(5), *(one(None, p) for p in PROMPTS))
+
+    alone = asyncio.run(one(5))
+    assert asyncio.run(with_load())[0] == alone
+    assert asyncio.run(one(6)) != alone
+
+
 def test_stream_concatenates_to_the_text(client):
     kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0)
     whole = client.completions.create(**kw)
@@ -210,6 +227,7 @@ BAD = [  # (path, body, param named)
     ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("completions", {"prompt": "x", "seed": 1.5}, "seed"),
+    ("completions", {"prompt": "x", "seed": -1}, "seed"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ("completions", {"prompt": "x", "stop": 7.5}, "stop"),

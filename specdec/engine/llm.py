@@ -280,12 +280,14 @@ class LLM:
 
     def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, ignore_eos: bool = False,
-                 stop_token_ids: list[int] = ()) -> list[RequestOutput]:
+                 stop_token_ids: list[int] = (), seed: int | None = None
+                 ) -> list[RequestOutput]:
         """One output per prompt, in order. ``prompts``: a str or a list of token ids (one
         prompt), or a list of those. Every prompt is checked before any is queued; if the call
-        fails or is interrupted, none of its requests stays queued."""
+        fails or is interrupted, none of its requests stays queued. ``seed``: every prompt
+        samples from its own generator seeded with it (see SamplingParams.seed)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, seed=seed)
         params.check_vocab(self.vocab_size)
         prompts = as_prompt_list(prompts)
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]

@@ -14,7 +14,9 @@ while d == argmax(target) and emit the argmax at the first mismatch or at the bo
 Sampling uses the exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. is a
 sample from p / sum(p) (no normalisation, no sort, no host sync). All random numbers
 are drawn with fixed shapes for every row, so a seeded generator gives the same output
-whatever mix of greedy and stochastic rows the batch holds.
+whatever mix of greedy and stochastic rows the batch holds. A row with its own generator
+(a request with a seed) draws its K uniforms and V exponentials from it, after the shared
+draws: its tokens then depend only on its own seed, not on the batch.
 
 Everything is device tensor ops with shapes fixed by (B, K, V): no host-device sync.
 """
@@ -31,6 +33,7 @@ def rejection_sample(
     temperature: torch.Tensor,
     top_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    row_generators: tuple[tuple[int, torch.Generator], ...] = (),
 ) -> torch.Tensor:
     """Verify drafts; return sampled_token_ids [B, K+1] int32 (-1 = placeholder).
 
@@ -43,6 +46,7 @@ def rejection_sample(
     temperature:      [B] float; < 1e-5 means greedy for that row.
     top_p:            [B] float in (0, 1], or None (no nucleus filter). Greedy rows ignore it.
     generator:        torch.Generator on the logits' device, for reproducible sampling.
+    row_generators:   (row, torch.Generator) pairs: those rows draw from their own generator.
 
     Example (greedy, K=2, V=4; argmax of the logits rows per request):
         argmax rows = [[1,2,3], [1,0,3], [2,0,0]], drafts = [[1,2], [1,2], [0,0]],
@@ -71,6 +75,9 @@ def rejection_sample(
     uniform = torch.rand((batch, k), generator=generator, device=device)
     race = torch.empty((batch, vocab), dtype=torch.float32, device=device)
     race = race.exponential_(generator=generator)
+    for row, own in row_generators:  # one small draw per seeded row (an eager-only path)
+        uniform[row] = torch.rand(k, generator=own, device=device)
+        race[row].exponential_(generator=own)
     race = race.clamp_min(torch.finfo(torch.float32).tiny)  # an Exp(1) draw of 0 would give 0/0
 
     # Accept d at row j: greedy d == argmax; stochastic u < p(d) (u in [0, 1): p(d)=0 never).

@@ -37,6 +37,7 @@ class StepBatch:
     max_seq_len: int  # host bound on seq_lens (eager attention); graphs use max_model_len
     all_greedy: bool  # every real request decodes greedily (host-known)
     filters_top_p: bool  # some request has top_p < 1 (host-known; else the sort is skipped)
+    seeded_rows: tuple[tuple[int, torch.Generator], ...]  # sampled rows with their own seed
 
 
 class ModelRunner:
@@ -168,7 +169,22 @@ class ModelRunner:
         params = [s.request.params for s in scheduled]
         return StepBatch(plan, self.buffers.view(np_, bp), int(h["seq_lens"][:bp].max()),
                          all(p.temperature < GREEDY_TEMPERATURE for p in params),
-                         any(p.top_p < 1.0 for p in params))
+                         any(p.top_p < 1.0 for p in params), self.seeded_rows(scheduled))
+
+    def seeded_rows(self, scheduled: list[ScheduledRequest]
+                    ) -> tuple[tuple[int, torch.Generator], ...]:
+        """(row, the request's generator) of each request with a seed that samples this step
+        (a prefill chunk before the last samples nothing, so it draws nothing)."""
+        rows = []
+        for i, s in enumerate(scheduled):
+            r = s.request
+            if (r.params.seed is None or s.is_discarded
+                    or r.params.temperature < GREEDY_TEMPERATURE):
+                continue
+            if r.generator is None:
+                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            rows.append((i, r.generator))
+        return tuple(rows)
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
@@ -211,7 +227,8 @@ class ModelRunner:
             logits, hidden, aux = self.target_logits(*step_args[:7], batch.max_seq_len)
             sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
                                        x.temperature, x.top_p if batch.filters_top_p else None,
-                                       generator=self.generator)
+                                       generator=self.generator,
+                                       row_generators=batch.seeded_rows)
             sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, x.seq_lens,
                                            x.num_draft_tokens)
         self.last_draft_seconds = 0.0

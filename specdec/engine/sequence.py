@@ -3,7 +3,10 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from specdec.checks import check_bool, check_float, check_int, check_token_ids
+from specdec.engine.config import SEED_MAX
 
 
 @dataclass(slots=True)
@@ -13,6 +16,9 @@ class SamplingParams:
     top_p: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # this request's own random stream (None: the engine's shared one): the same prompt and
+    # seed give the same tokens whatever else is in the batch
+    seed: int | None = None
 
     def __post_init__(self):
         check_int("max_tokens", self.max_tokens, lo=1)
@@ -24,6 +30,8 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             check_int(f"stop_token_ids[{i}]", t, lo=0)
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.seed is not None:
+            check_int("seed", self.seed, lo=0, hi=SEED_MAX)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Stop ids the model can never emit are a mistake, not a no-op."""
@@ -53,6 +61,7 @@ class Request:
     num_drafted: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     num_steps_decoding: int = 0  # target steps that verified drafts for this request
+    generator: torch.Generator | None = None  # from params.seed, made at its first sample
 
     @property
     def num_tokens(self) -> int:

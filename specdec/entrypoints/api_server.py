@@ -95,7 +95,7 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
                                     default_max_tokens)
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
                                 top_p=req.top_p, ignore_eos=req.ignore_eos,
-                                stop_token_ids=req.all_stop_token_ids())
+                                stop_token_ids=req.all_stop_token_ids(), seed=req.seed)
         try:
             handle = engine.submit(ids, params)
         except QueueFullError as e:

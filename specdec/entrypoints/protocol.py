@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specdec.engine.config import SEED_MAX
+
 MAX_TEMPERATURE = 2.0
 
 
@@ -108,6 +110,8 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
         raise ApiError(400, f"top_p={req.top_p}: allowed 0 < top_p <= 1", "top_p")
     if req.n != 1:
         raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
+    if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
+        raise ApiError(400, f"seed={req.seed}: allowed 0 <= seed <= {SEED_MAX}", "seed")
     if any(s == "" for s in req.stop_strings()):
         raise ApiError(400, "stop: stop strings must be non-empty", "stop")
     if bad := [t for t in req.all_stop_token_ids() if not 0 <= t < vocab_size]:
