@@ -5,14 +5,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+pytest.importorskip("triton")
 
 import specdec.kernels as kernels
 from specdec import platform
 from specdec.kernels import reference
-from specdec.kernels.launch import Launcher, jit_unspecialized
-from triton_interpret import as_jit, compile_cache_keys, launch_args, load_interpreted
+from triton_interpret import compile_cache_keys, launch_args, load_interpreted
 
 
 TP = load_interpreted("triton_padded")
@@ -222,85 +220,3 @@ def test_one_compiled_kernel_for_every_batch_size(case):
     # Control: with triton's default specialization (B == 1, B % 16 == 0) the same
     # launches would compile more than once.
     assert len(set(compile_cache_keys(kernel, calls, do_not_specialize=None))) > 1
-
-
-# ---- the direct launch: the same arguments and binaries as triton's own launch ----
-
-def variant_calls() -> dict:
-    """Recorded launches of every padded kernel over batch sizes and each accepted dtype and
-    constexpr variant: {interpreted kernel: [(args, kwargs), ...]}."""
-    gen = torch.Generator().manual_seed(1)
-    table = randint(gen, -1, 50, (40, 9))
-    cases = []
-    for b in (1, 16, 17):
-        for int64 in (False, True):
-            idx = torch.int64 if int64 else torch.int32
-            for k in (0, 3, 4):
-                cases.append(lambda b=b, idx=idx, k=k: TP.prepare_padded_step(
-                    randint(gen, -1, 50, (b, k + 1)), torch.zeros(b, dtype=torch.bool), table,
-                    torch.arange(b, dtype=idx), randint(gen, 0, 10, (b,)),
-                    torch.arange(b, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32),
-                    50, out=reference.PaddedPrep.empty(b, "cpu")))
-            cases.append(lambda b=b: TP.prepare_inputs_padded(
-                torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
-                torch.arange(b + 1, dtype=torch.int32)))
-            cases.append(lambda b=b, idx=idx: TP.shift_first_pass_input_ids(
-                torch.arange(b + 3, dtype=idx), torch.arange(b, dtype=idx),
-                torch.arange(b, dtype=torch.int32)))
-            num_reqs = torch.tensor(b, dtype=idx) if int64 else b
-            cases.append(lambda b=b, num_reqs=num_reqs: TP.advance_draft_step(
-                torch.arange(b), torch.ones(b, dtype=torch.int32), table, num_reqs, 4, 30))
-    calls = {}
-    for kernel in KERNELS:
-        calls[kernel] = launch_args(kernel, lambda _: [case() for case in cases], [None])
-    return calls
-
-
-@pytest.fixture(scope="module")
-def recorded():
-    return variant_calls()
-
-
-@pytest.mark.parametrize("index", range(len(KERNELS)))
-def test_launcher_passes_the_arguments_triton_binds(recorded, index):
-    """The compiled kernel gets what triton's own launch passes it: every bound argument in
-    order, tensors as their addresses, the constexprs last."""
-    jit, binder, _ = as_jit(KERNELS[index])
-    launcher = Launcher(jit)  # also: the kernel qualifies (nothing specialized)
-    for args, kwargs in recorded[KERNELS[index]]:
-        bound, _, _ = binder(*args, **kwargs)
-        expected = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values()]
-        assert launcher.key_and_args(args, kwargs)[1] == expected
-
-
-@pytest.mark.parametrize("index", range(len(KERNELS)))
-def test_launcher_key_selects_the_binary_triton_would(recorded, index):
-    """Two launches share a Launcher key exactly when triton would launch them with one
-    compiled kernel: sharing a binary triton would not share would misread an argument."""
-    kernel = KERNELS[index]
-    calls = recorded[kernel]
-    launcher = Launcher(as_jit(kernel)[0])
-    ours = [launcher.key_and_args(args, kwargs)[0] for args, kwargs in calls]
-    tritons = compile_cache_keys(kernel, calls)
-    assert len(set(ours)) == len(set(tritons)) == len(set(zip(ours, tritons)))
-
-
-def test_the_recorded_launches_cover_several_binaries(recorded):
-    # int32/int64 indices, K (BLOCK_COLS), num_reqs on the host or the device
-    binaries = {k: len(set(compile_cache_keys(k, calls))) for k, calls in recorded.items()}
-    assert binaries[TP._padded_step_kernel] == 6
-    assert binaries[TP._shift_left_kernel] == binaries[TP._advance_draft_step_kernel] == 2
-
-
-def test_launcher_needs_an_unspecialized_kernel():
-    def kernel(x_ptr, n, BLOCK: tl.constexpr):
-        tl.store(x_ptr + tl.arange(0, BLOCK), n)
-
-    def constexpr_first(BLOCK: tl.constexpr, x_ptr, n):
-        tl.store(x_ptr + tl.arange(0, BLOCK), n)
-
-    with pytest.raises(ValueError, match=r"parameters \['x_ptr', 'n'\] are specialized"):
-        Launcher(triton.jit(kernel))
-    with pytest.raises(ValueError, match="constexpr parameters must come after"):
-        Launcher(jit_unspecialized(constexpr_first))
-    assert Launcher(jit_unspecialized(kernel)).compiled == {}

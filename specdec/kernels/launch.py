@@ -9,12 +9,13 @@ key (compiling, and validating the pointers once), keeps the compiled kernel Tri
 and afterwards calls it directly (``CompiledKernel[grid](*args)``, Triton's own entry point)
 with the tensors passed as device addresses, which its launcher takes as they are.
 
-That is sound only when one binary serves every call with the same key. It does here: every
-runtime parameter of the kernel is ``do_not_specialize`` (checked at construction), so a binary
-depends only on the tensor dtypes, which arguments are tensors, the constexprs and the device:
-exactly the key. An int out of its compiled width (i32) is refused by Triton's launcher, not
-truncated. Only CUDA takes the direct path; under ``TRITON_INTERPRET=1`` (Triton returns no
-compiled kernel) and on an NPU every call goes through ``kernel[grid]``.
+That is sound when the key holds everything Triton specializes a binary on, by its rules:
+each tensor's dtype and device and (unless ``do_not_specialize``/``_on_alignment``) whether
+its address is 16-byte aligned; each int's width (i32, i64, u64) and (unless
+``do_not_specialize``) whether it is 1 or a multiple of 16; every other argument's type; the
+constexprs. ``tests/test_kernels_triton.py`` checks that two launches share a key exactly when
+Triton's own cache key is shared. Only CUDA takes the direct path; under
+``TRITON_INTERPRET=1`` and on an NPU every call goes through ``kernel[grid]``.
 """
 
 import inspect
@@ -25,8 +26,9 @@ import triton.language as tl
 
 
 def jit_unspecialized(fn):
-    """``triton.jit`` with every runtime parameter ``do_not_specialize``: what a Launcher
-    needs, and one compiled kernel for every batch size, stride and address."""
+    """``triton.jit`` with every runtime parameter ``do_not_specialize``: one compiled kernel
+    for every batch size, stride and address (for kernels too small for the alignment and
+    divisibility hints to matter)."""
     runtime = [name for name, p in inspect.signature(fn).parameters.items()
                if p.annotation is not tl.constexpr]
     return triton.jit(fn, do_not_specialize=runtime)
@@ -41,27 +43,35 @@ class Launcher:
         self.kernel = kernel
         self.compiled: dict[tuple, object] = {}  # key -> triton CompiledKernel (CUDA only)
         params = getattr(kernel, "params", None)  # None for the interpreter's InterpretedFunction
-        if params is None:
-            return
-        name = kernel.fn.__name__
-        specialized = [p.name for p in params if not p.is_constexpr and not p.do_not_specialize]
-        if specialized:
-            raise ValueError(f"{name}: parameters {specialized} are specialized by value; list "
-                             "every runtime parameter in do_not_specialize to use a Launcher")
-        flags = [p.is_constexpr for p in params]
-        if flags != sorted(flags):
-            raise ValueError(f"{name}: constexpr parameters must come after the runtime ones")
+        # per runtime parameter: (specialized on value, specialized on alignment)
+        self.specialized = None if params is None else [
+            (not p.do_not_specialize, not p.do_not_specialize and not
+             p.do_not_specialize_on_alignment) for p in params if not p.is_constexpr]
+        if params is not None and [p.is_constexpr for p in params] != sorted(
+                p.is_constexpr for p in params):
+            raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must come after the "
+                             "runtime ones")
 
     def key_and_args(self, args: tuple, constexprs: dict) -> tuple[tuple, list]:
         """(cache key, the compiled kernel's arguments: tensors as device addresses, then the
-        constexpr values). Host cost: ~0.3 µs per tensor argument."""
-        tensor = torch.Tensor
-        key = (*constexprs.values(), *[(a.dtype, a.get_device()) if isinstance(a, tensor)
-                                       else None for a in args])
-        flat = [a.data_ptr() if isinstance(a, tensor) else a for a in args]
-        return key, flat + list(constexprs.values())
+        constexpr values)."""
+        key = list(constexprs.values())
+        flat = list(args)
+        for i, (a, (by_value, by_alignment)) in enumerate(zip(args, self.specialized)):
+            if isinstance(a, torch.Tensor):
+                flat[i] = ptr = a.data_ptr()
+                key.append((a.dtype, a.get_device(), by_alignment and ptr % 16 == 0))
+            elif type(a) is int:
+                width = 32 if -2**31 <= a < 2**31 else 64 if a < 2**63 else 65  # i32 i64 u64
+                key.append((width, a == 1, a % 16 == 0) if by_value else width)
+            else:
+                key.append(type(a))
+        return tuple(key), flat + list(constexprs.values())
 
     def __call__(self, grid: tuple[int, ...], *args, **constexprs) -> None:
+        if self.specialized is None:  # interpreted
+            self.kernel[grid](*args, **constexprs)
+            return
         key, flat = self.key_and_args(args, constexprs)
         compiled = self.compiled.get(key)
         if compiled is not None:

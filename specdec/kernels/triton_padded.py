@@ -12,8 +12,8 @@ oracle; ``tests/test_kernels_triton.py`` compares them under ``TRITON_INTERPRET=
 
 Every runtime argument (batch sizes, strides, pointers) is ``do_not_specialize``: one
 compiled kernel serves every batch size (only the grid changes), and after its first launch
-each kernel is called through its compiled binary (``launch.Launcher``), not Triton's
-per-call binding: that binding was most of the host time of a decode-sized launch.
+each kernel is called through its compiled binary (``launch.Launcher``), not through Triton's
+per-call launch path (argument binding, cache-key hashing, a driver check of every pointer).
 Indices and token ids are int32 in and int32 out, except where the reference uses int64:
 the first pass's input ids (int32 or int64, kept), the indices ``rows`` and
 ``token_indices_to_sample`` (int32 or int64, as the engine passes them), and the draft
