@@ -13,9 +13,9 @@ That is sound when the key holds everything Triton specializes a binary on, by i
 each tensor's dtype and device and (unless ``do_not_specialize``/``_on_alignment``) whether
 its address is 16-byte aligned; each int's width (i32, i64, u64) and (unless
 ``do_not_specialize``) whether it is 1 or a multiple of 16; every other argument's type; the
-constexprs. ``tests/test_kernels_triton.py`` checks that two launches share a key exactly when
+constexprs. ``tests/test_launch.py`` checks that two launches share a key exactly when
 Triton's own cache key is shared. Only CUDA takes the direct path; under
-``TRITON_INTERPRET=1`` and on an NPU every call goes through ``kernel[grid]``.
+``TRITON_INTERPRET=1`` and on an NPU every call goes through ``kernel[grid]``, with no key.
 """
 
 import inspect
@@ -42,13 +42,14 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict[tuple, object] = {}  # key -> triton CompiledKernel (CUDA only)
-        params = getattr(kernel, "params", None)  # None for the interpreter's InterpretedFunction
+        params = getattr(kernel, "params", [])  # none on the interpreter's InterpretedFunction
+        # False: every call through kernel[grid] (the interpreter; set on an NPU's first call)
+        self.direct = bool(params)
         # per runtime parameter: (specialized on value, specialized on alignment)
-        self.specialized = None if params is None else [
-            (not p.do_not_specialize, not p.do_not_specialize and not
-             p.do_not_specialize_on_alignment) for p in params if not p.is_constexpr]
-        if params is not None and [p.is_constexpr for p in params] != sorted(
-                p.is_constexpr for p in params):
+        self.specialized = [(not p.do_not_specialize, not p.do_not_specialize and not
+                             p.do_not_specialize_on_alignment)
+                            for p in params if not p.is_constexpr]
+        if [p.is_constexpr for p in params] != sorted(p.is_constexpr for p in params):
             raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must come after the "
                              "runtime ones")
 
@@ -69,7 +70,7 @@ class Launcher:
         return tuple(key), flat + list(constexprs.values())
 
     def __call__(self, grid: tuple[int, ...], *args, **constexprs) -> None:
-        if self.specialized is None:  # interpreted
+        if not self.direct:
             self.kernel[grid](*args, **constexprs)
             return
         key, flat = self.key_and_args(args, constexprs)
@@ -78,9 +79,9 @@ class Launcher:
             compiled[grid](*flat)
             return
         compiled = self.kernel[grid](*args, **constexprs)
-        # keep it only where the direct path is known to hold: a CUDA binary, constexprs
-        # passed in the kernel's own order
-        if (isinstance(compiled, triton.compiler.CompiledKernel)
-                and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-                and list(constexprs) == [p.name for p in self.kernel.params if p.is_constexpr]):
-            self.compiled[key] = compiled
+        # the direct path is known to hold for a CUDA binary only (not an NPU's)
+        if not (isinstance(compiled, triton.compiler.CompiledKernel)
+                and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)):
+            self.direct = False
+        elif list(constexprs) == [p.name for p in self.kernel.params if p.is_constexpr]:
+            self.compiled[key] = compiled  # (constexprs in another order: Triton's path)
