@@ -4,12 +4,8 @@ On CUDA (or an NPU with triton-ascend) every column is timed on the device (wall
 of `inner` back-to-back calls between two synchronizations, so launch cost included),
 each Triton result is first checked against the reference, and the number of compiled
 variants per kernel is reported after all batch sizes (1 = no recompilation per B).
-Two Triton columns, side by side in one run: "triton" as shipped (after its first call a
-kernel is launched through its compiled binary, ``kernels/launch.py``), and "triton JIT"
-with that direct path off, every call through ``kernel[grid]`` (Triton's per-call binding;
-the direct path's key is still computed, so this column is a few µs pessimistic). The
-vLLM reference for the one-launch prep is its two kernels' 33 / 41 / 44 / 34 µs at these B
-(H100, issue 11).
+These are eager launches (``kernel[grid]``, Triton's per-call binding included); a captured
+step replays them with no host work, so the step, not this table, is what counts.
 On CPU only the torch reference is timed: the Triton interpreter is an emulator, not a
 kernel timing, so it is left out.
 
@@ -69,15 +65,6 @@ def check_equal(name: str, b: int, got, expected) -> None:
             raise AssertionError(f"{name} at B={b}: Triton differs from the torch reference")
 
 
-def jit_launch(fn, launchers):
-    """``fn`` with its launchers' direct path off: each call goes through ``kernel[grid]``."""
-    def call(*args):
-        for launcher in launchers:
-            launcher.compiled.clear()
-        return fn(*args)
-    return call
-
-
 def time_call(fn, args: tuple, inner: int, sync) -> float:
     """µs per call over `inner` back-to-back calls."""
     sync()
@@ -104,12 +91,6 @@ def main() -> None:
     if use_triton:
         from specdec.kernels import triton_padded as tp
         impls["triton"] = {name: getattr(tp, name) for name in NAMES}
-        launchers = {"prepare_padded_step": [tp._padded_step],
-                     "prepare_inputs_padded": [tp._prepare_inputs],
-                     "shift_first_pass_input_ids": [tp._shift_left, tp._scatter],
-                     "advance_draft_step": [tp._advance_draft_step]}
-        impls["triton JIT"] = {name: jit_launch(getattr(tp, name), launchers[name])
-                               for name in NAMES}
 
     inputs = {b: kernel_inputs(b, args.k, device) for b in args.batch_sizes}
     cells = [(b, name, impl) for b in args.batch_sizes for name in NAMES for impl in impls]
@@ -127,18 +108,16 @@ def main() -> None:
         f"{device}: torch reference only (no Triton device; the interpreter is not timed)"
     table = Table(title=f"Padded kernels on {where}, K={args.k}: median µs per call "
                         f"({args.repeats} samples x {args.inner} calls, interleaved)")
-    for col in ("B", "kernel", "torch µs", "triton µs", "triton JIT µs", "JIT / triton"):
+    for col in ("B", "kernel", "torch µs", "triton µs", "torch / triton"):
         table.add_column(col, justify="right")
     for b in args.batch_sizes:
         for name in NAMES:
             t = statistics.median(samples[(b, name, "torch")])
             if use_triton:
                 tr = statistics.median(samples[(b, name, "triton")])
-                jit = statistics.median(samples[(b, name, "triton JIT")])
-                table.add_row(str(b), name, f"{t:.1f}", f"{tr:.1f}", f"{jit:.1f}",
-                              f"{jit / tr:.2f}x")
+                table.add_row(str(b), name, f"{t:.1f}", f"{tr:.1f}", f"{t / tr:.2f}x")
             else:
-                table.add_row(str(b), name, f"{t:.1f}", "-", "-", "-")
+                table.add_row(str(b), name, f"{t:.1f}", "-", "-")
     console = Console()
     console.print(table)
     if use_triton:

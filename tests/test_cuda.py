@@ -56,9 +56,9 @@ def test_torchair_graph_mode_compiles_and_equals_eager_on_cuda(method):
     assert llm.runner.proposer.step_graph.seen  # compiled buckets ran
 
 
-def test_padded_kernels_launched_directly_equal_the_torch_reference():
-    """After its first launch each padded kernel is called through its compiled binary
-    (kernels/launch.py); every later call, any batch size, must still equal the reference."""
+def test_padded_kernels_equal_the_torch_reference_at_every_batch_size():
+    """One compiled binary per padded kernel serves every batch size (do_not_specialize);
+    every call, any batch size and index dtype, must equal the reference."""
     from specdec.kernels import reference, triton_padded as tp
 
     gen = torch.Generator().manual_seed(0)
@@ -82,6 +82,5 @@ def test_padded_kernels_launched_directly_equal_the_torch_reference():
             got = tp.advance_draft_step(*[a.cuda() if isinstance(a, torch.Tensor) else a
                                           for a in step_args])
             assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected)), b
-    assert tp._padded_step.compiled and tp._advance_draft_step.compiled  # went direct
     with pytest.raises(ValueError, match="cpu tensor"):  # a host tensor is refused, not read
         tp.prepare_padded_step(*cuda[:6], args[6], 50, out=reference.PaddedPrep.empty(b, "cuda"))

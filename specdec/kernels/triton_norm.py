@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import norm_torch
-from specdec.kernels.launch import Launcher
 
 
 @triton.jit
@@ -38,9 +37,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, out_ptr, x_stride, res_st
              mask=live)
 
 
-_add_rms_norm = Launcher(_add_rms_norm_kernel)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., H] (same dtype, rows with unit last stride), weight [H] ->
@@ -59,6 +55,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          f"{tuple(residual.shape)} stride {residual.stride()}: need equal "
                          "shapes and unit last strides")
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    _add_rms_norm((x2.shape[0],), x2, res2, weight, h, out, x2.stride(0), res2.stride(0), eps,
-                  HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ACC=acc)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, res2, weight, h, out, x2.stride(0), res2.stride(0), eps,
+        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ACC=acc)
     return h, out

@@ -11,20 +11,21 @@ oracle; ``tests/test_kernels_triton.py`` compares them under ``TRITON_INTERPRET=
     advance_draft_step          = advance_draft_step
 
 Every runtime argument (batch sizes, strides, pointers) is ``do_not_specialize``: one
-compiled kernel serves every batch size (only the grid changes), and after its first launch
-each kernel is called through its compiled binary (``launch.Launcher``), not through Triton's
-per-call launch path (argument binding, cache-key hashing, a driver check of every pointer).
+compiled kernel serves every batch size (only the grid changes). Every kernel is launched
+through Triton's own ``kernel[grid](...)``; a captured step (CUDA graph) replays the launches
+with no host work at all.
 Indices and token ids are int32 in and int32 out, except where the reference uses int64:
 the first pass's input ids (int32 or int64, kept), the indices ``rows`` and
 ``token_indices_to_sample`` (int32 or int64, as the engine passes them), and the draft
 loop's positions and slot mapping (int64). Each accepted dtype is one compiled variant.
 """
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.launch import Launcher, jit_unspecialized
 from specdec.kernels.reference import DraftStep, PaddedPrep
 
 ROWS_PER_PROGRAM = 128  # requests per program
@@ -46,6 +47,15 @@ def _check(name: str, t, dtypes: tuple[torch.dtype, ...], ndim: int,
         raise ValueError(f"{name}.stride()={t.stride()} must have a unit last stride")
     if device is not None and t.device != device:
         raise ValueError(f"{name}.device={t.device} must be {device}, like the first input")
+
+
+def jit_unspecialized(fn):
+    """``triton.jit`` with every runtime parameter ``do_not_specialize``: one compiled kernel
+    for every batch size, stride and address (for kernels too small for the alignment and
+    divisibility hints to matter)."""
+    runtime = [name for name, p in inspect.signature(fn).parameters.items()
+               if p.annotation is not tl.constexpr]
+    return triton.jit(fn, do_not_specialize=runtime)
 
 
 def _grid(n: int, per_program: int) -> tuple[int]:
@@ -122,9 +132,6 @@ def _padded_step_kernel(sampled_ptr, sampled_stride, num_cols, discard_ptr,
     tl.store(rejected_ptr + r, rejected, mask=live)
 
 
-_padded_step = Launcher(_padded_step_kernel)
-
-
 def prepare_padded_step(sampled_token_ids: torch.Tensor, discard_mask: torch.Tensor,
                         token_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                         cu_num_draft_tokens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -137,11 +144,11 @@ def prepare_padded_step(sampled_token_ids: torch.Tensor, discard_mask: torch.Ten
     if out.num_rejected.shape[0] != b or query_start_loc.shape[0] != b + 1:
         raise ValueError(f"out has {out.num_rejected.shape[0]} rows and query_start_loc "
                          f"{query_start_loc.shape[0]}; need {b} and {b + 1}")
-    _padded_step(_grid(b, ROWS_PER_PROGRAM), sampled_token_ids, sampled_token_ids.stride(0),
-                 cols, discard_mask.view(torch.int8), token_table, token_table.stride(0),
-                 token_table.shape[1], rows, seq_lens, cu_num_draft_tokens, query_start_loc,
-                 *out, vocab_size, b,
-                 BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=triton.next_power_of_2(cols))
+    _padded_step_kernel[_grid(b, ROWS_PER_PROGRAM)](
+        sampled_token_ids, sampled_token_ids.stride(0), cols, discard_mask.view(torch.int8),
+        token_table, token_table.stride(0), token_table.shape[1], rows, seq_lens,
+        cu_num_draft_tokens, query_start_loc, *out, vocab_size, b,
+        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=triton.next_power_of_2(cols))
     return out
 
 
@@ -159,9 +166,6 @@ def _prepare_inputs_kernel(cu_ptr, valid_ptr, qsl_ptr, sample_ptr, rejected_ptr,
     tl.store(rejected_ptr + r, rejected, mask=live)
 
 
-_prepare_inputs = Launcher(_prepare_inputs_kernel)
-
-
 def prepare_inputs_padded(cu_num_draft_tokens: torch.Tensor, valid_count: torch.Tensor,
                           query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_num_draft_tokens [B], valid_count [B], query_start_loc [B+1], all int32
@@ -175,8 +179,9 @@ def prepare_inputs_padded(cu_num_draft_tokens: torch.Tensor, valid_count: torch.
         raise ValueError(f"valid_count.shape={tuple(valid_count.shape)} and query_start_loc."
                          f"shape={tuple(query_start_loc.shape)} must be ({b},) and ({b + 1},)")
     sample_idx, rejected = (torch.empty(b, dtype=torch.int32, device=dev) for _ in range(2))
-    _prepare_inputs(_grid(b, ROWS_PER_PROGRAM), cu_num_draft_tokens, valid_count,
-                    query_start_loc, sample_idx, rejected, b, BLOCK_ROWS=ROWS_PER_PROGRAM)
+    _prepare_inputs_kernel[_grid(b, ROWS_PER_PROGRAM)](
+        cu_num_draft_tokens, valid_count, query_start_loc, sample_idx, rejected, b,
+        BLOCK_ROWS=ROWS_PER_PROGRAM)
     return sample_idx, rejected
 
 
@@ -190,9 +195,6 @@ def _shift_left_kernel(ids_ptr, out_ptr, num_tokens, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, tl.load(ids_ptr + src, mask=live), mask=live)
 
 
-_shift_left = Launcher(_shift_left_kernel)
-
-
 @jit_unspecialized
 def _scatter_kernel(out_ptr, index_ptr, value_ptr, num_rows, BLOCK_ROWS: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -200,9 +202,6 @@ def _scatter_kernel(out_ptr, index_ptr, value_ptr, num_rows, BLOCK_ROWS: tl.cons
     index = tl.load(index_ptr + r, mask=live, other=0)
     value = tl.load(value_ptr + r, mask=live, other=0)
     tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=live)
-
-
-_scatter = Launcher(_scatter_kernel)
 
 
 def shift_first_pass_input_ids(target_input_ids: torch.Tensor,
@@ -221,10 +220,10 @@ def shift_first_pass_input_ids(target_input_ids: torch.Tensor,
         raise ValueError(f"next_token_ids.shape={tuple(next_token_ids.shape)} must be ({b},) "
                          "like token_indices_to_sample")
     out = torch.empty_like(target_input_ids)
-    _shift_left(_grid(n, TOKENS_PER_PROGRAM), target_input_ids, out, n,
-                BLOCK=TOKENS_PER_PROGRAM)
-    _scatter(_grid(b, ROWS_PER_PROGRAM), out, token_indices_to_sample, next_token_ids, b,
-             BLOCK_ROWS=ROWS_PER_PROGRAM)
+    _shift_left_kernel[_grid(n, TOKENS_PER_PROGRAM)](target_input_ids, out, n,
+                                                     BLOCK=TOKENS_PER_PROGRAM)
+    _scatter_kernel[_grid(b, ROWS_PER_PROGRAM)](out, token_indices_to_sample, next_token_ids, b,
+                                                BLOCK_ROWS=ROWS_PER_PROGRAM)
     return out
 
 
@@ -254,9 +253,6 @@ def _advance_draft_step_kernel(positions_ptr, seq_lens_ptr, table_ptr, table_str
     tl.store(out_seq_lens_ptr + r, tl.where(inactive, 1, seq_len + 1), mask=live)
 
 
-_advance_draft_step = Launcher(_advance_draft_step_kernel)
-
-
 def advance_draft_step(positions: torch.Tensor, seq_lens: torch.Tensor,
                        block_table: torch.Tensor, num_reqs: int | torch.Tensor,
                        block_size: int, max_model_len: int) -> DraftStep:
@@ -276,8 +272,8 @@ def advance_draft_step(positions: torch.Tensor, seq_lens: torch.Tensor,
         _check("num_reqs", num_reqs, (torch.int32, torch.int64), 0, dev)
     out = DraftStep(torch.empty_like(positions), torch.empty_like(positions),
                     torch.empty_like(positions), torch.empty_like(seq_lens))
-    _advance_draft_step(_grid(rows, ROWS_PER_PROGRAM), positions, seq_lens, block_table,
-                        block_table.stride(0), block_table.shape[1], num_reqs, max_model_len,
-                        *out, rows, BLOCK_SIZE=block_size, NUM_REQS_ON_DEVICE=on_device,
-                        BLOCK_ROWS=ROWS_PER_PROGRAM)
+    _advance_draft_step_kernel[_grid(rows, ROWS_PER_PROGRAM)](
+        positions, seq_lens, block_table, block_table.stride(0), block_table.shape[1], num_reqs,
+        max_model_len, *out, rows, BLOCK_SIZE=block_size, NUM_REQS_ON_DEVICE=on_device,
+        BLOCK_ROWS=ROWS_PER_PROGRAM)
     return out

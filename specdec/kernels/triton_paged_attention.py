@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.launch import Launcher
 from specdec.kernels.paged_attention_torch import token_requests
 
 KEYS_PER_ITERATION = 16  # BLOCK_N (x BLOCK_G x BLOCK_D products live in registers)
@@ -92,9 +91,6 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
              out.to(out_ptr.dtype.element_ty), mask=g_live[:, None] & d_live[None, :])
 
 
-_paged_attention = Launcher(_paged_attention_kernel)
-
-
 class TritonPlan(NamedTuple):
     """The kernel's per-forward plan: ``req`` [N] int64 plus the metadata it reads."""
 
@@ -128,8 +124,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n == 0:
         return out
     acc = tl.float64 if k_cache.dtype == torch.float64 else tl.float32
-    _paged_attention(
-        (n, hkv), q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
+    _paged_attention_kernel[(n, hkv)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
         k_cache.stride(1), out, out.stride(0), out.stride(1), req, qsl, seq_lens, table,
         table.stride(0), d ** -0.5, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(d),

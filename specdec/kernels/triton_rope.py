@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from specdec.kernels import rope_torch
-from specdec.kernels.launch import Launcher
 
 
 @triton.jit
@@ -34,9 +33,6 @@ def _rope_kernel(x_ptr, x_stride_t, x_stride_h, cos_ptr, sin_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_rope = Launcher(_rope_kernel)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D], cos/sin [N, 1, D] -> new contiguous [N, H, D] in x's dtype."""
     n, heads, d = x.shape if x.dim() == 3 else (0, 0, 0)
@@ -48,6 +44,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
     if n:
         acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-        _rope((n,), x, x.stride(0), x.stride(1), cos, sin, out, HEADS=heads, HEAD_DIM=d,
-              BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(d), ACC=acc)
+        _rope_kernel[(n,)](x, x.stride(0), x.stride(1), cos, sin, out, HEADS=heads, HEAD_DIM=d,
+                           BLOCK_H=triton.next_power_of_2(heads),
+                           BLOCK_D=triton.next_power_of_2(d), ACC=acc)
     return out
