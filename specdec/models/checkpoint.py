@@ -1,37 +1,82 @@
-"""HF-style checkpoint folders: ``config.json`` + one ``model.safetensors``."""
+"""HF-style checkpoint folders: ``config.json`` + the weights in any layout ``transformers``
+writes (one ``model.safetensors``, safetensors shards + ``model.safetensors.index.json``, one
+``pytorch_model.bin``, ``.bin`` shards + ``pytorch_model.bin.index.json``), read a file at a
+time."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import zipfile
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+BIN_NAME = "pytorch_model.bin"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+WEIGHTS_NAMES = (WEIGHTS_NAME, WEIGHTS_INDEX_NAME, BIN_NAME, BIN_INDEX_NAME)  # by preference
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_folder's shards
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
 SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def save_folder(path: str | Path, config: dict, tensors: dict[str, torch.Tensor],
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, max_shard_bytes: int | None = None) -> None:
     """Write ``config`` (its ``torch_dtype`` set to ``dtype``) and ``tensors``.
 
     Floating tensors are cast to ``dtype``; integer tensors (e.g. EAGLE-3 ``d2t``) keep theirs.
+    When ``max_shard_bytes`` is given and the tensors need more, they go greedily in name order
+    to ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` (a larger tensor
+    gets a file of its own) plus ``model.safetensors.index.json``, the layout
+    ``save_pretrained(max_shard_size=...)`` writes; else to one ``model.safetensors``. Weight files
+    an earlier save left (``model.safetensors``, the index, shards) are removed first, since a
+    stale ``model.safetensors`` would shadow new shards.
     """
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype={dtype}: allowed {SAVE_DTYPES}")
+    if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r}: must be a positive int")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # a fresh contiguous copy each: merged projections hand out row views of one weight
-    # (models/merged.py), and safetensors refuses tensors that share storage
-    out = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu()
-           .clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
-    save_file(out, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    for old in path.iterdir():
+        if old.name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME) or SHARD_NAME.fullmatch(old.name):
+            old.unlink()
+    sizes = {k: v.numel() * (dtype.itemsize if v.is_floating_point() else v.element_size())
+             for k, v in tensors.items()}
+    shards = _shards(sizes, max_shard_bytes)
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        name = (WEIGHTS_NAME if len(shards) == 1
+                else f"model-{i:05d}-of-{len(shards):05d}.safetensors")
+        # a fresh contiguous copy each: merged projections hand out row views of one weight
+        # (merged q/k/v, gate/up), and safetensors refuses tensors that share storage
+        out = {k: (tensors[k].to(dtype) if tensors[k].is_floating_point() else tensors[k])
+               .detach().cpu().clone(memory_format=torch.contiguous_format) for k in names}
+        save_file(out, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, name))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (path / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = dict(config, torch_dtype=str(dtype).removeprefix("torch."))
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _shards(sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]:
+    """Names in sorted order, cut greedily into runs of at most ``max_bytes`` (None: one run)."""
+    shards, size = [[]], 0
+    for name in sorted(sizes):
+        if max_bytes is not None and shards[-1] and size + sizes[name] > max_bytes:
+            shards, size = shards + [[]], 0
+        shards[-1].append(name)
+        size += sizes[name]
+    return shards
 
 
 def load_config(path: str | Path) -> dict:
@@ -49,20 +94,166 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors; ValueError naming the file when it is missing or unreadable, and
-    naming the tensor when one holds NaN or inf (one reduction per tensor)."""
-    file = Path(path) / WEIGHTS_NAME
-    if not file.is_file():
-        raise ValueError(f"checkpoint folder {str(path)!r} has no {WEIGHTS_NAME}")
+def weight_files(path: str | Path) -> list[Path]:
+    """The folder's weight files, by preference: ``model.safetensors``; the distinct files of
+    ``model.safetensors.index.json``'s weight_map, sorted; ``pytorch_model.bin``; those of
+    ``pytorch_model.bin.index.json``. ValueError naming the folder and the four names when none
+    is there, and naming the index when it is unreadable or names a missing file."""
+    return _layout(path)[0]
+
+
+def _layout(path: str | Path) -> tuple[list[Path], Path | None, dict[str, Path]]:
+    """(``weight_files``, the index or None, its weight_map: tensor name -> file)."""
+    folder = Path(path)
+    for name in WEIGHTS_NAMES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [file], None, {}
+        weight_map = {k: folder / v for k, v in _weight_map(file).items()}
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{file}: its weight_map names {f.name!r}, which is missing")
+        return files, file, weight_map
+    raise ValueError(f"checkpoint folder {str(path)!r} has none of {', '.join(WEIGHTS_NAMES)}")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map; ValueError naming the index when it is not JSON or has none."""
     try:
-        tensors = load_file(str(file))
-    except SafetensorError as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf)")
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index}: not valid JSON ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+        raise ValueError(f"{index}: needs a \"weight_map\" object of tensor name -> file name")
+    return weight_map
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's (name, tensor) pairs as stored (dtype, shape), file by file in
+    ``weight_files`` order, with only the file being read open. Tensors are views of their
+    memory-mapped file and keep it mapped: drop each before taking the next to hold at most one
+    file (``.bin`` files older than torch 1.6's zip format are read whole). ValueError naming
+    the file when it is unreadable, the file and the tensor when one holds NaN or inf (one
+    reduction per tensor), and the index and the tensor when the index and the files disagree
+    on where a tensor is (listed for another file, or held by none)."""
+    files, index, weight_map = _layout(path)
+    absent = []
+    for file in files:
+        absent += yield from _file_tensors(file, index, weight_map)
+    if absent:
+        raise ValueError(f"{index}: its weight_map lists tensors {sorted(absent)}, "
+                         "which none of its files holds")
+
+
+def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path]
+                  ) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
+    """One file's (name, tensor) pairs, checked for NaN/inf and against the index: ValueError
+    for a tensor it puts elsewhere; returns those it puts here that the file lacks."""
+    if file.suffix == ".safetensors":
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            names = list(f.keys())
+            _check_index(index, weight_map, file, names)
+            for name in names:
+                yield name, _finite(file, name, f.get_tensor(name))
+    else:
+        tensors = _load_bin(file)
+        names = list(tensors)
+        _check_index(index, weight_map, file, names)
+        for name in names:
+            yield name, _finite(file, name, tensors.pop(name))
+    held = set(names)
+    return [k for k, v in weight_map.items() if v == file and k not in held]
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """A ``torch.save``d state dict, memory-mapped (files older than torch 1.6's zip format are
+    read whole); ValueError naming the file when it is not a readable dict of tensors."""
+    try:
+        tensors = torch.load(file, map_location="cpu", weights_only=True,
+                             mmap=zipfile.is_zipfile(file))
+    except Exception as e:  # corrupt input raises RuntimeError, UnpicklingError, EOFError, ...
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        raise ValueError(f"{file}: not a readable PyTorch weights file ({reason})") from None
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{file}: not a readable PyTorch weights file "
+                         f"(holds a {type(tensors).__name__}, not a dict of name -> tensor)")
+    for k, v in tensors.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise ValueError(f"{file}: not a readable PyTorch weights file (entry {k!r} holds a "
+                             f"{type(v).__name__}, not a dict of name -> tensor)")
     return tensors
+
+
+def _check_index(index: Path | None, weight_map: dict[str, Path], file: Path,
+                 names: list[str]) -> None:
+    """ValueError naming the index and a tensor ``file`` holds that the index puts in another
+    file or in none."""
+    if index is None:
+        return
+    for name in sorted(names):
+        if weight_map.get(name) != file:
+            where = (f"maps it to {weight_map[name].name}" if name in weight_map
+                     else "does not list it")
+            raise ValueError(f"{index}: tensor {name!r} is in {file.name} but the index {where}")
+
+
+def _finite(file: Path, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``; ValueError naming the file and the tensor when a floating ``t`` holds NaN/inf.
+    One min/max pass (both propagate NaN), with no temporary as large as ``t`` (isfinite makes
+    two, which would add most of a shard to the peak memory)."""
+    if t.is_floating_point() and t.numel() > 0:
+        lo, hi = torch.aminmax(t)
+        if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
+            raise ValueError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf)")
+    return t
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All the folder's tensors in one dict (``iter_tensors``' errors); it holds the whole model,
+    so prefer ``load_into`` for large ones."""
+    return dict(iter_tensors(path))
+
+
+def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
+              rename: Callable[[str], str | None] | None = None,
+              ignore: Callable[[str], bool] | None = None) -> None:
+    """Copy the folder's tensors into ``dest`` (name -> preallocated tensor, views such as row
+    slices of a merged weight allowed; ``copy_`` casts the dtype), one file at a time: peak host
+    memory is about one weight file on top of ``dest``.
+
+    ``rename(name)`` maps a checkpoint name to a ``dest`` name (None skips the tensor);
+    ``ignore(name)``, on the renamed name, skips it when true. After all files, one ValueError
+    naming every missing (in ``dest``, not in the checkpoint), unexpected (not in ``dest``) and
+    wrongly shaped tensor; ``iter_tensors``' errors on the way.
+    """
+    seen, unexpected, bad = set(), set(), []
+    with torch.no_grad():
+        for name, t in iter_tensors(path):
+            name = rename(name) if rename is not None else name
+            if name is not None and not (ignore is not None and ignore(name)):
+                seen.add(name)
+                if name not in dest:
+                    unexpected.add(name)
+                elif t.shape != dest[name].shape:
+                    bad.append(f"{name}: got {tuple(t.shape)} "
+                               f"!= expected {tuple(dest[name].shape)}")
+                else:
+                    dest[name].copy_(t)
+            del t  # it keeps its whole file mapped: let that go before the next file is read
+    kinds = (("missing tensors", sorted(dest.keys() - seen)),
+             ("unexpected tensors", sorted(unexpected)), ("wrong shapes", sorted(bad)))
+    if any(items for _, items in kinds):
+        raise ValueError(f"checkpoint {str(path)!r}: "
+                         + ", ".join(f"{kind} {items}" for kind, items in kinds if items))
 
 
 def load_tokenizer(path: str | Path):
