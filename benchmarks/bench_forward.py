@@ -32,13 +32,12 @@ BLOCK_SIZE = 16
 
 def decode_batch(model, b: int, context: int) -> tuple:
     """(input_ids, positions, kv) for B requests at position ``context`` each."""
-    cfg = model.config
     blocks_per_req = context // BLOCK_SIZE + 1
-    cache = KVCache(cfg.num_hidden_layers, b * blocks_per_req, BLOCK_SIZE,
-                    cfg.num_key_value_heads, cfg.head_dim, model.lm_head.weight.dtype, "cpu")
+    cache = KVCache(model.kv_cache_spec(), b * blocks_per_req, BLOCK_SIZE,
+                    model.lm_head.weight.dtype, "cpu")
     torch.manual_seed(0)
-    cache.k.normal_()
-    cache.v.normal_()
+    for t in cache.k + cache.v:
+        t.normal_()
     table = torch.arange(b * blocks_per_req, dtype=torch.int32).view(b, blocks_per_req)
     positions = torch.full((b,), context, dtype=torch.int64)
     slots = (table[:, context // BLOCK_SIZE].long() * BLOCK_SIZE + context % BLOCK_SIZE)

@@ -1,4 +1,5 @@
-"""Attention metadata, per-model paged KV cache tensors and paged attention.
+"""Attention metadata, per-layer paged KV cache tensors (shaped by each layer's spec) and
+paged attention.
 
 Slot of a token at position ``pos`` of request ``r``:
 ``block_table[r, pos // block_size] * block_size + pos % block_size``; slot ``-1`` means
@@ -37,17 +38,36 @@ class AttentionMetadata:
         return kernels.token_requests(self.query_start_loc, num_tokens)
 
 
-class KVCache:
-    """K/V tensors of one model: [num_layers, num_blocks * block_size + 1 (trash), Hkv, D]."""
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer keeps per token: ``num_kv_heads`` rows of ``head_dim`` for K
+    and for V; ``sliding_window``: keys a query sees at most (None = all earlier keys)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    """K/V tensors of one model, one pair per layer as its ``KVCacheSpec`` says:
+    ``k[i], v[i]`` are [num_blocks * block_size + 1 (trash), Hkv_i, D_i]."""
+
+    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
         num_slots = num_blocks * block_size + 1
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.specs = list(specs)
+        self.k = [torch.zeros((num_slots, s.num_kv_heads, s.head_dim), dtype=dtype,
+                              device=device) for s in specs]
+        self.v = [torch.zeros_like(k) for k in self.k]
         self.block_size = block_size
         self.trash_slot = num_slots - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     def bind(self, meta: AttentionMetadata) -> "PagedKV":
         return PagedKV(self, meta)
@@ -81,4 +101,7 @@ class PagedKV:
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
-        return kernels.paged_attention(q, k_cache, v_cache, self._plan)
+        window = self.cache.specs[layer_idx].sliding_window
+        if window is None:
+            return kernels.paged_attention(q, k_cache, v_cache, self._plan)
+        return kernels.paged_attention(q, k_cache, v_cache, self._plan, sliding_window=window)

@@ -13,7 +13,8 @@ from hypothesis import settings
 
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 from specdec.train import data
 
 from helpers import AUX, MAX_POS
@@ -137,7 +138,7 @@ def folder(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("errors")
     tok = data.train_tokenizer(data.read_texts(data.list_files()[0][:3]), 300)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       eos_token_id=0, max_position_embeddings=MAX_POS)
     target = LlamaForCausalLM(cfg).eval()

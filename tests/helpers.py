@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from specdec.cli import main
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 
 VOCAB = 96
 
@@ -25,7 +26,7 @@ PROMPTS = [[5, 9, 13], list(range(1, 41)), [7], [(i * 7) % VOCAB for i in range(
 
 def tiny_target(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       eos_token_id=VOCAB - 1)
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
@@ -67,12 +68,12 @@ def make_llm(target, method, k, padded, head=None, **kw):
     return LLM(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64, **kw)
 
 
-def moe_config(num_experts=6, top_k=2, norm_topk_prob=False, **kw) -> LlamaConfig:
+def moe_config(num_experts=6, top_k=2, norm_topk_prob=False, **kw) -> ModelConfig:
     extra = {"num_experts": num_experts, "num_experts_per_tok": top_k,
              "moe_intermediate_size": 24, "norm_topk_prob": norm_topk_prob}
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
-    return LlamaConfig(**{**base, **kw}, extra=extra)
+    return ModelConfig(**{**base, **kw}, extra=extra)
 
 
 def moe_target(seed: int = 0) -> LlamaForCausalLM:
@@ -81,11 +82,11 @@ def moe_target(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(moe_config()).to(torch.float64).eval()
 
 
-def tiny_config(**kw) -> LlamaConfig:
+def tiny_config(**kw) -> ModelConfig:
     d = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2)
     d.update(kw)
-    return LlamaConfig(**d)
+    return ModelConfig(**d)
 
 
 def tiny_model(seed=0, **kw) -> LlamaForCausalLM:

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from specdec.attention import AttentionMetadata, KVCache
+from specdec.attention import AttentionMetadata, KVCache, KVCacheSpec
 from specdec.engine.block_allocator import BlockAllocator
 
 BS = 4
@@ -29,7 +29,7 @@ def test_chunked_paged_attention_equals_dense_causal(lens, chunk, seed):
              torch.randn(n, hkv, d, generator=g, dtype=torch.float64),
              torch.randn(n, hkv, d, generator=g, dtype=torch.float64)) for n in lens]
     alloc = BlockAllocator(num_blocks=64, block_size=BS)
-    cache = KVCache(1, 64, BS, hkv, d, torch.float64, "cpu")
+    cache = KVCache([KVCacheSpec(hkv, d)], 64, BS, torch.float64, "cpu")
     blocks = [[] for _ in lens]
     for b, n in zip(blocks, lens):
         alloc.ensure(b, n)
@@ -62,14 +62,14 @@ def test_chunked_paged_attention_equals_dense_causal(lens, chunk, seed):
 
 
 def test_negative_slots_are_not_written():
-    cache = KVCache(1, 2, BS, 1, 2, torch.float32, "cpu")
-    before = cache.k.clone()
+    cache = KVCache([KVCacheSpec(1, 2)], 2, BS, torch.float32, "cpu")
+    before = cache.k[0].clone()
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([-1, -1]), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
         seq_lens=torch.tensor([1, 1], dtype=torch.int32),
         block_table=torch.zeros(2, 1, dtype=torch.int32), max_seq_len=1)
     cache.bind(meta).attend(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.ones(2, 1, 2))
-    assert torch.equal(cache.k[0, :-1], before[0, :-1])  # only the trash slot changed
+    assert torch.equal(cache.k[0][:-1], before[:-1])  # only the trash slot changed
 
 
 def test_allocator_errors_when_out_of_blocks():

@@ -10,7 +10,8 @@ from rich.console import Console
 from specdec.bench import itl
 from specdec.cli import UsageError
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 
 VOCAB = 64
 K = 2
@@ -22,7 +23,7 @@ def save_model(root: Path, heads=("mtp", "eagle3"), zero: bool = False) -> Path:
     """A tiny target in ``root/target`` and heads in its sibling folders; -> the target folder.
     ``zero``: every weight 0, so target and drafts always pick token 0 (every draft accepted)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=VOCAB - 1)
     target = LlamaForCausalLM(cfg).eval()
     modules = [target]

@@ -5,7 +5,8 @@ import torch
 
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 
 from helpers import VOCAB, AUX, PROMPTS, tiny_target, tiny_head, dense_greedy, make_llm
 
@@ -177,7 +178,7 @@ def test_speculative_sampling_preserves_the_target_distribution():
     """Temperature 1 on a 4-token vocabulary: the joint law of the first two generated
     tokens (the second one verified against a draft) matches the target's, by chi-square."""
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    cfg = ModelConfig(vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=3)
     target = LlamaForCausalLM(cfg).to(torch.float64).eval()
     with torch.no_grad():

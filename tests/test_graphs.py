@@ -14,7 +14,8 @@ from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.graphs import StepGraph
 from specdec.models.heads import build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 
 K = 3
 AUX = [0, 1, 1]
@@ -25,7 +26,7 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 1, 1, 2, 5], [3]]
 def target():
     """A tiny vocabulary so a random head is right often enough for varied acceptance."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
 

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from specdec.models.heads import (Eagle3Head, EagleHead, MtpHead, build_head, head_config,
                                   load_head)
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM, Rope, load_pretrained
+from specdec.models.config import ModelConfig
+from specdec.models.layers.rotary import RotaryEmbedding
+from specdec.models.llama import LlamaForCausalLM, load_pretrained
 
 from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_inputs
 
@@ -22,11 +24,11 @@ def test_config_hf_round_trip_and_defaults():
     c = tiny_config(rope_theta=5e5, tie_word_embeddings=True)
     d = c.to_hf_dict()
     assert d["model_type"] == "llama" and d["hidden_act"] == "silu" and d["head_dim"] == 8
-    assert LlamaConfig.from_dict(json.loads(json.dumps(d))) == c
+    assert ModelConfig.from_dict(json.loads(json.dumps(d))) == c
 
 
 def test_qwen2_config_implies_qkv_bias():
-    c = LlamaConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
+    c = ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
     assert c.attention_bias and c.model_type == "qwen2"
     names = set(LlamaForCausalLM(c).state_dict())
     assert "model.layers.0.self_attn.q_proj.bias" in names
@@ -38,19 +40,21 @@ def test_qwen2_config_implies_qkv_bias():
     (dict(hidden_size=0), "hidden_size"),
     (dict(torch_dtype="int8"), "torch_dtype"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_scaling={"type": "linear"}), "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "foo", "factor": 2.0}), "rope_type"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(sliding_window=0), "sliding_window"),
     (dict(attention_bias=True), "attention_bias"),
 ])
 def test_config_validation_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
-        LlamaConfig.from_dict(dict(tiny_config().to_hf_dict(), **change))
+        ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), **change))
 
 
 def test_config_missing_key_is_named():
     d = tiny_config().to_hf_dict()
     del d["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size"):
-        LlamaConfig.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 # ---------------------------------------------------------------- target model
@@ -103,7 +107,7 @@ def test_wrong_shape_is_named(tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.norm.weight"] = torch.zeros(5, dtype=torch.float16)
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(5,\)"):
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: got \(5,\) != expected \(32,\)"):
         load_pretrained(tmp_path)
 
 
@@ -111,7 +115,7 @@ def test_rope_position_zero_is_identity_and_scores_are_relative():
     torch.manual_seed(0)
     q, k = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
     def apply_rope(x, pos):
-        return Rope.at(torch.tensor([pos]), 16, 1e4, x.dtype).apply(x)
+        return RotaryEmbedding.default(16, 1e4).tables(torch.tensor([pos]), x.dtype).apply(x)
     assert torch.equal(apply_rope(q, 0), q)
 
     def score(pq, pk):
@@ -164,7 +168,7 @@ def test_kv_contract_matches_dense(t, chunk, seed):
 
 
 def test_qwen2_target_kv_matches_dense():
-    c = LlamaConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
+    c = ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
     torch.manual_seed(0)
     model = LlamaForCausalLM(c).eval()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from specdec.dp import DPContext
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.moe import MoEMLP, attach_parallel, has_cross_rank_layers
+from specdec.models.layers.moe import MoEMLP, attach_parallel, has_cross_rank_layers
 
 from helpers import PROMPTS, dense_greedy, moe_config, moe_target
 

@@ -15,7 +15,8 @@ import torch
 
 from specdec import platform
 from specdec.checks import check_bool, check_int
-from specdec.models.llama import LlamaConfig
+from specdec.attention import KVCacheSpec
+from specdec.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -67,7 +68,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be "
                              f">= 1 + num_speculative_tokens ({1 + k})")
 
-    def check_model(self, config: LlamaConfig) -> None:
+    def check_model(self, config: ModelConfig) -> None:
         """max_model_len is bounded by the positions the target was built for (None becomes
         the default, or the model's bound when that is smaller)."""
         limit = config.max_position_embeddings
@@ -81,17 +82,16 @@ class EngineConfig:
     def num_kv_blocks(self) -> int:
         return self.max_num_seqs * -(-self.max_model_len // self.block_size)
 
-    def kv_cache_bytes(self, config: LlamaConfig, num_draft_layers: int) -> int:
-        """The KV caches (target + draft layers) and the token table this config allocates."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.num_kv_blocks * self.block_size * config.num_key_value_heads * \
-            config.head_dim * elem
+    def kv_cache_bytes(self, specs: list[KVCacheSpec]) -> int:
+        """The KV caches of these layers (target + draft) and the token table this config
+        allocates."""
+        slots = self.num_kv_blocks * self.block_size
         table = self.max_num_seqs * (self.max_model_len + 1) * 4
-        return per_layer * (config.num_hidden_layers + num_draft_layers) + table
+        return slots * sum(s.bytes_per_token(self.dtype) for s in specs) + table
 
-    def check_memory(self, config: LlamaConfig, num_draft_layers: int) -> None:
+    def check_memory(self, specs: list[KVCacheSpec]) -> None:
         """The caches of every rank on this host must fit the device's free memory."""
-        need = self.kv_cache_bytes(config, num_draft_layers)
+        need = self.kv_cache_bytes(specs)
         ranks = self.data_parallel_size if self.device.type == "cpu" else 1
         free = free_memory(self.device)
         if need * ranks > free:

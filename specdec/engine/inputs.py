@@ -15,8 +15,9 @@ import torch
 from specdec.checks import check_token_ids
 from specdec.config import SpeculativeConfig
 from specdec.models import checkpoint
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.registry import load_model
 
+TARGET_METHODS = ("forward", "compute_logits", "kv_cache_spec")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
 
 
@@ -44,11 +45,12 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
     if model is not None and not isinstance(model, (str, Path)):
         raise TypeError(f"model={model!r}: must be a folder path (str or Path) or None")
     if target is not None:
-        if not isinstance(target, LlamaForCausalLM):
-            raise TypeError(f"target={target!r}: must be a LlamaForCausalLM or None")
+        if not all(callable(getattr(target, m, None)) for m in TARGET_METHODS):
+            raise TypeError(f"target={target!r}: must be a target model (with "
+                            f"{', '.join(TARGET_METHODS)}; see specdec.models) or None")
     else:
         model = Path(model) if model is not None else DEFAULT_MODEL
-        target = LlamaForCausalLM.load_pretrained(model, dtype=dtype, device=device)
+        target = load_model(model, dtype=dtype, device=device)
         if tokenizer is None:
             tokenizer = checkpoint.load_tokenizer(model)
     if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))

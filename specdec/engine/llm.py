@@ -18,7 +18,6 @@ from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.graphs import resolve_backend
-from specdec.models.llama import LlamaForCausalLM
 from specdec.padding import BatchPadder, largest_step
 from specdec.proposers.extract_hidden_states import check_output_dir
 from specdec.proposers.factory import build_proposer, load_checked_head
@@ -66,7 +65,7 @@ class LLM:
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
                  data_parallel_size: int = 1, data_parallel_timeout: float = 600.0,
-                 target: LlamaForCausalLM | None = None, draft_head=None, tokenizer=None,
+                 target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str = "inductor",
                  check_host_syncs: bool | None = None):
         # what each DP rank is built from (specdec.engine.dp_engine)
@@ -93,14 +92,14 @@ class LLM:
         self.target = target.eval()
         self.tokenizer = tokenizer
         self.vocab_size = target.config.vocab_size
-        self.eos_token_id = target.config.eos_token_id
+        self.eos_token_ids = frozenset(target.config.eos_token_ids)
         head = None
         if self.spec is not None:
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=cfg.device)
             if self.spec.method == "extract_hidden_states":
                 check_output_dir(self.spec)
-        cfg.check_memory(target.config, num_draft_layers=0 if head is None else 1)
+        cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()))
         self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
                                              graph_backend, self.device)
         if check_host_syncs is None:
@@ -270,7 +269,7 @@ class LLM:
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         p = r.params
-        if not p.ignore_eos and tok == self.eos_token_id:
+        if not p.ignore_eos and tok in self.eos_token_ids:
             return "eos"
         if tok in p.stop_token_ids:
             return "stop"

@@ -22,8 +22,7 @@ from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, 
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.graphs import StepGraph
-from specdec.models.llama import LlamaForCausalLM
-from specdec.models.moe import attach_parallel, has_cross_rank_layers
+from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
 from specdec.proposers.inputs import DraftInputs
 
@@ -41,12 +40,11 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, target: LlamaForCausalLM, proposer, *, num_speculative_tokens: int,
+    def __init__(self, target, proposer, *, num_speculative_tokens: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0):
-        cfg = target.config
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -56,8 +54,7 @@ class ModelRunner:
         self.aux_layer_ids = aux_layer_ids
         self.dp = dp
         self.device = device
-        self.kv = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size,
-                          cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device)
         # one row per request slot, plus a trash row of zeros for padding rows (their backup
         # token is 0, a valid id)
         self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,

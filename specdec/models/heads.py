@@ -46,8 +46,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.attention import KVCacheSpec
 from specdec.models import checkpoint
-from specdec.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM, RMSNorm, Rope
+from specdec.models.config import ModelConfig
+from specdec.models.layers.attention import Attention
+from specdec.models.layers.moe import MOE_CONFIG_KEYS
+from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.rotary import Rope, RotaryEmbedding
+from specdec.models.llama import DecoderLayer, LlamaForCausalLM, build_layer
 
 MTP_ARCH = "MiMoForCausalLM"
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
@@ -68,7 +74,7 @@ class DraftHead(nn.Module):
     method = ""
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose input states feed the head
 
-    def __init__(self, config: LlamaConfig, target: LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
         super().__init__()
         t = target.config
         if (config.hidden_size, config.vocab_size) != (t.hidden_size, t.vocab_size):
@@ -78,6 +84,12 @@ class DraftHead(nn.Module):
         self.config = config
         self.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
         self.draft_vocab_size = config.vocab_size
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope,
+                                      config.max_position_embeddings)
+
+    def kv_cache_spec(self) -> list[KVCacheSpec]:
+        """One spec per attention layer of the head (its own KV cache)."""
+        return [m.kv_cache_spec() for m in self.modules() if isinstance(m, Attention)]
 
     def combine_hidden_states(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """Target hidden [N, H] -> the head's input hidden [N, H] (identity here)."""
@@ -118,7 +130,7 @@ class DraftHead(nn.Module):
         return self.shared.embed_tokens(input_ids)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        return Rope.at(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        return self.rotary.tables(positions, dtype)
 
 
 class MtpHead(DraftHead):
@@ -126,7 +138,7 @@ class MtpHead(DraftHead):
 
     method = "mtp"
 
-    def __init__(self, config: LlamaConfig, target: LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
         super().__init__(config, target)
         if config.architectures[0] != MTP_ARCH or config.extra.get("num_nextn_predict_layers") != 1:
             raise ValueError(f"MtpHead config: architectures={config.architectures}, "
@@ -150,8 +162,9 @@ class MtpHead(DraftHead):
 
 
 class _MtpLayer(DecoderLayer):
-    def __init__(self, config: LlamaConfig):
-        super().__init__(config, layer_idx=0)
+    def __init__(self, config: ModelConfig):
+        base = build_layer(config, 0)
+        super().__init__(base.self_attn, base.mlp, config.hidden_size, config.rms_norm_eps)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
@@ -164,14 +177,14 @@ class EagleHead(DraftHead):
 
     method = "eagle"
 
-    def __init__(self, config: LlamaConfig, target: LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
         super().__init__(config, target)
         if config.num_hidden_layers != 1:
             raise ValueError(f"EagleHead config num_hidden_layers={config.num_hidden_layers}: "
                              "only 1 is supported")
         h = config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(config, 0, input_layernorm=False)])
+        self.layers = nn.ModuleList([build_layer(config, 0, input_layernorm=False)])
 
     def forward(self, input_ids, positions, hidden, kv=None):
         x = self.fc(torch.cat((self._embed(input_ids), hidden), dim=-1))
@@ -185,7 +198,7 @@ class Eagle3Head(DraftHead):
 
     method = "eagle3"
 
-    def __init__(self, config: LlamaConfig, target: LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
         super().__init__(config, target)
         extra = config.extra
         ids = extra.get("eagle_aux_hidden_state_layer_ids")
@@ -247,8 +260,9 @@ class Eagle3Head(DraftHead):
 
 
 class _Eagle3Layer(DecoderLayer):
-    def __init__(self, config: LlamaConfig):
-        super().__init__(config, 0, qkv_in_features=2 * config.hidden_size)
+    def __init__(self, config: ModelConfig):
+        base = build_layer(config, 0, in_features=2 * config.hidden_size)
+        super().__init__(base.self_attn, base.mlp, config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def run(self, embeds, hidden, rope, kv):
@@ -256,7 +270,7 @@ class _Eagle3Layer(DecoderLayer):
         return self(hidden, rope, kv, attn_in=attn_in)
 
 
-def head_config(method: str, target_config: LlamaConfig, **extra) -> LlamaConfig:
+def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig:
     """A head config sized like the target (one layer), with the keys vLLM reads for ``method``.
 
     Eagle3 takes ``eagle_aux_hidden_state_layer_ids=[...]`` and optional ``draft_vocab_size``.
@@ -271,7 +285,7 @@ def head_config(method: str, target_config: LlamaConfig, **extra) -> LlamaConfig
     if method == "eagle3":
         d.setdefault("draft_vocab_size", target_config.vocab_size)
         d["norm_before_residual"] = False
-    return LlamaConfig.from_dict(d)
+    return ModelConfig.from_dict(d, MOE_CONFIG_KEYS)
 
 
 HEAD_CLASSES = {"mtp": MtpHead, "eagle": EagleHead, "eagle3": Eagle3Head}
@@ -282,7 +296,7 @@ def build_head(method: str, target: LlamaForCausalLM, **extra) -> DraftHead:
     return HEAD_CLASSES[method](head_config(method, target.config, **extra), target)
 
 
-def head_class_for(config: LlamaConfig) -> type[DraftHead]:
+def head_class_for(config: ModelConfig) -> type[DraftHead]:
     arch = config.architectures[0]
     if arch == MTP_ARCH:
         return MtpHead
@@ -305,5 +319,5 @@ def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = t
 
 
 def _build_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
-    config = LlamaConfig.from_dict(checkpoint.load_config(path))
+    config = ModelConfig.from_dict(checkpoint.load_config(path), MOE_CONFIG_KEYS)
     return head_class_for(config)(config, target)

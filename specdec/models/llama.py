@@ -1,224 +1,34 @@
-"""Llama / Qwen2 target model in plain PyTorch (gpt-fast style), HF parameter names.
+"""The pre-norm decoder family: Llama-2/3/3.1/3.2, Mistral, Qwen2/2.5 (and MiMo's target), in
+plain PyTorch (gpt-fast style) with HF parameter names. Qwen3, Qwen3-MoE and MiniMax-M2 are
+this model with other layer options (``qwen3.py``, ``minimax_m2.py``).
 
-Two attention modes (the contract the engine relies on):
-- ``kv=None``: inputs are batched ``[B, T]``, attention is dense causal SDPA (training, reference).
-- ``kv`` given: inputs are flat ``[N]``; every attention calls
-  ``kv.attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]``
-  with RoPE already applied to ``q`` and ``k``.
+The engine's contract (every target family keeps it):
+- ``forward(input_ids, positions, kv=None, aux_layer_ids=()) -> (hidden, aux)``: with
+  ``kv=None`` inputs are batched ``[B, T]`` and attention is dense causal (training,
+  reference); with ``kv`` (a ``PagedKV``) inputs are flat ``[N]``.
+- ``compute_logits(hidden [..., H]) -> float32 [..., V]``.
+- ``kv_cache_spec() -> list[KVCacheSpec]``: what each layer keeps per token (the engine
+  allocates the cache from it, so heads, head dims and windows follow the model).
+- ``load_pretrained(path, dtype, device)``: the HF folder, shard by shard.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import re
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec import kernels
+from specdec.attention import KVCacheSpec
 from specdec.models import checkpoint
-from specdec.models.merged import MergedLinear, save_merged_as_parts
-
-QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
-LLAMA_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
-
-
-@dataclass
-class LlamaConfig:
-    """The fields of an HF Llama/Qwen2 ``config.json`` this model uses.
-
-    ``attention_bias`` means biases on q/k/v only (the Qwen2 layout); o_proj never has one.
-    ``extra`` keeps the keys a draft head adds (``draft_vocab_size``, ``num_nextn_predict_layers``,
-    ``eagle_aux_hidden_state_layer_ids``, ...) so they round-trip through ``to_hf_dict``.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    bos_token_id: int = 0
-    eos_token_id: int = 0
-    architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
-    torch_dtype: str = "float16"
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name}={value!r}: must be a positive int")
-        for name in ("bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not \
-                    0 <= value < self.vocab_size:
-                raise ValueError(f"LlamaConfig.{name}={value!r}: must be an int in "
-                                 f"[0, vocab_size={self.vocab_size})")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"LlamaConfig.num_key_value_heads={self.num_key_value_heads}: must divide "
-                f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: must be even for RoPE")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"LlamaConfig.rms_norm_eps={self.rms_norm_eps}, rope_theta="
-                             f"{self.rope_theta}: both must be > 0")
-        if not self.architectures or not all(isinstance(a, str) for a in self.architectures):
-            raise ValueError(f"LlamaConfig.architectures={self.architectures!r}: "
-                             "must be a non-empty list of str")
-        if self.architectures[0] in QWEN2_ARCHS:
-            self.attention_bias = True
-        if self.torch_dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"LlamaConfig.torch_dtype={self.torch_dtype!r}: "
-                             "allowed float16, bfloat16, float32")
-
-    @property
-    def model_type(self) -> str:
-        return "qwen2" if self.architectures[0] in QWEN2_ARCHS else "llama"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        """Build from an HF config dict; unknown keys go to ``extra``, unsupported options raise."""
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config hidden_act={d['hidden_act']!r}: only 'silu' is supported")
-        if d.get("rope_scaling") is not None:
-            raise ValueError(f"config rope_scaling={d['rope_scaling']!r}: only null is supported")
-        if d.get("mlp_bias", False):
-            raise ValueError("config mlp_bias=True: MLP biases are not supported")
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if archs[0] not in QWEN2_ARCHS and d.get("attention_bias", False):
-            raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
-                             "bias on o_proj too, which is not supported (Qwen2 layout only)")
-        names = {f.name for f in fields(cls)} - {"extra", "architectures"}
-        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if n not in d]
-        if missing:
-            raise ValueError(f"config is missing required keys {missing}")
-        kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        skip = names | {"architectures", "model_type", "hidden_act", "rope_scaling", "mlp_bias"}
-        extra = {k: v for k, v in d.items() if k not in skip}
-        return cls(architectures=list(archs), extra=extra, **kwargs)
-
-    def to_hf_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        d["model_type"] = self.model_type
-        d["hidden_act"] = "silu"
-        d["rope_scaling"] = None
-        if self.model_type == "qwen2":
-            del d["attention_bias"]  # implied by the architecture
-        d.update(self.extra)
-        return dict(sorted(d.items()))
-
-
-class RMSNorm(nn.Module):
-    """HF RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``, statistics in float32, output in x's dtype.
-
-    ``F.rms_norm``: one fused kernel on CUDA; x [..., H] -> [..., H].
-    Example: x = [3, 4], w = [1, 2], eps -> 0: rms = sqrt(12.5) -> [0.8485, 2.2627].
-    """
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-class Rope(NamedTuple):
-    """Rotary cos/sin for a set of positions, computed once per forward and shared by all layers.
-
-    cos, sin: [..., T, 1, D] in the model dtype (broadcast over heads). ``sin`` carries the sign of
-    HF's ``rotate_half``: ``[-sin(a), sin(a)]``, so ``apply(x) = x * cos + swap_halves(x) * sin``
-    equals HF's ``x * cos + cat(-x2, x1) * sin`` exactly. Channel pairs are (j, j + D/2) with
-    angle ``pos * theta ** (-2j / D)``, computed in float32 then cast (as HF does).
-
-    Example (D=2, theta any, pos=1): angle a = 1 -> x = [1, 0] becomes [cos 1, sin 1].
-    """
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    @classmethod
-    def at(cls, positions: torch.Tensor, head_dim: int, theta: float,
-           dtype: torch.dtype) -> "Rope":
-        """positions [..., T] (any int/float dtype) -> Rope with [..., T, 1, head_dim] tables."""
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device,
-                                           dtype=torch.float32) / head_dim)
-        angles = positions.to(torch.float32)[..., None, None] * inv_freq  # [..., T, 1, D/2]
-        cos, sin = angles.cos(), angles.sin()
-        return cls(torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype))
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., T, H, D] (may be a strided view) -> rotated copy, same shape and dtype
-        (one kernel where Triton runs: ``specdec.kernels.apply_rope``)."""
-        return kernels.apply_rope(x, self.cos, self.sin)
-
-
-class Attention(nn.Module):
-    """One ``qkv_proj`` matmul (checkpoint names q_proj/k_proj/v_proj), one RoPE pass on q and k."""
-
-    def __init__(self, config: LlamaConfig, layer_idx: int, in_features: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        d = self.head_dim
-        self.qkv_proj = MergedLinear(in_features, {"q_proj": self.n_heads * d,
-                                                   "k_proj": self.n_kv * d,
-                                                   "v_proj": self.n_kv * d},
-                                     bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, config.hidden_size, bias=False)
-        save_merged_as_parts(self)
-
-    def forward(self, x: torch.Tensor, rope: Rope, kv=None) -> torch.Tensor:
-        """x: [B, T, in] with kv=None, else [N, in]; rope: tables for the same leading dims."""
-        lead, hq, hkv = x.shape[:-1], self.n_heads, self.n_kv
-        qkv = self.qkv_proj(x).view(*lead, hq + 2 * hkv, self.head_dim)
-        qk = rope.apply(qkv[..., :hq + hkv, :])
-        q, k, v = qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv:, :]
-        if kv is not None:
-            out = kv.attend(self.layer_idx, q, k, v)
-        else:
-            q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, H, T, D]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=hq != hkv).transpose(-3, -2)
-        return self.o_proj(out.reshape(*lead, hq * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, [..., H] -> [..., H] (also each MoE expert).
-
-    gate and up are one ``gate_up_proj`` matmul (checkpoint names gate_proj/up_proj).
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        h, i = hidden_size, intermediate_size
-        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-        save_merged_as_parts(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+from specdec.models.config import ModelConfig
+from specdec.models.layers.attention import Attention
+from specdec.models.layers.mlp import MLP
+from specdec.models.layers.moe import MOE_CONFIG_KEYS, MoEMLP, is_moe_layer
+from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.rotary import Rope, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -226,24 +36,17 @@ class DecoderLayer(nn.Module):
 
     ``attn_in`` defaults to ``input_layernorm(x)`` (or ``x`` when built with
     ``input_layernorm=False``, the EAGLE-1 layer); a head can pass its own (EAGLE-3 feeds
-    ``[norm(embeds), norm(hidden)]`` of width ``qkv_in_features = 2H``). With ``num_experts``
-    in the config the MLP is a :class:`~specdec.models.moe.MoEMLP` (heads built from a MoE
-    config get one too, like DeepSeek's MTP layer).
+    ``[norm(embeds), norm(hidden)]`` of width ``2H``). ``mlp``: an MLP or a MoE.
     """
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, qkv_in_features: int | None = None,
+    def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float,
                  input_layernorm: bool = True):
         super().__init__()
-        h = config.hidden_size
         if input_layernorm:
-            self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, qkv_in_features or h)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        if config.extra.get("num_experts"):
-            from specdec.models.moe import MoEMLP  # moe builds its experts from MLP
-            self.mlp = MoEMLP(config)
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, rope: Rope, kv=None,
                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,24 +58,46 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(normed)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+def build_layer(config: ModelConfig, layer_idx: int, *, qk_norm: str | None = None,
+                in_features: int | None = None, input_layernorm: bool = True,
+                sliding_window: int | None = None) -> DecoderLayer:
+    """One decoder layer of ``config``'s shape (its MLP a MoE where ``is_moe_layer``)."""
+    c = config
+    attn = Attention(layer_idx, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                     c.head_dim, in_features=in_features, qkv_bias=c.attention_bias,
+                     qk_norm=qk_norm, eps=c.rms_norm_eps, sliding_window=sliding_window)
+    mlp = MoEMLP(c) if is_moe_layer(c, layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+    return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, input_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Target model; parameter names are HF's (``model.layers.{i}.self_attn.q_proj.weight``, ...)."""
+    """Target model; parameter names are HF's (``model.layers.{i}.self_attn.q_proj.weight``, ...).
 
-    def __init__(self, config: LlamaConfig):
+    Family options a subclass sets: ``QK_NORM`` (see ``layers.attention``), ``CONFIG_KEYS``
+    (the config keys it reads beyond ``ModelConfig``'s), ``IGNORED_TENSORS`` (checkpoint names
+    it skips, as vLLM does) and ``checkpoint_name`` (HF name on disk -> parameter name).
+    """
+
+    QK_NORM: str | None = None
+    CONFIG_KEYS: frozenset[str] = MOE_CONFIG_KEYS
+    # rotary caches some exporters save; MiMo's MTP layers (the head loader reads them)
+    IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|model\.mtp_layers\..*")
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            build_layer(config, i, qk_norm=self.QK_NORM,
+                        sliding_window=config.sliding_window_of(i))
+            for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope,
+                                      config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -285,7 +110,8 @@ class LlamaForCausalLM(nn.Module):
         """
         for i in aux_layer_ids:
             if not 0 <= i < self.config.num_hidden_layers:
-                raise ValueError(f"aux_layer_ids contains {i}: allowed 0..{self.config.num_hidden_layers - 1}")
+                raise ValueError(f"aux_layer_ids contains {i}: allowed "
+                                 f"0..{self.config.num_hidden_layers - 1}")
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)
         aux = {}
@@ -297,12 +123,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x), stacked
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The rotary tables every layer of this forward uses (see :class:`Rope`)."""
-        return Rope.at(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        """The rotary tables every layer of this forward uses."""
+        return self.rotary.tables(positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., vocab_size]."""
         return self.lm_head(hidden).float()
+
+    def kv_cache_spec(self) -> list[KVCacheSpec]:
+        return [layer.self_attn.kv_cache_spec() for layer in self.model.layers]
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into (None: skipped)."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None  # a tied model's copy of the embedding
+        return None if self.IGNORED_TENSORS.fullmatch(name) else name
 
     def expected_tensors(self) -> dict[str, torch.Size]:
         """Name -> shape of every tensor a checkpoint holds (no ``lm_head.weight`` when tied)."""
@@ -318,17 +154,23 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "LlamaForCausalLM":
-        """Load an HF-style folder; tensors are upcast/cast to ``dtype``; names must match exactly."""
-        config = checkpoint.naming_folder(
-            path, lambda: LlamaConfig.from_dict(checkpoint.load_config(path)))
-        model = cls(config)
-        tensors = checkpoint.load_tensors(path)
-        checkpoint.check_names(model.expected_tensors(), tensors, path)
-        model.load_state_dict(tensors, strict=False)
-        return model.to(device=device, dtype=dtype).eval()
+                        device: str | torch.device = "cpu",
+                        config: ModelConfig | None = None) -> LlamaForCausalLM:
+        """Load an HF folder (one file, shards with an index, or ``pytorch_model.bin``) shard
+        by shard into the model's parameters, cast to ``dtype``; every parameter must be
+        found, and every tensor used or known to be skipped."""
+        if config is None:
+            config = checkpoint.naming_folder(
+                path, lambda: ModelConfig.from_folder(path, cls.CONFIG_KEYS))
+        model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+        state = model.state_dict()  # views of the parameters (merged ones as their parts)
+        checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
+                             rename=model.checkpoint_name)
+        return model.to(device=device).eval()
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    return LlamaForCausalLM.load_pretrained(path, dtype, device)
+                    device: str | torch.device = "cpu") -> nn.Module:
+    """Any registered architecture (``specdec.models.registry``)."""
+    from specdec.models.registry import load_model
+    return load_model(path, dtype, device)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from specdec.models.heads import DraftHead, build_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
 
 SHAPES = {
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
@@ -48,10 +49,10 @@ class Synthetic(NamedTuple):
     heads: dict[str, DraftHead]  # method -> head sharing the target's embed/lm_head
 
 
-def synthetic_config(name: str) -> LlamaConfig:
+def synthetic_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"synthetic model {name!r}: allowed {sorted(SHAPES)}")
-    return LlamaConfig(**SHAPES[name], torch_dtype="bfloat16")
+    return ModelConfig(**SHAPES[name], torch_dtype="bfloat16")
 
 
 def build_synthetic(name: str, dtype: torch.dtype = torch.bfloat16,

@@ -107,11 +107,10 @@ class DraftModelProposer(Proposer):
                  dtype: torch.dtype, graph_backend: str = "eager",
                  compile_backend: str = "inductor", **sizes):
         super().__init__(config, **sizes)
-        cfg = head.config
         self.head = head
-        self.kv = KVCache(1, num_kv_blocks, self.block_size, cfg.num_key_value_heads,
-                          cfg.head_dim, dtype, self.device)
-        self.hidden_size = cfg.hidden_size
+        self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
+                          self.device)
+        self.hidden_size = head.config.hidden_size
 
         def buf(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(self.max_num_seqs, dtype=dtype, device=self.device)
@@ -284,7 +283,7 @@ class DraftModelProposer(Proposer):
     def _dummy_forward(self, n: int) -> None:
         """One head forward over n padding tokens (one dummy request, slots -1)."""
         zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
-        hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.k.dtype, device=self.device)
+        hidden = torch.zeros(n, self.hidden_size, dtype=self.kv.dtype, device=self.device)
         self.head(zeros, zeros, hidden, kv=self.kv.bind(AttentionMetadata.dummy(n, self.device)))
 
 

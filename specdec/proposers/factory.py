@@ -6,7 +6,6 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.models.heads import DraftHead, load_head
-from specdec.models.llama import LlamaForCausalLM
 from specdec.proposers.registry import get_proposer_class
 
 
@@ -24,7 +23,7 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     return path
 
 
-def load_checked_head(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir,
+def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
                       draft_head, dtype: torch.dtype, device: torch.device):
     """The head ``spec`` needs (``draft_head``, else loaded from its folder; None for
     extract_hidden_states), checked against the method and the aux layers; an EAGLE-3
@@ -58,7 +57,7 @@ def load_checked_head(spec: SpeculativeConfig, target: LlamaForCausalLM, *, mode
     return head
 
 
-def build_proposer(spec: SpeculativeConfig, target: LlamaForCausalLM, *, model_dir, draft_head,
+def build_proposer(spec: SpeculativeConfig, target, *, model_dir, draft_head,
                    max_num_seqs: int, block_size: int, num_kv_blocks: int,
                    max_model_len: int, dtype: torch.dtype, device: torch.device,
                    graph_backend: str = "eager", compile_backend: str = "inductor"):

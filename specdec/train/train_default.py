@@ -28,7 +28,8 @@ from torch import nn
 
 from specdec.models import checkpoint
 from specdec.models.heads import DraftHead, build_head, load_head
-from specdec.models.llama import LlamaConfig, LlamaForCausalLM, load_pretrained
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM, load_pretrained
 from specdec.train import data
 from specdec.train.acceptance import evaluate, greedy_generate
 from specdec.train.kv import UnrolledKV
@@ -104,7 +105,7 @@ def lm_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq: int) -> float:
 
 
 def train_target(args, stream: torch.Tensor, gen: torch.Generator, log) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+    config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=1024,
                          # vLLM's MiMo MTP builds its layer from the TARGET's config

@@ -1,14 +1,19 @@
 """Mixture-of-experts MLP whose experts are split across the DP ranks (expert parallel = DP).
 
-Config keys (Qwen3-MoE names, kept in ``LlamaConfig.extra``): ``num_experts`` E (0 or absent:
-dense MLP), ``num_experts_per_tok`` k, ``moe_intermediate_size`` I (default
-``intermediate_size``), ``norm_topk_prob`` (default False, as HF). Parameters:
-``mlp.gate.weight [E, H]`` (the router, on every rank) and
+Config keys (kept in ``ModelConfig.extra``): ``num_experts`` (Qwen3-MoE) or
+``num_local_experts`` (MiniMax-M2, transformers 5) E (0 or absent: dense MLP),
+``num_experts_per_tok`` k, ``moe_intermediate_size`` I (default ``intermediate_size``),
+``norm_topk_prob`` (default False, as HF), ``scoring_func`` (``softmax``, default, or
+``sigmoid``), ``use_routing_bias``; which layers: ``decoder_sparse_step``, ``mlp_only_layers``
+(``is_moe_layer``). Parameters: ``mlp.gate.weight [E, H]`` (the router, on every rank),
+``mlp.e_score_correction_bias [E]`` (float32, with ``use_routing_bias``) and
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (SwiGLU experts; DP rank r of D keeps experts
 ``r*E/D .. (r+1)*E/D - 1`` once the engine attaches its DPContext).
 
-Routing per token t: ``p = softmax(gate(x_t))``; keep the k largest; with ``norm_topk_prob``
-rescale them to sum to 1; ``out_t = sum_e p_e * expert_e(x_t)`` over the kept e.
+Routing per token t, softmax (Qwen3-MoE): ``p = softmax(gate(x_t))``; keep the k largest;
+with ``norm_topk_prob`` rescale them to sum to 1. Sigmoid (MiniMax-M2): ``p = sigmoid(gate(x_t))``;
+choose the k largest of ``p + e_score_correction_bias``, weigh them by their unbiased ``p``
+rescaled to sum to 1. Then ``out_t = sum_e p_e * expert_e(x_t)`` over the kept e.
 
 Dispatch, vLLM's naive DP+EP path: every rank all-gathers the ``[N, H]`` hidden of every rank
 (same N on every rank: the DP token-count sync is what makes this legal), computes its local
@@ -32,16 +37,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.dp import DPContext
-from specdec.models.llama import MLP
+from specdec.models.layers.mlp import MLP
 
 # torch >= 2.13 names; older torch has the *_tensor spellings
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+MOE_CONFIG_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
+                             "moe_intermediate_size", "norm_topk_prob", "scoring_func",
+                             "use_routing_bias", "decoder_sparse_step", "mlp_only_layers"})
+SCORING = ("softmax", "sigmoid")
+
+
 def num_experts(config) -> int:
     """E from ``config.extra`` (0 = dense MLP)."""
-    return config.extra.get("num_experts", 0) or 0
+    return config.extra.get("num_experts") or config.extra.get("num_local_experts") or 0
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether layer ``layer`` has a MoE MLP (HF's rule: not in ``mlp_only_layers`` and
+    ``(layer + 1) % decoder_sparse_step == 0``)."""
+    step = config.extra.get("decoder_sparse_step", 1) or 1
+    return (num_experts(config) > 0 and layer not in config.extra.get("mlp_only_layers", [])
+            and (layer + 1) % step == 0)
 
 
 class MoEMLP(nn.Module):
@@ -56,10 +75,15 @@ class MoEMLP(nn.Module):
             raise ValueError(f"num_experts_per_tok={k!r}: must be an int in [1, num_experts={e}]")
         if not isinstance(inter, int) or inter < 1:
             raise ValueError(f"moe_intermediate_size={inter!r}: must be an int >= 1")
+        self.scoring = extra.get("scoring_func", "softmax")
+        if self.scoring not in SCORING:
+            raise ValueError(f"scoring_func={self.scoring!r}: allowed {SCORING}")
         self.num_experts, self.top_k = e, k
         self.norm_topk_prob = bool(extra.get("norm_topk_prob", False))
         h = config.hidden_size
         self.gate = nn.Linear(h, e, bias=False)
+        if extra.get("use_routing_bias", False):
+            self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         self.experts = nn.ModuleDict({str(i): MLP(h, inter) for i in range(e)})
         self.dp = DPContext()
         self.sp_size = 1
@@ -90,10 +114,18 @@ class MoEMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] -> combine weights [M, E] (zero outside each token's top-k)."""
-        # softmax in at least float32 (HF), float64 models keep float64
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))
-        w, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
+        # scores in at least float32 (HF), float64 models keep float64
+        logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
+        if self.scoring == "softmax":
+            probs = F.softmax(logits, dim=-1)
+            w, ids = probs.topk(self.top_k, dim=-1)
+        else:
+            probs = torch.sigmoid(logits)
+            choice = probs + self.e_score_correction_bias if hasattr(
+                self, "e_score_correction_bias") else probs
+            ids = choice.topk(self.top_k, dim=-1).indices
+            w = probs.gather(1, ids)
+        if self.norm_topk_prob or self.scoring == "sigmoid":
             w = w / w.sum(dim=-1, keepdim=True)
         return torch.zeros_like(probs).scatter_(1, ids, w).to(x.dtype)
 

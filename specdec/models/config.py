@@ -1,0 +1,240 @@
+"""``ModelConfig``: the fields of an HF ``config.json`` that change a model's math, checked.
+
+Every key of a config is one of: a field below (read), a rotary key (``layers.rotary``), a
+key the model family reads (its ``CONFIG_KEYS``, kept in ``extra``), a draft-head key
+(``HEAD_KEYS``, kept in ``extra``), or a key known not to change inference
+(``IGNORED_KEYS``: bookkeeping and training-only). Anything else is refused with a
+ValueError naming the key, so a config is never loaded and silently computed wrong.
+
+Both spellings load: transformers 4 (``rope_theta`` + ``rope_scaling``) and transformers 5
+(``rope_parameters``); ``eos_token_id`` may be a list (and ``generation_config.json``'s ids are
+added by ``from_folder``): every id stops generation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from specdec.models.layers.rotary import ROPE_CONFIG_KEYS, rope_parameters
+
+QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "MiniMaxM2ForCausalLM": "minimax_m2"}
+
+# bookkeeping, generation defaults and training-only knobs: they never change a forward
+IGNORED_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "model_type", "architectures", "auto_map",
+    "torch_dtype", "dtype", "initializer_range", "use_cache", "pad_token_id",
+    "attention_dropout", "hidden_dropout", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+    "is_encoder_decoder", "output_router_logits", "router_aux_loss_coef",
+    "router_jitter_noise", "tokenizer_class", "pretraining_tp", "bos_token_id",
+    "tie_word_embeddings", "max_window_layers", "use_sliding_window", "layer_types",
+})
+# what draft-head folders add (read by specdec.models.heads)
+HEAD_KEYS = frozenset({
+    "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+    "target_hidden_size", "num_nextn_predict_layers", "eagle_config", "speculative_config",
+    "use_aux_hidden_state",
+})
+# keys read here (fields) with the values they may take when not implemented
+REFUSED_VALUES = {"hidden_act": ("silu",), "mlp_bias": (False,)}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class ModelConfig:
+    """The fields of an HF decoder ``config.json`` the models use.
+
+    ``attention_bias`` means biases on q/k/v only (the Qwen2 layout); o_proj never has one.
+    ``rope_scaling``: the normalised rotary parameters beyond ``rope_theta`` (transformers-5
+    form: ``rope_type`` and its keys, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``),
+    None for the default rope. ``layer_types[i]`` is ``full_attention`` or
+    ``sliding_attention`` (then layer i sees ``sliding_window`` keys); None = all full.
+    ``extra`` keeps the family's and a draft head's own keys (``num_experts``,
+    ``draft_vocab_size``, ...) so they round-trip through ``to_hf_dict``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 0
+    architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
+    torch_dtype: str = "float16"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config {name}={value!r}: must be a positive int")
+        ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for name, values in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", ids)):
+            for value in values:
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                          or not 0 <= value < self.vocab_size):
+                    raise ValueError(f"config {name}={getattr(self, name)!r}: must be None, an "
+                                     f"int or a list of ints in [0, vocab_size={self.vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config num_key_value_heads={self.num_key_value_heads}: must divide "
+                f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config head_dim={self.head_dim}: must be even for RoPE")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError(f"config rms_norm_eps={self.rms_norm_eps}, rope_theta="
+                             f"{self.rope_theta}: both must be > 0")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"config sliding_window={self.sliding_window!r}: must be null or "
+                             "an int >= 1")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or \
+                    not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"config layer_types={self.layer_types!r}: need one of "
+                                 f"{LAYER_TYPES} per layer ({self.num_hidden_layers})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("config layer_types has sliding_attention layers but "
+                                 "sliding_window is null")
+        if not self.architectures or not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(f"config architectures={self.architectures!r}: "
+                             "must be a non-empty list of str")
+        if self.architectures[0] in QWEN2_ARCHS:
+            self.attention_bias = True
+        if self.torch_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"config torch_dtype={self.torch_dtype!r}: "
+                             "allowed float16, bfloat16, float32")
+
+    @property
+    def model_type(self) -> str:
+        return MODEL_TYPES.get(self.architectures[0], "llama")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (empty when the model names none)."""
+        ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        return tuple(i for i in ids if i is not None)
+
+    @property
+    def rope(self) -> dict:
+        """The normalised rotary parameters (transformers-5 form, ``rope_theta`` included)."""
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """Keys layer ``layer`` sees at most (None = every earlier key)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_dict(cls, d: dict, family_keys: frozenset[str] = frozenset()) -> ModelConfig:
+        """Build from an HF config dict. ``family_keys``: keys the model family reads (kept in
+        ``extra``). A key nobody reads, or a value that is not implemented, raises ValueError
+        naming it."""
+        for key, allowed in REFUSED_VALUES.items():
+            if key in d and d[key] not in allowed:
+                raise ValueError(f"config {key}={d[key]!r}: allowed {list(allowed)}")
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] not in QWEN2_ARCHS and d.get("attention_bias", False):
+            raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
+                             "bias on o_proj too, which is not supported (Qwen2 layout only)")
+        names = {f.name for f in fields(cls)} - {"extra", "architectures", "rope_scaling",
+                                                 "rope_theta", "layer_types", "sliding_window"}
+        read = names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | {"sliding_window"}
+        unknown = sorted(set(d) - read - IGNORED_KEYS - HEAD_KEYS - family_keys)
+        if unknown:
+            raise ValueError(f"config keys {unknown} are not implemented for architectures="
+                             f"{archs} and may change the math; remove them only if they do "
+                             "not (see specdec/models/config.py)")
+        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if n not in d]
+        if missing:
+            raise ValueError(f"config is missing required keys {missing}")
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
+        kwargs["eos_token_id"] = d.get("eos_token_id")
+        kwargs["bos_token_id"] = d.get("bos_token_id")
+        if "torch_dtype" not in d and d.get("dtype") is not None:
+            kwargs["torch_dtype"] = d["dtype"]
+        rope = rope_parameters(d)
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        extra = {k: v for k, v in d.items() if k in HEAD_KEYS | family_keys}
+        return cls(architectures=list(archs), extra=extra, rope_theta=rope["rope_theta"],
+                   rope_scaling=None if scaling == {"rope_type": "default"} else scaling,
+                   **_attention_layout(d, archs), **kwargs)
+
+    @classmethod
+    def from_folder(cls, path: str | Path, family_keys: frozenset[str] = frozenset()
+                    ) -> ModelConfig:
+        """``config.json`` of a folder (its ``generation_config.json`` eos ids added)."""
+        from specdec.models.checkpoint import load_config
+        d = load_config(path)
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+            own = d.get("eos_token_id")
+            own = [] if own is None else own if isinstance(own, list) else [own]
+            merged = own + [i for i in ids if i not in own]
+            d = dict(d, eos_token_id=merged[0] if len(merged) == 1 else merged or None)
+        return cls.from_dict(d, family_keys)
+
+    def to_hf_dict(self) -> dict:
+        """The transformers-4 spelling (``rope_theta`` + ``rope_scaling``), which both
+        transformers 4 and 5 and vLLM read."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        d["model_type"] = self.model_type
+        d["hidden_act"] = "silu"
+        scaling = dict(self.rope_scaling or {})
+        for key in ("partial_rotary_factor",):
+            if key in scaling:
+                d[key] = scaling.pop(key)
+        d["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+        if self.model_type == "qwen2":
+            del d["attention_bias"]  # implied by the architecture
+        for key in ("layer_types", "sliding_window"):
+            if d[key] is None:
+                del d[key]
+        d.update(self.extra)
+        return dict(sorted(d.items()))
+
+
+def _attention_layout(d: dict, archs: list[str]) -> dict:
+    """``sliding_window`` and ``layer_types`` from either spelling: transformers 5 writes
+    ``layer_types``; Qwen2/3 (transformers 4) slide only with ``use_sliding_window``, on layers
+    >= ``max_window_layers``; Mistral slides on every layer when ``sliding_window`` is set."""
+    window = d.get("sliding_window")
+    if d.get("layer_types") is not None:
+        types = list(d["layer_types"])
+    elif "use_sliding_window" in d:  # the Qwen spelling: a window only when switched on
+        if not d["use_sliding_window"]:
+            return {"sliding_window": None, "layer_types": None}
+        start = d.get("max_window_layers", 0)
+        types = ["sliding_attention" if i >= start else "full_attention"
+                 for i in range(d["num_hidden_layers"])]
+    else:
+        types = None
+    if types is not None and "sliding_attention" not in types:
+        return {"sliding_window": None, "layer_types": None}
+    return {"sliding_window": window, "layer_types": types}

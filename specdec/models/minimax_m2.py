@@ -1,0 +1,56 @@
+"""MiniMax-M2: the Llama decoder with ``q_norm``/``k_norm`` over the whole projection (widths
+Hq*D and Hkv*D, before the per-head split), partial rotary (``rotary_dim``), and on every layer
+a sigmoid-routed MoE that chooses on score + ``e_score_correction_bias`` and weighs by the
+unbiased scores, renormalised (``layers.moe``). Checkpoint names on disk:
+``block_sparse_moe.{gate.weight, e_score_correction_bias, experts.E.w1/w2/w3}`` (w1 = gate,
+w3 = up, w2 = down). The published MTP modules (``use_mtp``) are not read (vLLM skips them
+too): their keys are refused only when they would change the target's own forward."""
+
+import re
+
+from specdec.models.config import ModelConfig
+from specdec.models.layers.moe import MOE_CONFIG_KEYS
+from specdec.models.llama import LlamaForCausalLM
+
+EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# read here and checked in check_config; the MTP keys describe modules the target never runs
+MINIMAX_KEYS = frozenset({"use_qk_norm", "qk_norm_type", "attn_type_list",
+                          "shared_intermediate_size", "use_mtp", "num_mtp_modules",
+                          "mtp_transformer_layers"})
+
+
+class MiniMaxM2ForCausalLM(LlamaForCausalLM):
+    QK_NORM = "full"
+    CONFIG_KEYS = MOE_CONFIG_KEYS | MINIMAX_KEYS
+    _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+    def __init__(self, config: ModelConfig):
+        check_config(config)
+        extra = config.extra
+        extra.setdefault("scoring_func", "sigmoid")
+        extra.setdefault("use_routing_bias", True)
+        extra.setdefault("moe_intermediate_size", config.intermediate_size)
+        super().__init__(config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith("model.layers.") and \
+                int(name.split(".")[2]) >= self.config.num_hidden_layers:
+            return None  # the MTP modules' layers, stored after the target's
+        m = self._EXPERT.fullmatch(name)
+        if m:
+            return f"{m[1]}.mlp.experts.{m[2]}.{EXPERT_NAMES[m[3]]}.weight"
+        return super().checkpoint_name(name.replace(".block_sparse_moe.", ".mlp."))
+
+
+def check_config(config: ModelConfig) -> None:
+    """Refuse the MiniMax options this model does not implement, naming the key."""
+    extra = config.extra
+    wanted = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+              "shared_intermediate_size": 0}
+    for key, value in wanted.items():
+        if extra.get(key, value) != value:
+            raise ValueError(f"config {key}={extra[key]!r}: only {value!r} is implemented")
+    types = extra.get("attn_type_list")
+    if types is not None and set(types) != {1}:
+        raise ValueError(f"config attn_type_list={types!r}: only full attention (1) on every "
+                         "layer is implemented")

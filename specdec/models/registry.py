@@ -1,0 +1,48 @@
+"""Target architectures: ``config.json``'s ``architectures[0]`` -> model class (as vLLM's model
+registry does). The engine, the loader and the proposers go through here; a new family is a
+class with the engine's contract (see ``llama.py``) and one line below.
+
+Example: ``load_model("Qwen3-0.6B/")`` reads its config, builds ``Qwen3ForCausalLM`` and
+streams the weights in; ``load_model`` of a Gemma-2 folder -> ``ValueError: config
+architectures=['Gemma2ForCausalLM'] is not supported; supported: [...]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.models import checkpoint
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
+from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v biases, implied by the architecture
+    "MiMoForCausalLM": LlamaForCausalLM,  # a Qwen2 target; its MTP layers are the head's
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+}
+
+
+def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
+    """The class for ``architectures[0]``; ValueError naming it and the supported ones."""
+    arch = (architectures or ["LlamaForCausalLM"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"config architectures={architectures!r} is not supported; "
+                         f"supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> nn.Module:
+    """The target model of an HF folder, its class picked by ``architectures[0]``."""
+    archs = checkpoint.naming_folder(
+        path, lambda: checkpoint.load_config(path).get("architectures"))
+    cls = checkpoint.naming_folder(path, lambda: model_class(archs))
+    return cls.load_pretrained(path, dtype, device)
