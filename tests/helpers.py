@@ -6,9 +6,13 @@ tests use ``tiny_model``/``tiny_model_head`` (float32, vocab 61, non-trivial nor
 """
 
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 
 import torch
+import uvicorn
 from safetensors.torch import load_file, save_file
 
 from specdec.cli import main
@@ -195,3 +199,27 @@ CORRUPTIONS = {
         lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "eos_token_id": 10**6})),
         "eos_token_id=1000000"),
 }
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free port in a daemon thread."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not shut down"

@@ -4,7 +4,6 @@
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,41 +13,18 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import LLM
 from specdec.entrypoints.serve import build_server_app
 
+from helpers import ServerThread
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):"]
 MAX_MODEL_LEN = 128
 NAME = "specdec-test"
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on a free port in a daemon thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "server did not shut down"
 
 
 def serve(llm, **kw) -> ServerThread:

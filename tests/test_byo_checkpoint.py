@@ -1,0 +1,108 @@
+"""Bring your own checkpoint: ``specdec generate --model DIR`` and ``specdec serve --model DIR``
+on a folder as transformers writes it (Qwen3, sharded), with the folder's own tokenizer.json
+and chat template; and the load's peak memory stays about one shard above the model."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from specdec.cli import main
+from specdec.engine.llm import DEFAULT_MODEL, LLM
+from specdec.entrypoints.serve import build_server_app
+
+from helpers import ServerThread
+from hf_models import hf_greedy
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3 (transformers-built, sharded) with the embedded model's tokenizer.json and
+    a tokenizer_config.json carrying a ChatML template."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path, max_shard_size="200KB")
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    return path
+
+
+def test_generate_on_a_transformers_folder_prints_its_greedy_text(qwen3_dir, capsys):
+    prompt = "def fibonacci(n):"
+    code = main(["generate", "--model", str(qwen3_dir), "--prompt", prompt, "--max-tokens",
+                 "12", "--method", "none"])
+    out = capsys.readouterr().out
+    assert code == 0
+    llm = LLM(model=str(qwen3_dir))
+    ids = llm.tokenizer.encode(prompt).ids
+    expected = hf_greedy(qwen3_dir, [ids], max_new_tokens=12)[0]
+    got = llm.generate(prompt, max_tokens=12, ignore_eos=True)[0]
+    assert got.token_ids == expected
+    assert llm.tokenizer.decode(expected[:4]) in out  # the CLI printed the same text
+
+
+def test_serve_chat_uses_the_folders_template(qwen3_dir):
+    llm = LLM(model=str(qwen3_dir), max_model_len=128)
+    server = ServerThread(build_server_app(llm, "qwen3-tiny"))
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "qwen3-tiny", "messages": messages, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant"  # jinja drops the
+        # template's last newline
+        ids = llm.tokenizer.encode(prompt).ids
+        expected = hf_greedy(qwen3_dir, [ids], max_new_tokens=6)[0]
+        assert r.json()["choices"][0]["token_ids"] == expected
+    finally:
+        server.close()
+
+
+PEAK_SCRIPT = r"""
+import json, sys, torch, transformers
+from pathlib import Path
+path = Path(sys.argv[1])
+cfg = transformers.LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816,
+                               num_hidden_layers=4, num_attention_heads=8,
+                               num_key_value_heads=8, tie_word_embeddings=False)
+transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="40MB")
+del cfg
+import gc; gc.collect()
+from specdec.models import load_model
+
+def rss_hwm():  # kB; reset first so only the load counts
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+open("/proc/self/clear_refs", "w").write("5")
+before = rss_hwm()
+model = load_model(path)
+print(json.dumps({"rise_kb": rss_hwm() - before,
+                  "model_kb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1024,
+                  "shard_kb": max(f.stat().st_size for f in path.glob("model-*")) / 1024}))
+"""
+
+
+def test_loading_peaks_at_about_the_model_plus_one_shard(tmp_path):
+    """A ~330 MB float32 Llama in 40 MB shards: the load's peak rise stays below the model
+    plus two shards (a whole-checkpoint dict would add the model again)."""
+    run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["model_kb"] > 250_000
+    assert r["rise_kb"] < r["model_kb"] + 2 * r["shard_kb"], r
