@@ -76,6 +76,31 @@ def default_method(model: str | None) -> tuple[str, int]:
     return "none", DEFAULT_K
 
 
+def default_device() -> str:
+    """cuda when this torch has a CUDA device, else cpu."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --graph-backend (generate and serve)."""
+    from specdec.engine.config import DTYPES
+    from specdec.graphs import BACKENDS
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or npu (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="weights and activations (default float32)")
+    p.add_argument("--graph-backend", default=None, choices=BACKENDS,
+                   help="step wrapper of captured steps (default: the speculative config's "
+                        "graph_mode, else eager)")
+
+
+def engine_kwargs(args) -> dict:
+    """LLM keyword arguments from add_engine_arguments' flags."""
+    return dict(device=args.device or default_device(), dtype=args.dtype,
+                graph_backend=args.graph_backend)
+
+
 def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):
     """``LLM(...)``; a config or engine construction error becomes a UsageError (one line)."""
     from specdec.engine.llm import LLM
@@ -91,9 +116,10 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
         raise UsageError(f"cannot build the engine: {type(e).__name__}: {e}") from None
 
 
-def stats_table(out, seconds: float, spec: dict | None) -> Table:
-    """Acceptance length, per-position acceptance rate, tokens/s, drafted/accepted counts."""
-    table = Table(title="speculative decoding", header_style="bold",
+def stats_table(out, seconds: float, spec: dict | None, engine: str) -> Table:
+    """Acceptance length, per-position acceptance rate, tokens/s, drafted/accepted counts;
+    ``engine`` (device, dtype, graph backend) in the title."""
+    table = Table(title=f"speculative decoding ({engine})", header_style="bold",
                   caption="accept len = 1 + accepted / verifying steps; tok/s includes prefill")
     for col in ("method", "K", "batch", "tokens", "tok/s", "accept len", "drafted", "accepted",
                 "accept rate per position"):
@@ -145,7 +171,7 @@ def cmd_generate(args) -> int:
     if method == "extract_hidden_states":
         spec["draft_model_config"] = {**extract_hidden_states_config(args.model, args.output_dir),
                                       **spec.get("draft_model_config", {})}
-    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed)
+    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed, **engine_kwargs(args))
     console = Console(width=max(Console().width, 120))
     try:
         if method == "torchair-mtp":  # graph compilation is not decoding: time it apart
@@ -163,7 +189,8 @@ def cmd_generate(args) -> int:
         raise UsageError(f"the request failed: {out.error}")
     text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
     console.print(args.prompt + text + "\n", markup=False, highlight=False)
-    console.print(stats_table(out, seconds, spec))
+    engine = f"{llm.device}, {str(llm.config.dtype).removeprefix('torch.')}, {llm.graph_backend}"
+    console.print(stats_table(out, seconds, spec, engine))
     return 0
 
 
@@ -194,6 +221,7 @@ def add_generate_parser(sub) -> None:
                         "<request id>.safetensors files go to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    add_engine_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 

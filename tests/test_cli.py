@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.cli import main, speculative_config
 from specdec.engine.llm import LLM
@@ -125,3 +126,32 @@ def test_installed_entry_point(model):
                           "--speculative-config", '{"method": 3}'],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA")
+
+
+@no_cuda
+def test_cuda_on_a_cpu_only_torch_is_one_line_exit_2(model, tmp_path, capsys):
+    code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
+                         "--device", "cuda")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "device='cuda'" in err
+    code, out, err = run(capsys, "bench", "--device", "cuda", "--quick",
+                         "--out", str(tmp_path / "bench"))
+    assert code == 2 and err.count("\n") == 1 and "device='cuda'" in err
+    assert not (tmp_path / "bench").exists()  # nothing written
+
+
+def test_device_dtype_and_graph_backend_flags_reach_the_engine(model, capsys):
+    """--graph-backend replay (the CUDA-graph code path on CPU) gives eager's text; --dtype
+    float64 is the engine's dtype."""
+    argv = ["generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "10",
+            "--method", "eagle3", "-k", "2", "--device", "cpu", "--dtype", "float64"]
+    code, eager, _ = run(capsys, *argv)
+    code2, replay, _ = run(capsys, *argv, "--graph-backend", "replay")
+    assert code == code2 == 0
+    assert "(cpu, float64, eager)" in eager and "(cpu, float64, replay)" in replay
+    assert eager.split("\n\n")[0] == replay.split("\n\n")[0]
+    text = LLM(str(model), speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
+               dtype="float64").generate(PROMPT, max_tokens=10)[0].text
+    assert eager.startswith(PROMPT + text)

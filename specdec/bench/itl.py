@@ -44,6 +44,7 @@ from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES, build_synthetic, weight_bytes
+from specdec.platform import torch_device
 from specdec.engine.sequence import SamplingParams
 from specdec.train import data
 
@@ -157,6 +158,10 @@ def check_sweep(sweep: dict) -> dict:
         raise UsageError("sweep synthetic= builds its own target: give no model, and dp=1")
     if s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
+    try:  # before anything is written: a CPU-only torch asked for cuda is one line
+        torch_device(s["device"])
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"sweep device={s['device']!r}: {e}") from None
     return s
 
 

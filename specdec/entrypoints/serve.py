@@ -6,8 +6,8 @@ fastapi/uvicorn/prometheus-client are imported only when the command runs (the `
 import argparse
 import json
 
-from specdec.cli import (DEFAULT_K, METHODS, UsageError, build_llm, default_method,
-                         speculative_config)
+from specdec.cli import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, build_llm,
+                         default_method, engine_kwargs, speculative_config)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    add_engine_arguments(p)
 
 
 def engine_spec(args) -> dict | None:
@@ -73,7 +74,7 @@ def run_from_args(args) -> int:
     spec = engine_spec(args)
     llm = build_llm(args.model, spec, seed=args.seed, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
     name = args.served_model_name or args.model or "specdec-default"
     app = build_server_app(llm, name, args.max_waiting, args.shutdown_timeout)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
