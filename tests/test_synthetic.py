@@ -23,6 +23,16 @@ def test_llama_1b_shape_and_count_on_meta():
     assert syn.heads["eagle3"].aux_layer_ids == (2, 8, 13)
 
 
+def test_llama_8b_shape_and_count_on_meta():
+    syn = build_synthetic("llama-8b", torch.bfloat16, "meta", methods=("eagle3",))
+    c = syn.target.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    count = sum(p.numel() for p in syn.target.parameters())
+    assert count == 8_030_261_248  # Llama-3.1-8B's published parameter count
+    assert syn.heads["eagle3"].aux_layer_ids == (2, 16, 29)
+
+
 def test_weight_bytes_counts_tied_storage_once():
     assert weight_bytes(nn.Linear(4, 2, bias=False).to(torch.bfloat16)) == 16
     tied = nn.Module()

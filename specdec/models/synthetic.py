@@ -35,6 +35,10 @@ SHAPES = {
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=4096),
+    # Llama-3.1-8B's shape (the field's headline EAGLE-3 target), default rope
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=8192),
     "llama-tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=512),
