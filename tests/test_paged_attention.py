@@ -1,5 +1,6 @@
 """Paged attention: the Triton kernel (under TRITON_INTERPRET=1) against the torch reference on
-random paged layouts, and the torch path's independence from the gather bound."""
+random paged layouts, the torch path against dense attention (sliding window, scale), and the
+torch path's independence from the gather bound."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import specdec.kernels as kernels
 from specdec.kernels import paged_attention_torch as ref
 
 pytest.importorskip("triton")
-from triton_interpret import load_interpreted  # noqa: E402 (needs triton)
+from triton_interpret import compile_cache_keys, launch_args, load_interpreted  # noqa: E402
 
 PA = load_interpreted("triton_paged_attention")
 FEW = settings(max_examples=25)
@@ -18,9 +19,7 @@ FEW = settings(max_examples=25)
 def random_layout(seed: int, num_reqs: int, block_size: int, hkv: int, group: int, d: int,
                   dtype: torch.dtype):
     """A step of mixed prefill chunks, decode rows (1 + K tokens) and padding requests
-    (no tokens, seq_len 1), then padding tokens (slot -1) past the last request. Blocks are
-    scattered at random in the cache; unallocated table entries hold -1 or 0 (read by the
-    torch gather when its bound runs past a request, masked out)."""
+    (no tokens, seq_len 1), then padding tokens (slot -1) past the last request."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(high, size=()):
@@ -34,6 +33,20 @@ def random_layout(seed: int, num_reqs: int, block_size: int, hkv: int, group: in
             continue
         t = int(rand(9)) + 1 if kind == 1 else int(rand(4)) + 1  # prefill chunk / 1 + K
         query_lens.append(t); seq_lens.append(int(rand(40)) + t)
+    return paged_layout(g, query_lens, seq_lens, block_size, hkv, group, d, dtype)
+
+
+def paged_layout(g: torch.Generator, query_lens: list[int], seq_lens: list[int],
+                 block_size: int, hkv: int, group: int, d: int, dtype: torch.dtype):
+    """(q [N, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_table) for these
+    requests, N = sum(query_lens) + 0..3 padding tokens. Blocks are scattered at random in
+    the cache; unallocated table entries hold -1 or 0 (read by the torch gather when its
+    bound runs past a request, masked out)."""
+
+    def rand(high, size=()):
+        return torch.randint(0, high, size, generator=g)
+
+    num_reqs = len(seq_lens)
     width = max(-(-s // block_size) for s in seq_lens) + int(rand(3))
     num_blocks = num_reqs * width + 2
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
@@ -49,6 +62,61 @@ def random_layout(seed: int, num_reqs: int, block_size: int, hkv: int, group: in
     # q is a strided view, as the model hands it over (the q part of one qkv output)
     q = torch.randn(n, hkv * group + 2 * hkv, d, generator=g, dtype=dtype)[:, :hkv * group]
     return q, k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), table
+
+
+# requests as (cached prefix, chunk) lengths; chunk 0 = a padding request (seq_len 1)
+REQUESTS = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 4)), min_size=1, max_size=3)
+WINDOWS = st.none() | st.integers(1, 30)  # up to past every sequence (<= 24 keys)
+SCALES = st.none() | st.floats(0.05, 2.0)
+
+
+def drawn_layout(requests, seed, block_size, hkv, group, d, dtype):
+    """``paged_layout`` for hypothesis-drawn (cached, chunk) requests."""
+    query_lens = [chunk for _, chunk in requests]
+    seq_lens = [cached + chunk if chunk else 1 for cached, chunk in requests]
+    return paged_layout(torch.Generator().manual_seed(seed), query_lens, seq_lens, block_size,
+                        hkv, group, d, dtype)
+
+
+def dense_attention(q, k_cache, v_cache, qsl, seq_lens, table, block_size, window, scale):
+    """[T, Hq, D] float64 for the T = qsl[-1] real tokens: per request, all its keys in
+    position order, a [chunk, seq_len] causal mask (``q_pos - window < j <= q_pos``), plain
+    softmax."""
+    hq, d = q.shape[1:]
+    group = hq // k_cache.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    outs = []
+    for r, s in enumerate(seq_lens.tolist()):
+        start, end = int(qsl[r]), int(qsl[r + 1])
+        pos = torch.arange(s)
+        slots = table[r, pos // block_size].long() * block_size + pos % block_size
+        k, v = (c[slots].double().repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
+        q_pos = torch.arange(s - (end - start), s)[:, None]
+        mask = pos <= q_pos
+        if window is not None:
+            mask &= pos > q_pos - window
+        scores = torch.einsum("thd,shd->hts", q[start:end].double(), k) * scale
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hts,shd->thd", weights, v))
+    return torch.cat(outs)
+
+
+def own_values(v_cache, qsl, seq_lens, table, block_size, n, group):
+    """[N, Hq, D]: each token's own value (position seq_len - (q_end - i); padding tokens
+    take the last request's last position)."""
+    rows = []
+    for i in range(n):
+        r = min(int((qsl[1:] <= i).sum()), len(seq_lens) - 1)
+        pos = int(seq_lens[r]) - max(int(qsl[r + 1]) - i, 1)
+        rows.append(v_cache[int(table[r, pos // block_size]) * block_size + pos % block_size])
+    return torch.stack(rows).repeat_interleave(group, dim=1)
+
+
+def both_paths(q, k_cache, v_cache, qsl, seq_lens, table, block_size, **kwargs):
+    """(torch path, interpreted Triton) outputs, the torch gather bound = max(seq_lens)."""
+    n, bound = q.shape[0], int(seq_lens.max())
+    return [impl.paged_attention(q, k_cache, v_cache, impl.plan_paged_attention(
+        qsl, seq_lens, table, n, bound, block_size), **kwargs) for impl in (ref, PA)]
 
 
 def test_worked_example_plan():
@@ -127,3 +195,79 @@ def test_cpu_dispatches_to_the_torch_path():
     assert isinstance(p, ref.PagedPlan)
     assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, p),
                        ref.paged_attention(q, k_cache, v_cache, p))
+
+
+@FEW
+@given(requests=REQUESTS, block_size=st.sampled_from([1, 4, 16]), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+def test_torch_path_equals_dense_windowed_attention(requests, block_size, hkv, group, window,
+                                                    scale, dtype, seed):
+    q, k_cache, v_cache, qsl, seq_lens, table = drawn_layout(requests, seed, block_size, hkv,
+                                                             group, 8, dtype)
+    n, bound = q.shape[0], int(seq_lens.max()) + 5
+    got = ref.paged_attention(q, k_cache, v_cache, ref.plan_paged_attention(
+        qsl, seq_lens, table, n, bound, block_size), sliding_window=window, scale=scale)
+    want = dense_attention(q, k_cache, v_cache, qsl, seq_lens, table, block_size, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got[:int(qsl[-1])].double(), want, rtol=tol, atol=tol)
+
+
+@FEW
+@given(requests=REQUESTS, block_size=st.sampled_from([1, 4, 16]), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_triton_kernel_equals_reference_with_window_and_scale(requests, block_size, hkv, group,
+                                                              window, scale, dtype, seed):
+    layout = drawn_layout(requests, seed, block_size, hkv, group, 8, dtype)
+    expected, got = both_paths(*layout, block_size, sliding_window=window, scale=scale)
+    assert got.dtype == dtype
+    # bfloat16: both compute in float32 from the same inputs, then round (a bf16 ulp or two)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def small_layout(seed: int, dtype: torch.dtype):
+    """A 3-token chunk after 5 cached keys, a padding request, one decode token after 20."""
+    return paged_layout(torch.Generator().manual_seed(seed), [3, 0, 1], [8, 1, 21], 4, 1, 2, 8,
+                        dtype)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_window_past_every_sequence_is_no_window(seed):
+    """W >= the longest sequence (21 keys) keeps every key: bit for bit the full result."""
+    layout = small_layout(seed, torch.float32)
+    full = both_paths(*layout, 4)
+    for window in (21, 1000):
+        for windowed, want in zip(both_paths(*layout, 4, sliding_window=window), full):
+            assert torch.equal(windowed, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(2))
+def test_window_of_one_is_the_tokens_own_value(seed, dtype):
+    q, k_cache, v_cache, qsl, seq_lens, table = small_layout(seed, dtype)
+    want = own_values(v_cache, qsl, seq_lens, table, 4, q.shape[0], 2)
+    for got in both_paths(q, k_cache, v_cache, qsl, seq_lens, table, 4, sliding_window=1):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.5, True])
+@pytest.mark.parametrize("impl", [ref, PA, kernels], ids=["torch", "triton", "dispatch"])
+def test_bad_sliding_window_is_rejected(impl, window):
+    q, k_cache, v_cache, qsl, seq_lens, table = small_layout(0, torch.float32)
+    p = impl.plan_paged_attention(qsl, seq_lens, table, q.shape[0], 50, 4)
+    with pytest.raises(ValueError, match="sliding_window"):
+        impl.paged_attention(q, k_cache, v_cache, p, sliding_window=window)
+
+
+def test_one_compiled_kernel_for_every_window_and_scale():
+    """The window is a runtime argument: triton's default specialization (== 1, % 16 == 0)
+    would compile None (0), 1, 16 and 17 apart; the kernel opts out."""
+    layout = small_layout(0, torch.float32)
+    launches = [(None, None), (1, 0.3), (16, None), (17, 2.0)]
+    calls = launch_args(PA._paged_attention_kernel, lambda c: both_paths(
+        *layout, 4, sliding_window=c[0], scale=c[1]), launches)
+    assert len(set(compile_cache_keys(PA._paged_attention_kernel, calls))) == 1
+    assert len(set(compile_cache_keys(PA._paged_attention_kernel, calls,
+                                      do_not_specialize=None))) > 1

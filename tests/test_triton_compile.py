@@ -24,13 +24,13 @@ def i32(*shape, high=4):
     return torch.randint(0, high, shape, dtype=torch.int32)
 
 
-def attention(dtype):
+def attention(dtype, **kwargs):
     qsl, seq_lens, table = (torch.tensor(x, dtype=torch.int32) for x in
                             ([0, 2, 3], [5, 9], [[0, 1, 2], [3, 4, 5]]))
     plan = ATTN.plan_paged_attention(qsl, seq_lens, table, 3, 12, 4)
     qkv = torch.randn(3, 12, 64, dtype=dtype)
     k, v = (torch.randn(24, 2, 64, dtype=dtype) for _ in range(2))
-    return lambda: ATTN.paged_attention(qkv[:, :8], k, v, plan)
+    return lambda: ATTN.paged_attention(qkv[:, :8], k, v, plan, **kwargs)
 
 
 # (kernel, one launch through its wrapper) for each variant the engine uses
@@ -55,6 +55,7 @@ LAUNCHES = [
         *(torch.randn(3, 1, 64, dtype=torch.bfloat16) for _ in range(2)))),
     (ATTN._paged_attention_kernel, attention(torch.bfloat16)),
     (ATTN._paged_attention_kernel, attention(torch.float32)),
+    (ATTN._paged_attention_kernel, attention(torch.bfloat16, sliding_window=4, scale=0.1)),
 ]
 
 

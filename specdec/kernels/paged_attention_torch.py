@@ -14,15 +14,26 @@ first ``visible[i]`` keys of ``r``, where, with ``q_end = query_start_loc[r + 1]
     visible[i] = clamp(seq_len[r] - (q_end - 1 - i), 1, seq_len[r])   (at least 1 key)
 
 i.e. everything before the chunk plus the chunk's tokens up to and including ``i`` (causal).
-Key position ``p`` of ``r`` lives in slot ``block_table[r, p // bs] * bs + p % bs``.
+The token's own position is ``visible[i] - 1``. With a sliding window ``W`` (Mistral v0.1:
+key ``j`` is seen by the query at position ``p`` iff ``p - W < j <= p``, transformers'
+``kv_idx > q_idx - sliding_window``) it sees key positions
+
+    max(0, visible[i] - W) <= j < visible[i]                          (at most W keys)
+
+and without one (``W = None``) positions ``0 <= j < visible[i]``. Key position ``j`` of ``r``
+lives in slot ``block_table[r, j // bs] * bs + j % bs``. Scores are scaled by ``scale``
+(default ``D ** -0.5``).
 
 Worked example: query_start_loc = [0, 3, 4], seq_lens = [5, 9] (request 0: a 3-token chunk
 after 2 cached tokens; request 1: one decode token), N = 5 (token 4 is padding)
--> req = [0, 0, 0, 1, 1], visible = [3, 4, 5, 9, 9] (the padding token is clamped to 9).
+-> req = [0, 0, 0, 1, 1], visible = [3, 4, 5, 9, 9] (the padding token is clamped to 9);
+with W = 4 the windows start at max(0, visible - 4) = [0, 0, 1, 5, 5]: token 2 (position 4)
+sees keys 1..4, token 3 (position 8) sees keys 5..8.
 
-``bound`` (the gather length L) is any host int >= max(seq_lens): keys at positions >=
-``visible`` are masked out, so the result does not depend on it. Shapes depend only on N, B,
-the block table's width and ``bound``; nothing is read back to the host.
+``bound`` (the gather length L) is any host int >= max(seq_lens): keys outside the
+token's range are masked out, so the result does not depend on it. Shapes depend only on N, B,
+the block table's width and ``bound``; nothing is read back to the host. The window and scale
+are per call (layers may differ), not part of the plan.
 """
 
 from typing import NamedTuple
@@ -61,6 +72,13 @@ def visible_keys(req: torch.Tensor, query_start_loc: torch.Tensor,
     return torch.minimum(seq_len - (q_end - 1 - tok), seq_len).clamp_(min=1)
 
 
+def check_sliding_window(sliding_window) -> None:
+    """Raise ValueError unless ``sliding_window`` is None or an int >= 1."""
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1")
+
+
 def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
          num_tokens: int, bound: int, block_size: int) -> PagedPlan:
     """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan."""
@@ -74,14 +92,23 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    p: PagedPlan) -> torch.Tensor:
-    """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring)."""
+                    p: PagedPlan, *, sliding_window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
+
+    ``sliding_window`` W (None: full causal) drops the keys before ``visible - W`` with an
+    [N, L] mask built per call; ``scale`` None is ``D ** -0.5``."""
+    check_sliding_window(sliding_window)
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
+    mask = p.key_mask
+    if sliding_window is not None:
+        key_pos = torch.arange(mask.shape[1], device=mask.device)
+        mask = mask & (key_pos[None, :] >= (p.visible - sliding_window)[:, None])
     keys = k_cache[p.key_slots][p.req]  # [N, L, Hkv, D]
     values = v_cache[p.key_slots][p.req]
     # [N, Hkv, G, D] x [N, Hkv, D, L]: one query row per (token, head)
     out = F.scaled_dot_product_attention(
         q.view(n, hkv, hq // hkv, d), keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
-        attn_mask=p.key_mask[:, None, None, :])
+        attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(n, hq, d)

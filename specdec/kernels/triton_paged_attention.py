@@ -1,14 +1,19 @@
 """Paged attention as one Triton kernel: no gather of the cache, each token reads only its
-own request's blocks up to its own ``visible`` count (read on the device).
+own request's keys in ``[max(0, visible - W), visible)`` (``visible`` read on the device,
+``W`` the sliding window, none by default).
 
 Same contract and formulas as the torch reference (``paged_attention_torch.py``, the oracle;
 ``tests/test_paged_attention.py`` compares them under ``TRITON_INTERPRET=1``). One program
 per (token, kv head): it loads the token's ``G = Hq / Hkv`` query heads of that kv head once,
-then walks the request's keys ``BLOCK_N`` at a time up to ``visible`` (a device value, so
-the loop length is data-dependent but the launch shape is not: grid ``(N, Hkv)``), with an
+then walks the request's keys ``BLOCK_N`` at a time from the window start
+``lo = max(0, visible - W)`` (0 without a window) up to ``visible`` (device values, so the
+loop length is data-dependent but the launch shape is not: grid ``(N, Hkv)``), with an
 online softmax (running max ``m``, sum ``l``, accumulator ``acc``) in float32 (float64 for a
-float64 cache). Keys past ``visible`` are never read, so the static bound the torch path
-gathers up to plays no part here.
+float64 cache). Keys outside ``[lo, visible)`` are never read (a decode token with window W
+reads W keys), so the static bound the torch path gathers up to plays no part here. The
+window is a runtime argument (0 = none), never specialized: one binary for every window.
+E.g. visible = 40, W = 20, BLOCK_N = 16: lo = 20, the loop reads keys 20..35 then 36..39
+(4 live keys of 16); keys 0..19 are never touched.
 
 Worked example of the online softmax (one head, scores [1, 3] then [2]): after block 1
 m = 3, l = e^(1-3) + 1; block 2: m' = 3, alpha = 1, l' = l + e^(2-3); out = acc / l'
@@ -22,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.paged_attention_torch import token_requests
+from specdec.kernels.paged_attention_torch import check_sliding_window, token_requests
 
 KEYS_PER_ITERATION = 16  # BLOCK_N (x BLOCK_G x BLOCK_D products live in registers)
 
@@ -39,10 +44,10 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stride_s,
                             kv_stride_h, out_ptr, out_stride_t, out_stride_h, req_ptr,
-                            qsl_ptr, seq_lens_ptr, table_ptr, table_stride, scale,
+                            qsl_ptr, seq_lens_ptr, table_ptr, table_stride, scale, window,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
@@ -52,6 +57,7 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
     q_end = tl.load(qsl_ptr + r + 1).to(tl.int64)
     visible = tl.maximum(tl.minimum(seq_len - (q_end - 1 - i), seq_len), 1)
+    lo = tl.where(window > 0, tl.maximum(visible - window, 0), 0)  # window start
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -64,12 +70,12 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     l = tl.full([BLOCK_G], 0.0, ACC)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, ACC)
     n = tl.arange(0, BLOCK_N)
-    # a while loop, not range(0, visible, ...): triton 3.6's interpreter cannot turn a
+    # a while loop, not range(lo, visible, ...): triton 3.6's interpreter cannot turn a
     # loaded scalar into a Python range bound (3.9's can); compiled code is the same loop
-    start = 0
+    start = lo
     while start < visible:
         pos = start + n
-        live = pos < visible
+        live = pos < visible  # pos >= lo by construction
         block = tl.load(table_ptr + r * table_stride + pos // BLOCK_SIZE, mask=live,
                         other=0).to(tl.int64)
         kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * kv_stride_s
@@ -110,9 +116,12 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    p: TritonPlan) -> torch.Tensor:
+                    p: TritonPlan, *, sliding_window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
     """q [N, Hq, D] (unit last stride), k_cache/v_cache [S, Hkv, D] (same layout) ->
-    [N, Hq, D] in q's dtype. O(1) host checks only."""
+    [N, Hq, D] in q's dtype. ``sliding_window`` None = full causal, ``scale`` None =
+    ``D ** -0.5`` (as the torch path). O(1) host checks only."""
+    check_sliding_window(sliding_window)
     req, qsl, seq_lens, table, block_size = p
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -127,7 +136,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[(n, hkv)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
         k_cache.stride(1), out, out.stride(0), out.stride(1), req, qsl, seq_lens, table,
-        table.stride(0), d ** -0.5, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        table.stride(0), d ** -0.5 if scale is None else scale, sliding_window or 0,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=KEYS_PER_ITERATION, ACC=acc)
     return out
