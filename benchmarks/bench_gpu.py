@@ -53,7 +53,8 @@ def build(model: str, method: str, padded: bool, backend: str, conc: int, device
 def graph_calls(llm: LLM) -> int:
     runner = llm.runner
     step_graph = getattr(runner.proposer, "step_graph", None)
-    return runner.target_graph.calls + (step_graph.calls if step_graph else 0)
+    target = sum(g.calls for g in runner.target_graphs.values())
+    return target + (step_graph.calls if step_graph else 0)
 
 
 def measure(llm: LLM, conc: int, output_len: int, vocab: int) -> dict:
@@ -73,16 +74,25 @@ def measure(llm: LLM, conc: int, output_len: int, vocab: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--models", nargs="+", default=["embedded", "llama-1b"])
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("-k", type=int, default=3)
-    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "mtp"])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_gpu", description=" ".join(__doc__.split("\n\n")[0].split()),
+        epilog="Run it from the repository root (benchmarks/ is not installed with the "
+               "package). " + " ".join(__doc__.split("\n\n", 2)[2].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="the accelerator")
+    ap.add_argument("--models", nargs="+", default=["embedded", "llama-1b"],
+                    help="embedded, or a synthetic shape (zero weights, every draft accepted): "
+                         "llama-tiny, llama-1b, llama-8b")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16],
+                    help="requests decoding together")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    ap.add_argument("-k", type=int, default=3, help="K, draft tokens per step")
+    ap.add_argument("--methods", nargs="+", default=["none", "eagle3", "mtp"],
+                    help="none (plain), eagle3, mtp")
     ap.add_argument("--backends", nargs="+", default=["eager", "cuda_graph"],
                     help="eager, cuda_graph, compile (torch.compile per bucket, no graph)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for results.json (default: %(default)s, print the table only)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device)

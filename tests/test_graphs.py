@@ -65,7 +65,7 @@ def run(llm, prompts, max_tokens):
 
 def graph_calls(llm):
     proposer = llm.runner.proposer
-    return llm.runner.target_graph.calls, proposer.step_graph.calls if proposer else 0
+    return llm.runner.target_graphs["greedy"].calls, proposer.step_graph.calls if proposer else 0
 
 
 @pytest.mark.parametrize("backend", ["replay", "compile"])
@@ -84,6 +84,40 @@ def test_wrapped_steps_equal_eager_token_for_token(target, heads, method, backen
         assert len(accepted) > 1 and any(sum(a) > 0 for a in accepted)  # acceptance varied
 
 
+SAMPLED = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
+           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7),
+           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9),
+           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=11)]
+
+
+def run_sampled(llm, params):
+    reqs = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    while llm.step() is not None:
+        pass
+    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
+
+
+@pytest.mark.parametrize("method", ["eagle3", None])
+def test_sampled_steps_are_captured_and_equal_eager(target, heads, method):
+    """Sampled decode steps (T 0.7, top-p 0.9, seeded and unseeded) run through the captured
+    target step: the same tokens and acceptance as eager, and most steps replayed."""
+    eager = run_sampled(make_llm(target, heads, method), SAMPLED)
+    llm = make_llm(target, heads, method, graph_backend="replay")
+    graphs = llm.runner.target_graphs
+    warm_up = graphs["greedy"].calls  # construction captures the greedy buckets
+    assert run_sampled(llm, SAMPLED) == eager
+    sampled_calls = graphs["top_p"].calls + graphs["sampled"].calls
+    decode_steps = sum(1 for s in llm.steps if s.num_reqs and s.num_tokens == s.num_reqs * (
+        1 + (K if method else 0)))
+    assert graphs["top_p"].calls > 0 and sampled_calls == decode_steps >= 6
+    assert graphs["greedy"].calls == warm_up
+    # a greedy-only run never touches the sampled variants
+    greedy = make_llm(target, heads, method, graph_backend="replay")
+    run(greedy, PROMPTS, 20)
+    assert greedy.runner.target_graphs["top_p"].calls == 0 and \
+        greedy.runner.target_graphs["greedy"].calls > 0
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
 def test_zero_recompilations_after_warmup(target, heads, method):
     """Torchair-MTP's guarantee, now for every method: one graph per bucket, none later."""
@@ -100,7 +134,7 @@ def test_zero_recompilations_after_warmup(target, heads, method):
 def test_replay_captures_once_per_bucket_and_reuses_its_buffers(target, heads):
     llm = make_llm(target, heads, "mtp", graph_backend="replay")
     run(llm, PROMPTS, 30)
-    for wrapper in (llm.runner.target_graph, llm.runner.proposer.step_graph):
+    for wrapper in (llm.runner.target_graphs["greedy"], llm.runner.proposer.step_graph):
         assert set(wrapper.captured) <= {1, 2, 4} and wrapper.captured
         ptrs = {b: [t.data_ptr() for t in e.outputs] for b, e in wrapper.captured.items()}
         run(llm, PROMPTS, 30)
@@ -116,7 +150,7 @@ def test_batch_above_the_largest_bucket_runs_eager(target, heads):
     # 4 decoding requests fit no bucket: those steps ran eagerly, the 1-2 request tails did not
     steps_of_four = sum(1 for s in llm.steps if s.num_reqs == 4)
     assert steps_of_four > 0
-    assert set(llm.runner.target_graph.captured) <= {1, 2}
+    assert set(llm.runner.target_graphs["greedy"].captured) <= {1, 2}
 
 
 def test_step_arguments_must_be_tensors():
@@ -158,7 +192,7 @@ def test_only_the_first_call_of_a_bucket_runs_outside_the_sync_guard():
 
 def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
     llm = make_llm(target, heads, "eagle3", graph_backend="replay")
-    assert set(llm.runner.target_graph.captured) == set(llm.runner.proposer.step_graph.captured) \
+    assert set(llm.runner.target_graphs["greedy"].captured) == set(llm.runner.proposer.step_graph.captured) \
         == {1, 2, 4}
     assert llm.graph_warmup_seconds > 0 and not llm.steps
 

@@ -10,6 +10,12 @@ from specdec.engine.rejection_sampler import rejection_sample
 from specdec.syncs import forbid_host_sync
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def rng(b: int, seed: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, counters) giving each of b rows its own random numbers."""
+    keys = torch.arange(b, dtype=torch.int64, device=device) + seed * 1_000_003
+    return keys, torch.zeros(b, dtype=torch.int64, device=device)
 P_MIN = 1e-3  # chi-square p-value threshold
 
 
@@ -74,8 +80,8 @@ def test_greedy_rows_match_reference_in_mixed_batch(b, k, seed, with_top_p):
     temperature = torch.where(greedy, 0.0, 0.3 + 2 * torch.rand(b, generator=g))
     top_p = 0.2 + 0.8 * torch.rand(b, generator=g) if with_top_p else None
     out = rejection_sample(logits, torch.tensor(drafts, dtype=torch.int32),
-                           torch.tensor(num_draft, dtype=torch.int32), temperature, top_p,
-                           generator=g)
+                           torch.tensor(num_draft, dtype=torch.int32), temperature,
+                           *rng(b, seed), top_p)
     assert out.dtype == torch.int32 and out.shape == (b, k + 1)
     out = out.tolist()
     ref = greedy_reference(logits, drafts, num_draft)
@@ -92,7 +98,7 @@ def one_hot_logits(argmax_rows: list[list[int]], vocab: int) -> torch.Tensor:
 def test_docstring_example():
     logits = one_hot_logits([[1, 2, 3], [1, 0, 3], [2, 0, 0]], 4)
     out = rejection_sample(logits, torch.tensor([[1, 2], [1, 2], [0, 0]], dtype=torch.int32),
-                           torch.tensor([2, 2, 0], dtype=torch.int32), torch.zeros(3))
+                           torch.tensor([2, 2, 0], dtype=torch.int32), torch.zeros(3), *rng(3))
     assert out.tolist() == [[1, 2, 3], [1, 0, -1], [2, -1, -1]]
 
 
@@ -102,9 +108,9 @@ def test_greedy_all_accepted_and_all_rejected(k):
     logits = torch.randn(8, k + 1, 11, generator=g)
     argmax = logits.argmax(-1).int()
     num_draft = torch.full((8,), k, dtype=torch.int32)
-    out = rejection_sample(logits, argmax[:, :k], num_draft, torch.zeros(8))
+    out = rejection_sample(logits, argmax[:, :k], num_draft, torch.zeros(8), *rng(8))
     assert torch.equal(out, argmax)  # every draft accepted, then the bonus argmax
-    out = rejection_sample(logits, (argmax[:, :k] + 1) % 11, num_draft, torch.zeros(8))
+    out = rejection_sample(logits, (argmax[:, :k] + 1) % 11, num_draft, torch.zeros(8), *rng(8))
     expected = torch.full((8, k + 1), -1, dtype=torch.int32)
     expected[:, 0] = argmax[:, 0]  # first draft rejected, recovered argmax
     assert torch.equal(out, expected)
@@ -114,19 +120,27 @@ def test_greedy_all_accepted_and_all_rejected(k):
 def test_out_of_vocab_draft_is_rejected(temperature):
     logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
     out = rejection_sample(logits, torch.tensor([[-1, 0], [5, 0]], dtype=torch.int32),
-                           torch.tensor([2, 2], dtype=torch.int32), torch.full((2,), temperature))
+                           torch.tensor([2, 2], dtype=torch.int32), torch.full((2,), temperature),
+                           *rng(2))
     assert out[:, 1:].tolist() == [[-1, -1], [-1, -1]]
     assert ((out[:, 0] >= 0) & (out[:, 0] < 5)).all()
 
 
-def test_same_seed_same_output():
+def test_same_keys_same_output_and_rows_are_independent_of_the_batch():
     logits, drafts, num_draft = make_batch(32, 4, seed=7)
     args = (logits, torch.tensor(drafts, dtype=torch.int32),
-            torch.tensor(num_draft, dtype=torch.int32), torch.ones(32), torch.full((32,), 0.9))
-    first = rejection_sample(*args, generator=torch.Generator().manual_seed(3))
-    again = rejection_sample(*args, generator=torch.Generator().manual_seed(3))
-    other = rejection_sample(*args, generator=torch.Generator().manual_seed(4))
+            torch.tensor(num_draft, dtype=torch.int32), torch.ones(32))
+    top_p = torch.full((32,), 0.9)
+    first = rejection_sample(*args, *rng(32, 3), top_p)
+    again = rejection_sample(*args, *rng(32, 3), top_p)
+    other = rejection_sample(*args, *rng(32, 4), top_p)
     assert torch.equal(first, again) and not torch.equal(first, other)
+    keys, counters = rng(32, 3)
+    later = rejection_sample(*args, keys, counters + 1, top_p)  # the next position draws anew
+    assert not torch.equal(first, later)
+    rows = [5, 17, 2]  # a sub-batch in another order: each row keeps its own tokens
+    sub = rejection_sample(*(a[rows] for a in args), keys[rows], counters[rows], top_p[rows])
+    assert torch.equal(sub, first[rows])
 
 
 # ---- distribution preservation -------------------------------------------------------------
@@ -161,7 +175,7 @@ def sample_identical(num_draft: int, top_p=None, drafts=DRAFTS, seed=0):
     top_p = None if top_p is None else torch.full((N,), top_p)
     return rejection_sample(logits, torch.tensor(drafts, dtype=torch.int32).expand(N, k),
                             torch.full((N,), num_draft, dtype=torch.int32), torch.full((N,), T),
-                            top_p, generator=torch.Generator().manual_seed(seed))
+                            *rng(N, seed), top_p)
 
 
 @pytest.mark.parametrize("num_draft", [0, 1, 2])
@@ -232,7 +246,8 @@ def valid_args(b=3, k=2, vocab=5):
     return dict(target_logits=torch.zeros(b, k + 1, vocab),
                 draft_token_ids=torch.zeros(b, k, dtype=torch.int32),
                 num_draft_tokens=torch.zeros(b, dtype=torch.int32),
-                temperature=torch.zeros(b), top_p=torch.ones(b))
+                temperature=torch.zeros(b), keys=torch.zeros(b, dtype=torch.int64),
+                counters=torch.zeros(b, dtype=torch.int64), top_p=torch.ones(b))
 
 
 @pytest.mark.parametrize("field, bad", [
@@ -248,6 +263,8 @@ def valid_args(b=3, k=2, vocab=5):
     ("temperature", torch.zeros(3, dtype=torch.int32)),
     ("top_p", torch.ones(2)),
     ("top_p", torch.ones(3, dtype=torch.int64)),
+    ("keys", torch.zeros(3)),
+    ("counters", torch.zeros(4, dtype=torch.int64)),
 ])
 def test_bad_arguments_raise_value_error_naming_the_field(field, bad):
     args = valid_args()
@@ -269,9 +286,8 @@ def test_no_host_sync(device, with_top_p):
     logits, drafts, num_draft = make_batch(16, 4, seed=1)
     args = (logits.to(device), torch.tensor(drafts, dtype=torch.int32).to(device),
             torch.tensor(num_draft, dtype=torch.int32).to(device),
-            torch.tensor([0.0, 1.0] * 8).to(device),
+            torch.tensor([0.0, 1.0] * 8).to(device), *rng(16, 0, device),
             torch.full((16,), 0.7).to(device) if with_top_p else None)
-    generator = torch.Generator(device=device).manual_seed(0)
     with forbid_host_sync():
-        out = rejection_sample(*args, generator=generator)
+        out = rejection_sample(*args)
     check_structure(out.tolist(), drafts, num_draft, logits.shape[2])

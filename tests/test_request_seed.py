@@ -30,26 +30,28 @@ def test_a_seeded_request_ignores_the_batch_and_the_engine_seed(method, padded):
     assert sample(method, padded, 1, [LONG], None) != sample(method, padded, 2, [LONG], None)
 
 
-def test_a_seeded_row_draws_from_its_own_generator():
+def test_a_row_draws_from_its_own_key_and_position():
+    """Row 2's sample depends on its key and counter only: the same in any sub-batch and
+    beside any other keys; another key gives another sample."""
     g = torch.Generator().manual_seed(0)
     b, k, v = 6, 3, 40
     logits = torch.randn(b, k + 1, v, generator=g)
     drafts = torch.randint(0, v, (b, k), generator=g, dtype=torch.int32)
     num_draft = torch.full((b,), k, dtype=torch.int32)
-    ones = torch.ones(b)
+    ones, counters = torch.ones(b), torch.full((b,), 11, dtype=torch.int64)
 
-    def row_2(shared_seed, own_seed, rows=slice(None)):
-        own = torch.Generator().manual_seed(own_seed)
+    def row_2(others: int, own: int, rows=slice(None)):
+        keys = torch.full((b,), others, dtype=torch.int64)
+        keys[2] = own
         sel = range(b)[rows]
         out = rejection_sample(logits[rows], drafts[rows], num_draft[rows], ones[rows],
-                               generator=torch.Generator().manual_seed(shared_seed),
-                               row_generators=((sel.index(2), own),))
+                               keys[rows], counters[rows])
         return out[sel.index(2)].tolist()
 
-    outs = {seed: row_2(0, seed) for seed in range(12)}
-    assert all(row_2(s, seed, rows) == out for seed, out in outs.items()
+    outs = {key: row_2(0, key) for key in range(12)}
+    assert all(row_2(s, key, rows) == out for key, out in outs.items()
                for s, rows in ((1, slice(None)), (5, slice(2, 3)), (9, slice(1, 5))))
-    assert len({tuple(o) for o in outs.values()}) > 1  # the own seed does decide
+    assert len({tuple(o) for o in outs.values()}) > 1  # the own key does decide
 
 
 def test_seed_is_checked():

@@ -12,16 +12,19 @@ so every emitted token is distributed exactly as p. Greedy rows (temperature 0) 
 while d == argmax(target) and emit the argmax at the first mismatch or at the bonus row.
 
 Sampling uses the exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. is a
-sample from p / sum(p) (no normalisation, no sort, no host sync). All random numbers
-are drawn with fixed shapes for every row, so a seeded generator gives the same output
-whatever mix of greedy and stochastic rows the batch holds. A row with its own generator
-(a request with a seed) draws its K uniforms and V exponentials from it, after the shared
-draws: its tokens then depend only on its own seed, not on the batch.
+sample from p / sum(p) (no normalisation, no sort, no host sync). The random numbers are
+counter-based (``counter_rng``): row r's K uniforms and V exponentials are a function of its
+key (the request's seed, or the engine seed and its id) and its counter (the position of the
+token its first logits row samples), so a request's tokens depend on neither its batch nor
+the step's bucket, and a captured step draws fresh numbers each replay with no host input.
 
-Everything is device tensor ops with shapes fixed by (B, K, V): no host-device sync.
+Everything is device tensor ops with shapes fixed by (B, K, V): no host-device sync, no
+generator state (the step can be captured in a CUDA graph).
 """
 
 import torch
+
+from specdec.engine import counter_rng
 
 GREEDY_TEMPERATURE = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
@@ -31,9 +34,9 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,
     temperature: torch.Tensor,
+    keys: torch.Tensor,
+    counters: torch.Tensor,
     top_p: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    row_generators: tuple[tuple[int, torch.Generator], ...] = (),
 ) -> torch.Tensor:
     """Verify drafts; return sampled_token_ids [B, K+1] int32 (-1 = placeholder).
 
@@ -44,9 +47,9 @@ def rejection_sample(
                       A draft outside [0, V) is never accepted.
     num_draft_tokens: [B] int32/int64 in 0..K (0: a prefill request, one token sampled).
     temperature:      [B] float; < 1e-5 means greedy for that row.
+    keys:             [B] int64 random key of each row (``counter_rng.request_key``).
+    counters:         [B] int64 position of the token logits row 0 samples (seq_len - num_draft).
     top_p:            [B] float in (0, 1], or None (no nucleus filter). Greedy rows ignore it.
-    generator:        torch.Generator on the logits' device, for reproducible sampling.
-    row_generators:   (row, torch.Generator) pairs: those rows draw from their own generator.
 
     Example (greedy, K=2, V=4; argmax of the logits rows per request):
         argmax rows = [[1,2,3], [1,0,3], [2,0,0]], drafts = [[1,2], [1,2], [0,0]],
@@ -56,7 +59,7 @@ def rejection_sample(
             [2, -1, -1]]   prefill: only row 0 sampled
     """
     batch, num_rows, vocab = _check_args(target_logits, draft_token_ids, num_draft_tokens,
-                                         temperature, top_p)
+                                         temperature, top_p, keys, counters)
     k = num_rows - 1
     device = target_logits.device
     logits = target_logits.float()
@@ -71,14 +74,9 @@ def rejection_sample(
     if top_p is not None:
         probs = _top_p_filter(probs, top_p.float())
 
-    # Fixed-shape random draws (same consumption for every batch composition).
-    uniform = torch.rand((batch, k), generator=generator, device=device)
-    race = torch.empty((batch, vocab), dtype=torch.float32, device=device)
-    race = race.exponential_(generator=generator)
-    for row, own in row_generators:  # one small draw per seeded row (an eager-only path)
-        uniform[row] = torch.rand(k, generator=own, device=device)
-        race[row].exponential_(generator=own)
-    race = race.clamp_min(torch.finfo(torch.float32).tiny)  # an Exp(1) draw of 0 would give 0/0
+    # Each row's own numbers: a function of (its key, its counter) only.
+    uniform = counter_rng.uniforms(keys, counters, counter_rng.STREAM_UNIFORM, k)
+    race = counter_rng.exponentials(keys, counters, counter_rng.STREAM_RACE, vocab)
 
     # Accept d at row j: greedy d == argmax; stochastic u < p(d) (u in [0, 1): p(d)=0 never).
     argmax = logits.argmax(dim=-1)  # [B, K+1]
@@ -134,10 +132,12 @@ def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, top_p):
+def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, top_p, keys,
+                counters):
     """Shape/dtype/device checks only (never tensor values: no host sync). -> (B, K+1, V)."""
     named = {"target_logits": target_logits, "draft_token_ids": draft_token_ids,
-             "num_draft_tokens": num_draft_tokens, "temperature": temperature}
+             "num_draft_tokens": num_draft_tokens, "temperature": temperature, "keys": keys,
+             "counters": counters}
     if top_p is not None:
         named["top_p"] = top_p
     for name, t in named.items():
@@ -148,7 +148,8 @@ def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, t
                          f"got shape {tuple(target_logits.shape)}")
     batch, num_rows, _ = target_logits.shape
     expected = {"draft_token_ids": (batch, num_rows - 1), "num_draft_tokens": (batch,),
-                "temperature": (batch,), "top_p": (batch,)}
+                "temperature": (batch,), "top_p": (batch,), "keys": (batch,),
+                "counters": (batch,)}
     for name, t in named.items():
         if name != "target_logits" and tuple(t.shape) != expected[name]:
             raise ValueError(f"{name} must have shape {expected[name]} (B, K from target_logits "
@@ -159,7 +160,7 @@ def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, t
     for name in ("target_logits", "temperature", "top_p"):
         if name in named and not named[name].is_floating_point():
             raise ValueError(f"{name} must be a floating dtype, got {named[name].dtype}")
-    for name in ("draft_token_ids", "num_draft_tokens"):
+    for name in ("draft_token_ids", "num_draft_tokens", "keys", "counters"):
         if named[name].dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {named[name].dtype}")
     return batch, num_rows, target_logits.shape[2]

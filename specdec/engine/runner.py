@@ -4,9 +4,11 @@ One engine step (``LLM.step``):
     plan    = runner.plan(scheduled)        # the one DP all-reduce of the step (StepPlan)
     batch   = runner.prepare(scheduled, plan)   # host work: fill the buffers, 3 copies
     sampled, drafts = runner.execute(batch)     # device work only, no host-device sync
-A capturable step (uniform decode in a bucket, every request greedy) runs the target step
-through the graph wrapper (`specdec.graphs`) and the proposer's padded step through its own:
-on CUDA with ``graph_mode="full_cuda_graph"`` that is two graph replays per step.
+A capturable step (uniform decode in a bucket, greedy or sampled) runs the target step through
+the graph wrapper of its sampling variant (`specdec.graphs`: greedy, sampled, sampled with
+top-p; the graph key is (variant, bucket)) and the proposer's padded step through its own: on
+CUDA with ``graph_mode="full_cuda_graph"`` that is two graph replays per step. Sampling draws
+counter-based random numbers (``counter_rng``), so a replay needs no generator state.
 """
 
 import functools
@@ -18,6 +20,7 @@ import torch
 
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.dp import DPContext
+from specdec.engine.counter_rng import request_key
 from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
@@ -27,6 +30,16 @@ from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
 from specdec.proposers.inputs import DraftInputs
 
 
+VARIANTS = ("greedy", "sampled", "top_p")  # the target step's sampling variants
+
+
+def sampling_variant(params) -> str:
+    """greedy when every request is; top_p when one filters (the sort runs); else sampled."""
+    if all(p.temperature < GREEDY_TEMPERATURE for p in params):
+        return "greedy"
+    return "top_p" if any(p.top_p < 1.0 for p in params) else "sampled"
+
+
 @dataclass
 class StepBatch:
     """One planned step's inputs, on the device (views of the runner's StepBuffers)."""
@@ -34,9 +47,7 @@ class StepBatch:
     plan: StepPlan
     inputs: StepInputs  # [Np] tokens, [Bp] requests
     max_seq_len: int  # host bound on seq_lens (eager attention); graphs use max_model_len
-    all_greedy: bool  # every real request decodes greedily (host-known)
-    filters_top_p: bool  # some request has top_p < 1 (host-known; else the sort is skipped)
-    seeded_rows: tuple[tuple[int, torch.Generator], ...]  # sampled rows with their own seed
+    variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
 
 
 class ModelRunner:
@@ -60,7 +71,7 @@ class ModelRunner:
         self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,
                                       dtype=torch.int32, device=device)
         self.token_table[max_num_seqs] = 0
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed  # keys the random numbers of requests without a seed of their own
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
         # MoE layers (target and draft head) exchange tokens over the DP group; SP shards
         sp = padder.tp_size if padder.sequence_parallel else 1
@@ -78,9 +89,9 @@ class ModelRunner:
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
         self.buffers = StepBuffers(max_tokens, max_reqs, k,
                                    -(-max_model_len // block_size), device)
-        self.target_graph = StepGraph(
-            functools.partial(self.target_step, max_seq_len=max_model_len), graph_backend,
-            compile_backend)
+        self.target_graphs = {v: StepGraph(
+            functools.partial(self.target_step, max_seq_len=max_model_len, variant=v),
+            graph_backend, compile_backend) for v in VARIANTS}
 
     def warm_up_graphs(self) -> float:
         """Capture the step wrappers of every capture bucket up to the largest step, largest
@@ -88,7 +99,7 @@ class ModelRunner:
         first real step (cuda_graph / replay). Compiling backends compile each bucket at its
         first use instead (an inductor compile per bucket would make start-up minutes long);
         either way outside the sync guards. -> seconds spent."""
-        if self.target_graph.backend not in ("cuda_graph", "replay"):
+        if self.target_graphs["greedy"].backend not in ("cuda_graph", "replay"):
             return 0.0
         start, k = time.perf_counter(), self.num_speculative_tokens
         padder = self.planner.padder
@@ -104,11 +115,10 @@ class ModelRunner:
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """The step's one planning call (one DP all-reduce); all ranks get the same sizes."""
-        greedy = all(s.request.params.temperature < GREEDY_TEMPERATURE for s in scheduled)
+        """The step's one planning call (one DP all-reduce); all ranks get the same sizes.
+        A uniform decode step (every request 1 + K tokens) is capturable, greedy or not."""
         k = self.num_speculative_tokens
-        uniform = greedy and all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids)
-                                 for s in scheduled)
+        uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) for s in scheduled)
         return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform)
 
     def prepare(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> StepBatch:
@@ -146,6 +156,7 @@ class ModelRunner:
             h["rows"][i] = r.row
             h["temperature"][i] = r.params.temperature
             h["top_p"][i] = r.params.top_p
+            h["rng_key"][i] = request_key(r.params.seed, self.seed, r.request_id)
         n = qsl[b]
         h["input_ids"][n:np_] = 0
         h["positions"][n:np_] = 0
@@ -161,27 +172,11 @@ class ModelRunner:
         h["rows"][b:bp] = self.max_num_seqs
         h["temperature"][b:bp] = 0.0
         h["top_p"][b:bp] = 1.0
+        h["rng_key"][b:bp] = 0
         h["cu_num_draft_tokens"][:bp] = np.cumsum(h["num_draft_tokens"][:bp])
         self.buffers.copy_to_device()
-        params = [s.request.params for s in scheduled]
         return StepBatch(plan, self.buffers.view(np_, bp), int(h["seq_lens"][:bp].max()),
-                         all(p.temperature < GREEDY_TEMPERATURE for p in params),
-                         any(p.top_p < 1.0 for p in params), self.seeded_rows(scheduled))
-
-    def seeded_rows(self, scheduled: list[ScheduledRequest]
-                    ) -> tuple[tuple[int, torch.Generator], ...]:
-        """(row, the request's generator) of each request with a seed that samples this step
-        (a prefill chunk before the last samples nothing, so it draws nothing)."""
-        rows = []
-        for i, s in enumerate(scheduled):
-            r = s.request
-            if (r.params.seed is None or s.is_discarded
-                    or r.params.temperature < GREEDY_TEMPERATURE):
-                continue
-            if r.generator is None:
-                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
-            rows.append((i, r.generator))
-        return tuple(rows)
+                         sampling_variant([s.request.params for s in scheduled]))
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
@@ -198,14 +193,21 @@ class ModelRunner:
 
     def target_step(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                     block_table, logits_indices, draft_token_ids, num_draft_tokens,
-                    discard_mask, rows, *, max_seq_len: int) -> tuple[torch.Tensor, ...]:
-        """The greedy target step, a static-shape step function of [Np] tokens, [Bp] requests:
-        forward, verification, token-table update. -> (sampled [Bp, K+1] int32, hidden
-        [Np, H][, aux [Np, A, H]])."""
+                    discard_mask, rows, temperature, top_p, rng_key, *, max_seq_len: int,
+                    variant: str) -> tuple[torch.Tensor, ...]:
+        """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
+        forward, verification (greedy, or rejection sampling with counter-based random numbers,
+        with or without the top-p sort: ``variant``), token-table update. -> (sampled [Bp, K+1]
+        int32, hidden [Np, H][, aux [Np, A, H]])."""
         logits, hidden, aux = self.target_logits(input_ids, positions, slot_mapping,
                                                  query_start_loc, seq_lens, block_table,
                                                  logits_indices, max_seq_len)
-        sampled = greedy_verify(logits, draft_token_ids, num_draft_tokens)
+        if variant == "greedy":
+            sampled = greedy_verify(logits, draft_token_ids, num_draft_tokens)
+        else:
+            counters = (seq_lens - num_draft_tokens).long()  # position row 0 samples
+            sampled = rejection_sample(logits, draft_token_ids, num_draft_tokens, temperature,
+                                       rng_key, counters, top_p if variant == "top_p" else None)
         sampled = self._finish_sampled(sampled, discard_mask, rows, seq_lens, num_draft_tokens)
         return (sampled, hidden) + ((aux,) if aux is not None else ())
 
@@ -215,19 +217,13 @@ class ModelRunner:
         x, plan = batch.inputs, batch.plan
         step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                      x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
-                     x.discard_mask, x.rows)
-        if batch.all_greedy:
-            out = (self.target_graph(plan.num_reqs_padded, *step_args) if plan.capturable
-                   else self.target_step(*step_args, max_seq_len=batch.max_seq_len))
-            sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
+                     x.discard_mask, x.rows, x.temperature, x.top_p, x.rng_key)
+        if plan.capturable:
+            out = self.target_graphs[batch.variant](plan.num_reqs_padded, *step_args)
         else:
-            logits, hidden, aux = self.target_logits(*step_args[:7], batch.max_seq_len)
-            sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
-                                       x.temperature, x.top_p if batch.filters_top_p else None,
-                                       generator=self.generator,
-                                       row_generators=batch.seeded_rows)
-            sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, x.seq_lens,
-                                           x.num_draft_tokens)
+            out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
+                                   variant=batch.variant)
+        sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
         self.last_draft_seconds = 0.0
         b = plan.num_reqs
         if self.proposer is None:

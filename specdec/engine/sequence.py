@@ -3,8 +3,6 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from specdec.checks import check_bool, check_float, check_int, check_token_ids
 from specdec.engine.config import SEED_MAX
 
@@ -61,7 +59,6 @@ class Request:
     num_drafted: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     num_steps_decoding: int = 0  # target steps that verified drafts for this request
-    generator: torch.Generator | None = None  # from params.seed, made at its first sample
 
     @property
     def num_tokens(self) -> int:

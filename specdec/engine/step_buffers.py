@@ -31,6 +31,7 @@ class StepInputs:
     rows: torch.Tensor  # [B] int64 token-table rows (padding rows: the trash row)
     temperature: torch.Tensor  # [B] float32
     top_p: torch.Tensor  # [B] float32
+    rng_key: torch.Tensor  # [B] int64 random key of each request (counter_rng.request_key)
 
 
 def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
@@ -39,7 +40,7 @@ def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
     return {
         "input_ids": (torch.int64, (n,)), "positions": (torch.int64, (n,)),
         "slot_mapping": (torch.int64, (n,)), "logits_indices": (torch.int64, (b, k + 1)),
-        "rows": (torch.int64, (b,)),
+        "rows": (torch.int64, (b,)), "rng_key": (torch.int64, (b,)),
         "query_start_loc": (torch.int32, (b + 1,)), "seq_lens": (torch.int32, (b,)),
         "block_table": (torch.int32, (b, max_blocks)), "draft_token_ids": (torch.int32, (b, k)),
         "num_draft_tokens": (torch.int32, (b,)), "cu_num_draft_tokens": (torch.int32, (b,)),
