@@ -237,18 +237,6 @@ def test_unknown_model_is_404(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def test_queue_full_is_503(server):
-    engine = server.app.state.engine
-    engine.max_waiting = 0
-    try:
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
-    finally:
-        engine.max_waiting = 256
-    assert r.status_code == 503 and "max_waiting=0" in r.json()["error"]["message"]
-    assert httpx.post(f"{server.url}/v1/completions",
-                      json={"prompt": "x", "max_tokens": 2}).status_code == 200
-
-
 def test_engine_error_fails_that_step_only(server, client):
     runner = server.app.state.engine.llm.runner
     kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0)
@@ -307,8 +295,8 @@ def test_sigterm_lets_the_running_request_finish():
         while httpx.get(f"{url}/health").json()["running"] == 0:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        # uvicorn re-raises the captured SIGTERM once its graceful shutdown is done
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # a graceful stop is a success
+
         t.join(10)
         assert result["lines"][-1] == "data: [DONE]"
         assert json.loads(result["lines"][-2][6:])["usage"]["completion_tokens"] == 60

@@ -15,7 +15,7 @@ from specdec.engine.sequence import Request, SamplingParams, Status
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting than ``max_waiting``: the server answers 503."""
+    """The running batch and ``max_waiting`` more are taken: the server answers 503."""
 
 
 @dataclass
@@ -39,7 +39,12 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    """Continuous batching over one single-rank ``LLM``; ``metrics`` (optional) sees each step."""
+    """Continuous batching over one single-rank ``LLM``; ``metrics`` (optional) sees each step.
+
+    Admission: at most ``max_num_seqs + max_waiting`` requests are in the server at once
+    (submitted and not finished), so a burst gets exactly the batch plus ``max_waiting``
+    admitted whatever the timing of the engine loop; ``max_waiting=0``: no queue beyond the
+    batch."""
 
     def __init__(self, llm, *, max_waiting: int = 256, metrics=None):
         if not isinstance(max_waiting, int) or max_waiting < 0:
@@ -55,6 +60,7 @@ class AsyncEngine:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-step")
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._stop_task: asyncio.Task | None = None
 
     # ---- handler side --------------------------------------------------------------------
     @property
@@ -65,13 +71,21 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.llm.scheduler.running)
 
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at once: the running batch plus ``max_waiting``."""
+        return self.llm.scheduler.max_num_seqs + self.max_waiting
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request for the next step; QueueFullError when ``max_waiting`` are waiting."""
+        """Queue a request for the next step; QueueFullError when the batch and
+        ``max_waiting`` more are already taken."""
         if self._stopping:
             raise QueueFullError("the server is shutting down")
-        if self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting "
-                                 f"(max_waiting={self.max_waiting}); retry later")
+        if len(self._handles) >= self.capacity:
+            raise QueueFullError(
+                f"{len(self._handles)} requests in the server: the batch "
+                f"(max_num_seqs={self.llm.scheduler.max_num_seqs}) and the queue "
+                f"(max_waiting={self.max_waiting}) are full; retry later")
         handle = RequestHandle(f"req-{next(self._ids)}", list(prompt_token_ids), params)
         self._handles[handle.request_id] = handle
         self._to_add.append(handle)
@@ -89,7 +103,13 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="specdec-engine")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest."""
+        """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest
+        (their streams end with finish_reason "abort"). A second call waits for the first."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(timeout_s))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, timeout_s: float) -> None:
         self._stopping = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

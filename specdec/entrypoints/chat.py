@@ -5,9 +5,10 @@ import json
 from pathlib import Path
 
 
-def plain_template(messages: list[dict]) -> str:
+def plain_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """``[{"role": "user", "content": "hi"}]`` -> ``"user: hi\\nassistant:"``."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return ("".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            + ("assistant:" if add_generation_prompt else ""))
 
 
 def load_chat_template(model_dir: Path):
@@ -18,5 +19,6 @@ def load_chat_template(model_dir: Path):
         return plain_template
     import jinja2
     compiled = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-    return lambda messages: compiled.render(messages=messages, add_generation_prompt=True,
-                                            bos_token="", eos_token="")
+    return lambda messages, add_generation_prompt=True: compiled.render(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token="",
+        eos_token="")

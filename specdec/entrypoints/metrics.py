@@ -50,13 +50,16 @@ class ServerMetrics:
         self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
                                         "draft tokens accepted per draft position",
                                         ["position"], registry=r)
-        Gauge("specdec:spec_decode_mean_acceptance_length", "1 + accepted / verifying steps "
-              "over finished requests (1.0 without drafts)",
+        Gauge("specdec:spec_decode_mean_acceptance_length", "1 + spec_decode_num_accepted_"
+              "tokens / spec_decode_num_drafts, read from those two counters (requests that "
+              "finished or were aborted since start; 1.0 before any draft)",
               registry=r).set_function(self.mean_acceptance_length)
-        self._accepted = self._verify_steps = 0
 
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self._accepted / self._verify_steps if self._verify_steps else 1.0
+        """From the two counters themselves, so the gauge always agrees with them."""
+        accepted = self.accepted_tokens._value.get()
+        drafts = self.num_drafts._value.get()
+        return 1.0 + accepted / drafts if drafts else 1.0
 
     def on_step(self, rec) -> None:
         """One engine step (a ``StepRecord``)."""
@@ -76,8 +79,6 @@ class ServerMetrics:
         for j, (d, a) in enumerate(zip(req.num_drafted, req.num_accepted)):
             self.draft_per_pos.labels(str(j)).inc(d)
             self.accepted_per_pos.labels(str(j)).inc(a)
-        self._accepted += sum(req.num_accepted)
-        self._verify_steps += req.num_steps_decoding
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,11 +3,18 @@
 Fields beyond OpenAI's, as vLLM spells them: ``ignore_eos``, ``stop_token_ids``,
 ``return_token_ids`` and ``stream_options.continuous_usage_stats``. Unknown fields are
 ignored; a known field of the wrong type or out of range is HTTP 400 naming the field.
+OpenAI fields this server does not implement (``logprobs``, ``top_logprobs``, ``echo``,
+``best_of`` > 1, vLLM's ``prompt_logprobs``, penalties, ``logit_bias``, ``suffix``) are a 400
+naming the field unless their value is the no-op one (null, false, 0, 1, {}), never accepted
+and ignored. ``null`` for a field means its default (OpenAI's schema allows it).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      model_validator)
 
 from specdec.engine.config import SEED_MAX
 
@@ -17,8 +24,8 @@ MAX_TEMPERATURE = 2.0
 class ApiError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_server_error",
-             503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+             500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -29,8 +36,57 @@ class ApiError(Exception):
                           "param": self.param, "code": self.status}}
 
 
+ECHO_CHARS = 60  # an error message quotes at most this much of the input
+
+
+def short(value) -> str:
+    """``repr(value)`` cut to a short prefix: error bodies never echo a huge input back."""
+    if isinstance(value, HugeInt):
+        return repr(value)
+    text = repr(value)
+    if len(text) <= ECHO_CHARS:
+        return text
+    size = f"{len(value)} items" if isinstance(value, (list, dict, str)) else f"{len(text)} chars"
+    return f"{text[:ECHO_CHARS]}... ({size})"
+
+
+class HugeInt:
+    """A JSON integer longer than Python parses (4300 digits): kept as a marker so the field
+    that holds it fails validation by name (HTTP 400) instead of ``json.loads`` raising."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {len(self.digits.lstrip('-'))} digits"
+
+
+def _valid_unicode(text: str) -> str:
+    """A lone surrogate ("\\ud800" in JSON) is not text a tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate {text[e.start]!r} at character {e.start}; "
+                         "text must be valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``"temperature": null`` (and any field with a non-null default) means the default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None
+                            and fields[k].is_required() is False)}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -46,13 +102,24 @@ class SamplingRequest(_Strict):
     temperature: float = 1.0  # OpenAI's default; 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
-    stop: str | list[str | int] | None = None  # strings, and token ids
+    stop: Text | list[Text | int] | None = None  # strings, and token ids
     stop_token_ids: list[int] = []
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = 1
     return_token_ids: bool = False  # vLLM: choices[i].token_ids (and prompt_token_ids)
+    # not implemented: accepted only with the value that does nothing (see check_unsupported)
+    logprobs: int | bool | None = None
+    top_logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -64,17 +131,45 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[int]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text | list[TextPart]  # OpenAI's content parts: text only here
+
+    def text(self) -> str:
+        """Content parts joined with newlines, as vLLM joins text parts."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a ``prompt`` (TokenizeCompletionRequest) or ``messages``
+    (TokenizeChatRequest, rendered with the served chat template)."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # vLLM's default for prompts; this server's for both
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(model: type[_Strict], data) -> _Strict:
@@ -90,14 +185,51 @@ def parse(model: type[_Strict], data) -> _Strict:
             return ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
 
         field = field_of(errors[0])
-        msgs = dict.fromkeys(err["msg"] for err in errors if field_of(err) == field)
-        raise ApiError(400, f"{field}: {' or '.join(msgs)} (got {errors[0].get('input')!r})",
+        # the union member tried first names the field; deeper errors say what is wrong inside
+        msgs: dict[str, str] = {}  # message -> the first path it was found at
+        for err in errors:
+            at = field_of(err)
+            if at == field or field is not None and (at or "").startswith(field + "."):
+                msgs.setdefault(err["msg"], at)
+        msgs = {m if at == field else f"{at}: {m}": None for m, at in list(msgs.items())[:3]}
+        raise ApiError(400, f"{field}: {' or '.join(msgs)} (got {short(errors[0].get('input'))})",
                        field) from None
+    except RecursionError:  # nesting that json.loads took but pydantic cannot walk
+        raise ApiError(400, "the body is nested too deeply") from None
 
 
 def _is_union_tag(part) -> bool:
     """pydantic puts the union member tried ("str", "list[int]") in error locations."""
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+# field -> the values that do nothing (accepted); anything else is refused by name
+NO_OP = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False,),
+         "best_of": (None, 1), "prompt_logprobs": (None,), "presence_penalty": (0,),
+         "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": (None, {}),
+         "suffix": (None, "")}
+WHY = {"logprobs": "log-probabilities are not returned by this server",
+       "top_logprobs": "log-probabilities are not returned by this server",
+       "echo": "the prompt is not echoed (and prompt log-probabilities are not computed)",
+       "best_of": "only best_of=1 (= n) is supported",
+       "prompt_logprobs": "prompt log-probabilities are not computed"}
+
+
+def check_unsupported(req: SamplingRequest) -> None:
+    """OpenAI/vLLM fields the engine does not implement: a 400 naming the field, unless the
+    value is the one that changes nothing (``logprobs: null``, ``echo: false``, ``best_of: 1``)."""
+    for name, ok in NO_OP.items():
+        value = getattr(req, name)
+        if value not in ok:
+            raise ApiError(400, f"{name}={short(value)}: not supported; "
+                                f"{WHY.get(name, 'this server does not implement it')}", name)
+
+
+def greedy_top_p(top_p: float, vocab_size: int) -> bool:
+    """top_p at or below 1/vocab keeps only the most likely token (it alone holds >= 1/V of the
+    mass), which is greedy decoding; the engine's float32 filter would keep nothing once top_p
+    rounds to 0, so such a request is served as greedy (temperature 0)."""
+    return float(np.float32(top_p)) <= 1.0 / vocab_size
 
 
 def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: int,
@@ -110,6 +242,7 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
         raise ApiError(400, f"top_p={req.top_p}: allowed 0 < top_p <= 1", "top_p")
     if req.n != 1:
         raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
+    check_unsupported(req)
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
         raise ApiError(400, f"seed={req.seed}: allowed 0 <= seed <= {SEED_MAX}", "seed")
     if any(s == "" for s in req.stop_strings()):
@@ -131,6 +264,20 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
         raise ApiError(400, f"{name}={max_tokens}: allowed 1 <= {name} <= {room} (max_model_len="
                             f"{max_model_len} - {num_prompt_tokens} prompt tokens)", name)
     return max_tokens
+
+
+def check_prompt_length(prompt, max_model_len: int, max_token_chars: int) -> None:
+    """Refuse a prompt that cannot fit before parsing or tokenizing it (both are slow on
+    megabytes): a list of more than max_model_len ids, or a string longer than max_model_len
+    tokens of the longest vocabulary entry could spell (times 4, for normalizers that fold
+    characters, such as NFC)."""
+    if isinstance(prompt, list) and len(prompt) >= max_model_len:
+        raise ApiError(400, f"prompt: {len(prompt)} token ids; it must be shorter than "
+                            f"max_model_len={max_model_len}", "prompt")
+    if isinstance(prompt, str) and len(prompt) > 4 * max_token_chars * max_model_len:
+        raise ApiError(400, f"prompt: {len(prompt)} characters is more than max_model_len="
+                            f"{max_model_len} tokens can hold (a token here spells at most "
+                            f"{max_token_chars} characters)", "prompt")
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int) -> None:

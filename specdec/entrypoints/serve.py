@@ -5,9 +5,13 @@ fastapi/uvicorn/prometheus-client are imported only when the command runs (the `
 
 import argparse
 import json
+import signal
 
 from specdec.cli import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, build_llm,
                          default_method, engine_kwargs, speculative_config)
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
+UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,10 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=512, help="prompt + output tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="tokens per engine step (prefill chunks fill what decodes leave)")
-    p.add_argument("--max-waiting", type=int, default=256,
-                   help="requests queued beyond the batch before answering 503 (default 256)")
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="requests admitted beyond the running batch (--max-num-seqs); the "
+                        "next gets 503; 0: no queue beyond the batch (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   metavar="B", help="larger request bodies get 413 "
+                                     f"(default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM, seconds running requests get to finish before abort")
+                   help="on SIGTERM, seconds running requests get to finish; then each ends "
+                        "with finish_reason 'abort' (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
@@ -45,7 +54,8 @@ def engine_spec(args) -> dict | None:
     return speculative_config(method, k, not args.no_padded, args.speculative_config)
 
 
-def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s: float = 10.0):
+def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s: float = 10.0,
+                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
     """An app serving an already-built single-rank ``LLM`` (the tests use it in-process)."""
     from specdec.engine.llm import DEFAULT_MODEL
     from specdec.entrypoints.api_server import ServedModel, build_app
@@ -57,18 +67,20 @@ def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s:
     engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
                                     lambda: len(llm.allocator.free)))
     model_dir = llm.init_kwargs.get("model") or DEFAULT_MODEL
-    served = ServedModel(name, llm.tokenizer, load_chat_template(model_dir), llm.max_model_len,
-                         llm.target.config.vocab_size)
-    return build_app(engine, served, engine.metrics, shutdown_timeout_s)
+    tok = llm.tokenizer
+    served = ServedModel(name, tok, load_chat_template(model_dir), llm.max_model_len,
+                         llm.target.config.vocab_size,
+                         max(map(len, tok.get_vocab()), default=1) if tok is not None else 1)
+    return build_app(engine, served, engine.metrics, shutdown_timeout_s, max_request_bytes)
 
 
 def run_from_args(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - only checks the serve extra is installed
     except ImportError:
         raise UsageError("specdec serve needs the serve extra: pip install 'specdec[serve]'") \
             from None
-    for name in ("max_num_seqs", "max_model_len", "max_waiting"):
+    for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "max_waiting" else 1):
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
     spec = engine_spec(args)
@@ -76,11 +88,37 @@ def run_from_args(args) -> int:
                     max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
     name = args.served_model_name or args.model or "specdec-default"
-    app = build_server_app(llm, name, args.max_waiting, args.shutdown_timeout)
+    app = build_server_app(llm, name, args.max_waiting, args.shutdown_timeout,
+                           args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
           f"speculative_config={json.dumps(spec)}", flush=True)
-    # uvicorn handles SIGTERM/SIGINT: stop accepting, let open requests finish for up to
-    # --shutdown-timeout, then the app's lifespan drains and stops the engine loop
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    serve_until_signal(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
+
+
+def serve_until_signal(app, host: str, port: int, log_level: str, shutdown_timeout: float):
+    """uvicorn until SIGTERM/SIGINT; then exit status 0.
+
+    On the signal uvicorn stops accepting and waits for open connections; at the same moment
+    the engine starts its drain (``app.state.begin_shutdown``): running requests get
+    ``shutdown_timeout`` seconds, then end with finish_reason "abort" (a stream gets that
+    chunk and ``[DONE]``). uvicorn's own limit is longer (+UVICORN_GRACE_S) so it never cuts
+    a stream mid-chunk. uvicorn re-raises the captured signal after it is done; our no-op
+    handlers (restored by uvicorn before it re-raises) take it, so the exit status is 0."""
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:  # in the main thread, which runs the event loop: schedule, don't block
+                asyncio.get_event_loop().call_soon_threadsafe(app.state.begin_shutdown)
+
+    received = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: received.append(s))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + UVICORN_GRACE_S)
+    Server(config).run()

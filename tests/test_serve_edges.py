@@ -1,0 +1,297 @@
+"""``specdec serve`` edge cases over real HTTP (issue 22, server items): big bodies off the
+event loop and 413, inputs that used to be 500s, OpenAI fields refused or accepted, the
+admission limit, the acceptance gauge, /tokenize and /detokenize, SIGTERM under load."""
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.bench import serve as bench_serve
+from specdec.engine.llm import LLM
+from specdec.entrypoints.serve import build_server_app
+
+from helpers import ServerThread
+
+MAX_MODEL_LEN = 128
+MAX_NUM_SEQS = 4
+NAME = "specdec-edges"
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(speculative_config={"method": "eagle3", "num_speculative_tokens": 3},
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    s = ServerThread(build_server_app(llm, NAME, max_waiting=2))
+    yield s
+    s.close()
+
+
+def post(server, path, body, **kw):
+    kw = {"content": body} if isinstance(body, (bytes, str)) else {"json": body}
+    return httpx.post(f"{server.url}{path}", headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+def assert_400(r, param):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[0] in err["message"], err
+    return err
+
+
+# ---- 1: big requests ---------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["def f(x):\n    return x\n" * 200_000, [1.5] * 1_000_000],
+                         ids=["5MB-text", "1M-floats"])
+def test_a_huge_prompt_leaves_health_answering(server, prompt):
+    """While a 5 MB body is handled, /health answers within 0.5 s; the 400 is short."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    assert len(body) > 4_000_000
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(server, "/v1/completions", body)))
+    worst = 0.0
+    with httpx.Client(timeout=10) as h:
+        t.start()
+        while t.is_alive():
+            start = time.monotonic()
+            assert h.get(f"{server.url}/health").status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.02)
+    t.join()
+    assert worst < 0.5, f"/health took {worst:.2f} s"
+    err = assert_400(result["r"], "prompt")
+    assert "max_model_len=128" in err["message"] and len(result["r"].content) < 1000
+
+
+def test_a_body_over_the_limit_is_413(server):
+    app = server.app
+    app.state.max_request_bytes = 1000
+    try:
+        r = post(server, "/v1/completions", {"prompt": "x" * 2000, "max_tokens": 1})
+        # no Content-Length: the limit holds while the body is read
+        chunked = httpx.post(f"{server.url}/v1/completions", content=iter([b"{", b" " * 3000]))
+    finally:
+        app.state.max_request_bytes = 16 * 2**20
+    for resp in (r, chunked):
+        assert resp.status_code == 413, resp.text
+        assert "--max-request-bytes" in resp.json()["error"]["message"]
+        assert "1000 bytes" in resp.json()["error"]["message"]
+
+
+def test_errors_echo_only_a_short_prefix_of_the_input(server):
+    r = post(server, "/v1/completions", {"prompt": [1.5] * 100, "max_tokens": 1})
+    assert_400(r, "prompt")
+    assert len(r.content) < 400 and "(100 items)" in r.text
+
+
+# ---- 2: what used to be a 500 ------------------------------------------------------------------
+BECAME_400 = [
+    ("/v1/completions", '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "seed": -' + "9" * 5000 + "}", "seed"),
+    ("/v1/completions", '{"max_tokens": 2, "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "prompt"),
+    ("/v1/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "messages"),
+    ("/v1/completions", '{"prompt": "abc\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "abc\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": '
+                             '[{"type": "text", "text": "\\udc00"}]}]}', "messages.0.content"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}', "stop"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BECAME_400, ids=[
+    "int-5000-digits", "negative-int-5000-digits", "nested-100000", "chat-nested-100000",
+    "surrogate-prompt", "surrogate-chat", "surrogate-content-part", "surrogate-stop"])
+def test_former_500s_are_400_naming_the_field(server, path, body, param):
+    r = post(server, path, body)
+    err = assert_400(r, param)
+    assert len(r.content) < 1000
+    assert any(word in err["message"] for word in ("digits", "deep", "surrogate")), err
+
+
+# ---- 3: OpenAI fields --------------------------------------------------------------------------
+REFUSED = [
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REFUSED, ids=[b[2] for b in REFUSED][:-1] + ["image"])
+def test_unimplemented_fields_are_refused_by_name(server, path, body, param):
+    err = assert_400(post(server, path, body), param)
+    assert "not supported" in err["message"] or "'text'" in err["message"], err
+
+
+def test_no_op_values_and_nulls_are_accepted(server):
+    """The values that change nothing are fine, and null means the default."""
+    base = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
+    want = post(server, "/v1/completions", base).json()["choices"][0]["text"]
+    for extra in ({"logprobs": None, "echo": False, "best_of": 1, "n": None},
+                  {"top_p": None, "stop": None, "presence_penalty": 0, "logit_bias": {}}):
+        r = post(server, "/v1/completions", {**base, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    # temperature null is OpenAI's default (1.0): a seeded sample equals temperature 1
+    seeded = {"prompt": "def f(x):", "max_tokens": 6, "seed": 3, "return_token_ids": True}
+    one = post(server, "/v1/completions", {**seeded, "temperature": 1.0}).json()
+    null = post(server, "/v1/completions", {**seeded, "temperature": None}).json()
+    assert null["choices"][0]["token_ids"] == one["choices"][0]["token_ids"]
+
+
+def test_chat_content_parts_equal_the_joined_string(server):
+    parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "# sum"}]
+    body = {"max_tokens": 6, "temperature": 0}
+    as_parts = post(server, "/v1/chat/completions",
+                    {**body, "messages": [{"role": "user", "content": parts}]})
+    as_str = post(server, "/v1/chat/completions",
+                  {**body, "messages": [{"role": "user", "content": "def add(a, b):\n# sum"}]})
+    assert as_parts.status_code == 200, as_parts.text
+    assert as_parts.json()["choices"][0]["message"] == as_str.json()["choices"][0]["message"]
+    assert as_parts.json()["usage"] == as_str.json()["usage"]
+
+
+def test_top_p_that_rounds_to_zero_is_greedy(server):
+    """top_p <= 1/vocab keeps only the top token: served as greedy, not a stop at once."""
+    body = {"prompt": "def f(x):", "max_tokens": 8, "return_token_ids": True,
+            "ignore_eos": True}
+    greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()
+    for top_p in (1e-50, 1e-6):
+        r = post(server, "/v1/completions", {**body, "temperature": 1, "top_p": top_p,
+                                             "seed": 1}).json()
+        assert r["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+        assert r["usage"]["completion_tokens"] == 8
+
+
+# ---- 5: admission --------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_waiting", [2, 0])
+def test_a_burst_admits_exactly_the_batch_plus_max_waiting(server, max_waiting):
+    """Steps are held until the whole burst has been answered or admitted, so the count does
+    not depend on timing: max_num_seqs + max_waiting get 200, the rest 503."""
+    engine = server.app.state.engine
+    llm, release = engine.llm, threading.Event()
+    step = llm.step
+
+    def held_step():
+        release.wait(30)
+        return step()
+
+    llm.step, engine.max_waiting = held_step, max_waiting
+    statuses, refusals = [], []
+
+    def one():
+        r = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+        statuses.append(r.status_code)
+        if r.status_code == 503:
+            refusals.append(r.json()["error"]["message"])
+
+    threads = [threading.Thread(target=one) for _ in range(10)]
+    try:
+        for t in threads:
+            t.start()
+        admitted = MAX_NUM_SEQS + max_waiting
+        deadline = time.monotonic() + 30
+        while statuses.count(503) < 10 - admitted or len(engine._handles) < admitted:
+            assert time.monotonic() < deadline, (statuses, len(engine._handles))
+            time.sleep(0.01)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+        llm.step, engine.max_waiting = step, 2
+    assert sorted(statuses) == [200] * admitted + [503] * (10 - admitted)
+    assert f"max_waiting={max_waiting}" in refusals[0] and "max_num_seqs=4" in refusals[0]
+
+
+def test_idle_server_with_max_waiting_0_serves(server):
+    engine = server.app.state.engine
+    engine.max_waiting = 0
+    try:
+        r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    finally:
+        engine.max_waiting = 2
+    assert r.status_code == 200, r.text
+
+
+# ---- 6: the gauge --------------------------------------------------------------------------------
+def test_acceptance_gauge_equals_its_counters(server):
+    for p in ("def f(x):", "import os\n", "class A:"):
+        post(server, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})
+    text = httpx.get(f"{server.url}/metrics").text
+    m = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    drafts = m["specdec:spec_decode_num_drafts_total"]
+    assert drafts > 0
+    assert m["specdec:spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m["specdec:spec_decode_num_accepted_tokens_total"] / drafts, rel=1e-12)
+
+
+# ---- 16: /tokenize, /detokenize ----------------------------------------------------------------
+def test_tokenize_detokenize_round_trip(server):
+    text = "def fibonacci(n):\n    return n"
+    tok = post(server, "/tokenize", {"model": NAME, "prompt": text, "return_token_strs": True})
+    assert tok.status_code == 200, tok.text
+    out = tok.json()
+    assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) > 0
+    assert out["max_model_len"] == MAX_MODEL_LEN
+    served = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1,
+                                              "return_token_ids": True}).json()
+    assert served["choices"][0]["prompt_token_ids"] == out["tokens"]
+    back = post(server, "/detokenize", {"model": NAME, "tokens": out["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    used = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1}).json()
+    assert chat["count"] == used["usage"]["prompt_tokens"]
+    assert_400(post(server, "/detokenize", {"tokens": [10**6]}), "tokens")
+    assert_400(post(server, "/tokenize", {"prompt": 5}), "prompt")
+    assert post(server, "/tokenize", {"prompt": "x", "model": "gpt-9"}).status_code == 404
+
+
+# ---- 4: SIGTERM under load -------------------------------------------------------------------
+def test_sigterm_under_load_exits_0_and_ends_every_stream():
+    """Streams still running when --shutdown-timeout ends get finish_reason "abort" and
+    [DONE]; the process exits 0."""
+    proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128",
+                                    "--max-num-seqs", "8", "--shutdown-timeout", "0.5"])
+    try:
+        results = [None] * 6
+
+        def stream(i):
+            body = dict(prompt=[5 + i, 6, 7], max_tokens=120, temperature=0, ignore_eos=True,
+                        stream=True)
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                results[i] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        while httpx.get(f"{url}/health").json()["running"] < 6:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+        for t in threads:
+            t.join(10)
+        reasons = []
+        for lines in results:
+            assert lines and lines[-1] == "data: [DONE]", lines and lines[-3:]
+            events = [json.loads(line[6:]) for line in lines[:-1]]
+            assert all("error" not in e for e in events)
+            reasons.append(events[-1]["choices"][0]["finish_reason"])
+        assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    finally:
+        if proc.poll() is None:
+            proc.kill()
