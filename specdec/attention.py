@@ -41,19 +41,32 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one attention layer keeps per token: ``num_kv_heads`` rows of ``head_dim`` for K
-    and for V; ``sliding_window``: keys a query sees at most (None = all earlier keys)."""
+    and for V; ``sliding_window``: keys a query sees at most (None = all earlier keys).
+
+    ``value_dim`` (a latent cache, MLA): no separate V; V is the first ``value_dim`` columns
+    of the K row. E.g. DeepSeek-V3: ``KVCacheSpec(1, 512 + 64, value_dim=512)`` keeps 576
+    values per token (1152 bytes in bf16) where GQA with 8 heads of 128 keeps 2048."""
 
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    value_dim: int | None = None
+
+    def __post_init__(self):
+        if self.value_dim is not None and not 0 < self.value_dim <= self.head_dim:
+            raise ValueError(f"KVCacheSpec value_dim={self.value_dim!r}: must be in "
+                             f"[1, head_dim={self.head_dim}]")
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        rows = 1 if self.value_dim is not None else 2
+        return rows * self.num_kv_heads * self.head_dim * torch.empty(
+            (), dtype=dtype).element_size()
 
 
 class KVCache:
     """K/V tensors of one model, one pair per layer as its ``KVCacheSpec`` says:
-    ``k[i], v[i]`` are [num_blocks * block_size + 1 (trash), Hkv_i, D_i]."""
+    ``k[i], v[i]`` are [num_blocks * block_size + 1 (trash), Hkv_i, D_i]; for a latent spec
+    (``value_dim`` set) ``v[i]`` is the view ``k[i][..., :value_dim]`` (nothing allocated)."""
 
     def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -61,7 +74,8 @@ class KVCache:
         self.specs = list(specs)
         self.k = [torch.zeros((num_slots, s.num_kv_heads, s.head_dim), dtype=dtype,
                               device=device) for s in specs]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        self.v = [k[..., :s.value_dim] if s.value_dim is not None else torch.zeros_like(k)
+                  for s, k in zip(specs, self.k)]
         self.block_size = block_size
         self.trash_slot = num_slots - 1
 
@@ -88,16 +102,21 @@ class PagedKV:
         self._write_slots: torch.Tensor | None = None
         self._plan = None
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D]."""
+    def _plan_once(self, num_tokens: int):
+        """The per-forward plan (and write slots), built by the first layer that attends."""
         meta = self.meta
         if self._plan is None:
             self._write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot,
                                             meta.slot_mapping)
             self._plan = kernels.plan_paged_attention(
-                meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape[0],
+                meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
                 meta.max_seq_len, self.cache.block_size)
+        return self._plan
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D]."""
+        self._plan_once(q.shape[0])
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
@@ -105,3 +124,18 @@ class PagedKV:
         if window is None:
             return kernels.paged_attention(q, k_cache, v_cache, self._plan)
         return kernels.paged_attention(q, k_cache, v_cache, self._plan, sliding_window=window)
+
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """MLA over a latent layer (``value_dim`` V): q [N, H, D] (absorbed queries), latent
+        [N, D] (this step's rows, written first) -> [N, H, V], the softmax (scaled by
+        ``scale``) of ``q . row`` over each token's visible rows, times their first V columns
+        (``specdec.kernels.mla_attention``)."""
+        spec = self.cache.specs[layer_idx]
+        if spec.value_dim is None:
+            raise ValueError(f"layer {layer_idx} has no latent cache (its KVCacheSpec has no "
+                             "value_dim)")
+        plan = self._plan_once(q.shape[0])
+        cache = self.cache.k[layer_idx]
+        cache.index_copy_(0, self._write_slots, latent.unsqueeze(1))
+        return kernels.mla_attention(q, cache, plan, value_dim=spec.value_dim, scale=scale)

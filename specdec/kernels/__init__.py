@@ -10,7 +10,9 @@ implementation from the device of their first tensor argument (``specdec.platfor
 valid count, backup token, sample index, num rejected -- into ``out=`` buffers: the
 proposer's), ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advance_draft_step``;
 ``plan_paged_attention`` + ``paged_attention`` pick between triton_paged_attention.py (no
-cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way;
+cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way,
+``mla_attention`` (latent MLA over the same plan) between triton_mla_attention.py and
+mla_attention_torch.py;
 ``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py,
 ``apply_rope`` (rotary embedding) between triton_rope.py and rope_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
@@ -27,7 +29,13 @@ import importlib
 import torch
 
 from specdec import platform
-from specdec.kernels import norm_torch, paged_attention_torch, reference, rope_torch
+from specdec.kernels import (
+    mla_attention_torch,
+    norm_torch,
+    paged_attention_torch,
+    reference,
+    rope_torch,
+)
 from specdec.kernels.paged_attention_torch import token_requests
 from specdec.kernels.reference import (
     DraftStep,
@@ -37,7 +45,6 @@ from specdec.kernels.reference import (
     slot_mapping_for_positions,
 )
 
-
 # The torch implementation of each dispatched name (the CPU path and the oracle).
 TORCH_IMPLS = {
     "prepare_inputs_padded": reference.prepare_inputs_padded,
@@ -46,6 +53,7 @@ TORCH_IMPLS = {
     "prepare_padded_step": reference.prepare_padded_step,
     "plan_paged_attention": paged_attention_torch.plan_paged_attention,
     "paged_attention": paged_attention_torch.paged_attention,
+    "mla_attention": mla_attention_torch.mla_attention,
     "add_rms_norm": norm_torch.add_rms_norm,
     "apply_rope": rope_torch.apply_rope,
 }
@@ -53,6 +61,7 @@ TORCH_IMPLS = {
 TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
     "plan_paged_attention": "triton_paged_attention",
     "paged_attention": "triton_paged_attention",
+    "mla_attention": "triton_mla_attention",
     "add_rms_norm": "triton_norm",
     "apply_rope": "triton_rope"}
 
@@ -79,6 +88,7 @@ advance_draft_step = _by_device("advance_draft_step")
 prepare_padded_step = _by_device("prepare_padded_step")
 plan_paged_attention = _by_device("plan_paged_attention")
 paged_attention = _by_device("paged_attention")
+mla_attention = _by_device("mla_attention")
 add_rms_norm = _by_device("add_rms_norm")
 apply_rope = _by_device("apply_rope")
 
@@ -90,6 +100,7 @@ __all__ = [
     "apply_rope",
     "advance_draft_step",
     "gather_backup_tokens",
+    "mla_attention",
     "paged_attention",
     "plan_paged_attention",
     "prepare_inputs_padded",

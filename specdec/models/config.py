@@ -23,7 +23,7 @@ QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry bias
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "MiniMaxM2ForCausalLM": "minimax_m2"}
+               "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 # bookkeeping, generation defaults and training-only knobs: they never change a forward
 IGNORED_KEYS = frozenset({

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from specdec.models import checkpoint
+from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

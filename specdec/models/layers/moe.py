@@ -13,7 +13,15 @@ Config keys (kept in ``ModelConfig.extra``): ``num_experts`` (Qwen3-MoE) or
 Routing per token t, softmax (Qwen3-MoE): ``p = softmax(gate(x_t))``; keep the k largest;
 with ``norm_topk_prob`` rescale them to sum to 1. Sigmoid (MiniMax-M2): ``p = sigmoid(gate(x_t))``;
 choose the k largest of ``p + e_score_correction_bias``, weigh them by their unbiased ``p``
-rescaled to sum to 1. Then ``out_t = sum_e p_e * expert_e(x_t)`` over the kept e.
+rescaled to sum to 1. DeepSeek-V3 (``topk_method: noaux_tc``, sigmoid): the E experts form
+``n_group`` groups of E/n_group; a group's rank is the sum of its two largest ``p + bias``;
+only the ``topk_group`` best groups compete, and the k largest ``p + bias`` among their experts
+are kept; weights are their unbiased ``p`` (divided by their sum + 1e-20 when
+``norm_topk_prob``), times ``routed_scaling_factor`` (default 1). E.g. E=4, 2 groups,
+topk_group=1, k=2, p + bias = [.9, .1, .6, .6]: group sums [1.0, 1.2] -> experts 2, 3 win
+although expert 0 scores highest. Then ``out_t = sum_e p_e * expert_e(x_t)`` over the kept e,
+plus ``shared_experts(x_t)`` (an MLP of width ``n_shared_experts * I``) when
+``n_shared_experts`` > 0 (always run, on each rank's own tokens).
 
 Dispatch, vLLM's naive DP+EP path: every rank all-gathers the ``[N, H]`` hidden of every rank
 (same N on every rank: the DP token-count sync is what makes this legal), computes its local
@@ -47,12 +55,18 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 MOE_CONFIG_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
                              "moe_intermediate_size", "norm_topk_prob", "scoring_func",
                              "use_routing_bias", "decoder_sparse_step", "mlp_only_layers"})
+# DeepSeek-V2/V3's names (read by MoEMLP when present)
+DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "n_group", "topk_group",
+                               "topk_method", "routed_scaling_factor"})
 SCORING = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "noaux_tc")
 
 
 def num_experts(config) -> int:
     """E from ``config.extra`` (0 = dense MLP)."""
-    return config.extra.get("num_experts") or config.extra.get("num_local_experts") or 0
+    extra = config.extra
+    return (extra.get("num_experts") or extra.get("num_local_experts")
+            or extra.get("n_routed_experts") or 0)
 
 
 def is_moe_layer(config, layer: int) -> bool:
@@ -80,15 +94,44 @@ class MoEMLP(nn.Module):
             raise ValueError(f"scoring_func={self.scoring!r}: allowed {SCORING}")
         self.num_experts, self.top_k = e, k
         self.norm_topk_prob = bool(extra.get("norm_topk_prob", False))
+        self.topk_method = extra.get("topk_method", "greedy")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r}: allowed {TOPK_METHODS}")
+        if self.topk_method == "noaux_tc":
+            self._check_groups(extra)
         h = config.hidden_size
         self.gate = nn.Linear(h, e, bias=False)
-        if extra.get("use_routing_bias", False):
+        if extra.get("use_routing_bias", False) or self.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         self.experts = nn.ModuleDict({str(i): MLP(h, inter) for i in range(e)})
+        shared = extra.get("n_shared_experts") or 0
+        if not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"n_shared_experts={shared!r}: must be an int >= 0")
+        if shared:
+            self.shared_experts = MLP(h, shared * inter)
         self.dp = DPContext()
         self.sp_size = 1
         if dp is not None:
             self.set_parallel(dp)
+
+    def _check_groups(self, extra: dict) -> None:
+        """DeepSeek's group-limited routing: sigmoid scores, n_group | E, topk_group <= n_group,
+        k <= the experts of topk_group groups."""
+        e, k = self.num_experts, self.top_k
+        groups, keep = extra.get("n_group") or 1, extra.get("topk_group") or 1
+        scale = extra.get("routed_scaling_factor", 1.0)
+        if self.scoring != "sigmoid":
+            raise ValueError(f"scoring_func={self.scoring!r} with topk_method='noaux_tc': "
+                             "only 'sigmoid' is implemented")
+        if not isinstance(groups, int) or groups < 1 or e % groups or e // groups < 2:
+            raise ValueError(f"n_group={groups!r}: must divide num_experts={e} into groups "
+                             "of at least 2 experts")
+        if not isinstance(keep, int) or not 1 <= keep <= groups or k > keep * (e // groups):
+            raise ValueError(f"topk_group={keep!r}: must be in [1, n_group={groups}] and keep "
+                             f"at least num_experts_per_tok={k} experts")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+            raise ValueError(f"routed_scaling_factor={scale!r}: must be a positive number")
+        self.n_group, self.topk_group, self.routed_scaling_factor = groups, keep, float(scale)
 
     def local_experts(self, dp: DPContext) -> range:
         """The global ids of the experts DP rank ``dp.rank`` runs."""
@@ -116,6 +159,8 @@ class MoEMLP(nn.Module):
         """x [M, H] -> combine weights [M, E] (zero outside each token's top-k)."""
         # scores in at least float32 (HF), float64 models keep float64
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
+        if self.topk_method == "noaux_tc":
+            return self._route_grouped(logits).to(x.dtype)
         if self.scoring == "softmax":
             probs = F.softmax(logits, dim=-1)
             w, ids = probs.topk(self.top_k, dim=-1)
@@ -128,6 +173,21 @@ class MoEMLP(nn.Module):
         if self.norm_topk_prob or self.scoring == "sigmoid":
             w = w / w.sum(dim=-1, keepdim=True)
         return torch.zeros_like(probs).scatter_(1, ids, w).to(x.dtype)
+
+    def _route_grouped(self, logits: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's ``noaux_tc`` routing (module docstring): logits [M, E] -> weights [M, E]."""
+        m, e, g = logits.shape[0], self.num_experts, self.n_group
+        probs = torch.sigmoid(logits)
+        choice = probs + self.e_score_correction_bias
+        group_rank = choice.view(m, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
+        groups = group_rank.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(e // g, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        w = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return torch.zeros_like(probs).scatter_(1, ids, w * self.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]; the flattened token count N must be the same on every DP
@@ -156,7 +216,10 @@ class MoEMLP(nn.Module):
             ctx.record("moe_reduce_scatter", gathered.shape)
             _reduce_scatter(mine, out.view(gathered.shape), group=ctx.group)
             out = mine
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out
 
 
 def attach_parallel(model: nn.Module, dp: DPContext, sp_size: int = 1) -> bool:

@@ -1,0 +1,122 @@
+"""DeepSeek-V3/R1's MTP layer as a draft head (method ``mtp`` / ``deepseek_mtp``).
+
+Stored in the target folder as layer ``L = num_hidden_layers`` (or in a head folder of its own
+under the same names): ``model.layers.L.{enorm, hnorm, eh_proj [H, 2H], shared_head.norm}``,
+optional ``model.layers.L.{embed_tokens, shared_head.head}`` (the target's are shared when
+absent), and a full DeepSeek decoder layer (MLA + MoE, as layer L of the target would be) under
+the same prefix. One step (vLLM's ``deepseek_mtp.py``):
+
+    emb  = embed(input_ids), zeroed where position == 0
+    x    = eh_proj([enorm(emb), hnorm(hidden)])        (embedding FIRST)
+    out  = decoder_layer(x)                            (the next step's hidden, un-normed)
+    logits = shared_head.head(shared_head.norm(out))
+
+``hidden`` is the target's final (normed) hidden for the first step, then ``out``. One layer
+serves every step (K > 1 runs it K times). It attends through layer 0 of the draft's own
+latent cache. E.g. a 3-layer tiny target: tensors ``model.layers.3.*``; the target loader
+skips them, this head reads nothing else of the folder.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from specdec.models.config import ModelConfig
+from specdec.models.deepseek import build_layer, rotary, softmax_scale
+from specdec.models.heads import DraftHead
+from specdec.models.layers.mla import MLAttention
+from specdec.models.layers.norm import RMSNorm
+
+ARCH = "DeepseekV3ForCausalLM"
+OWN_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class DeepseekMtpHead(DraftHead):
+    method = "mtp"
+
+    def __init__(self, config: ModelConfig, target, *, own_embed: bool = False,
+                 own_head: bool = False):
+        super().__init__(config, target)
+        n = config.extra.get("num_nextn_predict_layers")
+        if config.architectures[0] != ARCH or n != 1:
+            raise ValueError(f"DeepseekMtpHead config: architectures={config.architectures}, "
+                             f"num_nextn_predict_layers={n!r}; need ['{ARCH}'] and 1")
+        self.rotary = rotary(config)
+        self.index = config.num_hidden_layers
+        layer = build_layer(config, self.index, softmax_scale(config), cache_idx=0)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        layer.enorm, layer.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        layer.eh_proj = nn.Linear(2 * h, h, bias=False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = RMSNorm(h, eps)
+        if own_embed:
+            layer.embed_tokens = nn.Embedding(config.vocab_size, h)
+        if own_head:
+            layer.shared_head.head = nn.Linear(h, config.vocab_size, bias=False)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(self.index): layer})
+        self._bias = re.compile(rf"(model\.layers\.{self.index}\.mlp)\.gate\."
+                                r"e_score_correction_bias")
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.model.layers[str(self.index)]
+
+    @classmethod
+    def from_checkpoint(cls, config, target, tensors, **options):
+        """Own embedding / head when the folder holds them, else the target's."""
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        return cls(config, target, own_embed=prefix + OWN_COPIES[0] in tensors,
+                   own_head=prefix + OWN_COPIES[1] in tensors)
+
+    @classmethod
+    def layer_skipper(cls, config: ModelConfig):
+        """``skips(name)`` for this config's folder: everything but ``model.layers.L.*``."""
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        return lambda name: not name.startswith(prefix)
+
+    def kv_cache_spec(self):
+        return [m.kv_cache_spec() for m in self.modules() if isinstance(m, MLAttention)]
+
+    def load_tensors(self, tensors, path):
+        """HF's ``mlp.gate.e_score_correction_bias`` loads into ``mlp.e_score_correction_bias``."""
+        renamed = {}
+        for name, t in tensors.items():
+            m = self._bias.fullmatch(name)
+            renamed[f"{m[1]}.e_score_correction_bias" if m else name] = t
+        super().load_tensors(renamed, path)
+
+    def forward(self, input_ids, positions, hidden, kv=None):
+        layer = self.layer
+        own = getattr(layer, "embed_tokens", None)
+        emb = (own if own is not None else self.shared.embed_tokens)(input_ids)
+        emb = emb.masked_fill((positions == 0)[..., None], 0.0)
+        x = layer.eh_proj(torch.cat((layer.enorm(emb), layer.hnorm(hidden)), dim=-1))
+        out = layer(x, self._rope(positions, x.dtype), kv)
+        return out, out
+
+    def compute_logits(self, logits_hidden: torch.Tensor) -> torch.Tensor:
+        head = self.layer.shared_head
+        lm_head = head.head if hasattr(head, "head") else self.shared.lm_head
+        return lm_head(head.norm(logits_hidden)).float()
+
+
+def load_deepseek_mtp(path, target, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> DeepseekMtpHead:
+    """The MTP layer of a DeepSeek folder (the target's, or a head folder with the same names
+    and config), sharing ``target``'s embedding / lm_head where the folder has none."""
+    from specdec.models import checkpoint
+    from specdec.models.deepseek import DEEPSEEK_KEYS
+    from specdec.models.heads import _read_tensors
+
+    def build() -> DeepseekMtpHead:
+        config = ModelConfig.from_folder(path, DEEPSEEK_KEYS)
+        tensors = _read_tensors(path, DeepseekMtpHead.layer_skipper(config))
+        head = DeepseekMtpHead.from_checkpoint(config, target, tensors)
+        head.load_tensors(tensors, path)
+        return head
+
+    return checkpoint.naming_folder(path, build).to(device=device, dtype=dtype).eval()

@@ -1,0 +1,206 @@
+"""DeepSeek-V3 (MLA, YaRN with mscale, grouped noaux_tc MoE with a shared expert, dense first
+layer): specdec equals transformers on tiny random models transformers itself wrote
+(``hf_deepseek``) -- greedy tokens through ``LLM`` (the paged latent cache, absorbed MLA) and
+last-position logits of the dense path -- the cache keeps one latent row per token, and the
+config keys DeepSeek does not implement are refused by name."""
+
+import hf_deepseek as D
+import hf_models as H
+import pytest
+import torch
+
+from specdec import LLM
+from specdec.models import load_model
+
+CASES = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v3_t4"]
+MAX_NEW = 32
+TOL = 1e-4
+_gen = torch.Generator().manual_seed(20240607)
+PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (5, 17, 40)]
+LOGIT_PROMPT = torch.randint(3, 500, (80,), generator=_gen).tolist()  # > original_max 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def ds_dir(tmp_path_factory):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = D.BUILDERS[name](tmp_path_factory.mktemp(name) / "model")
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def ds_reference(ds_dir):
+    cache = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            path = ds_dir(name)
+            model = H.hf_model(path)
+            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
+                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_match_transformers(case, ds_dir, ds_reference):
+    llm = LLM(model=str(ds_dir(case)), max_num_seqs=4, max_model_len=256)
+    got = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)]
+    assert got == ds_reference(case)["tokens"]
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_last_logits_match_transformers(case, ds_dir, ds_reference):
+    model = load_model(ds_dir(case))
+    ids = torch.tensor(LOGIT_PROMPT)
+    with torch.inference_mode():
+        hidden, _ = model(ids[None, :], torch.arange(len(ids))[None, :])
+        logits = model.compute_logits(hidden[0, -1])
+    diff = (logits - ds_reference(case)["logits"]).abs().max().item()
+    assert diff <= TOL, f"{case}: max |dlogit| {diff:.3g}"
+
+
+def test_paged_prefill_logits_match_the_dense_path(ds_dir):
+    """The absorbed form over the latent cache (one prefill of 80 tokens in blocks of 16)
+    equals the expanded dense path at every position."""
+    from specdec.attention import AttentionMetadata, KVCache
+
+    model = load_model(ds_dir("deepseek_v3"))
+    ids = torch.tensor(LOGIT_PROMPT)
+    n = len(ids)
+    cache = KVCache(model.kv_cache_spec(), 6, 16, torch.float32, "cpu")
+    meta = AttentionMetadata(slot_mapping=torch.arange(n),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_table=torch.arange(6, dtype=torch.int32)[None],
+                             max_seq_len=n)
+    with torch.inference_mode():
+        dense, _ = model(ids[None], torch.arange(n)[None])
+        paged, _ = model(ids, torch.arange(n), kv=cache.bind(meta))
+    torch.testing.assert_close(paged, dense[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_is_one_latent_row_per_token_per_layer(ds_dir):
+    """kv_lora_rank 32 + qk_rope_head_dim 16 = 48 values per token per layer (192 bytes in
+    float32, 576 for 3 layers); a GQA model of the same width (4 kv heads of qk_head_dim 48)
+    would keep 2 * 4 * 48 = 384 values per layer: 8x more."""
+    model = load_model(ds_dir("deepseek_v3"))
+    specs = model.kv_cache_spec()
+    assert [(s.num_kv_heads, s.head_dim, s.value_dim) for s in specs] == [(1, 48, 32)] * 3
+    assert sum(s.bytes_per_token(torch.float32) for s in specs) == 3 * 48 * 4
+    from specdec.attention import KVCacheSpec
+    assert KVCacheSpec(4, 48).bytes_per_token(torch.float32) == 8 * specs[0].bytes_per_token(
+        torch.float32)
+
+
+def test_layers_are_what_the_config_says(ds_dir):
+    from specdec.models.layers.mlp import MLP
+    from specdec.models.layers.moe import MoEMLP
+
+    model = load_model(ds_dir("deepseek_v3"))
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert isinstance(mlps[0], MLP) and all(isinstance(m, MoEMLP) for m in mlps[1:])
+    assert all(hasattr(m, "shared_experts") and m.topk_method == "noaux_tc" for m in mlps[1:])
+    assert mlps[1].e_score_correction_bias.abs().max() > 0.05  # loaded from mlp.gate.*
+    attn = model.model.layers[0].self_attn
+    assert hasattr(attn, "q_a_proj") and not hasattr(load_model(
+        ds_dir("deepseek_v3_noq")).model.layers[0].self_attn, "q_a_proj")
+    # 48 ** -0.5 * (0.1 * 0.8 * ln 4 + 1) ** 2
+    assert attn.scale == pytest.approx(48 ** -0.5 * (0.08 * torch.log(torch.tensor(4.0)).item()
+                                                     + 1) ** 2)
+
+
+# ---- the reference depends on what DeepSeek adds -----------------------------------------------
+def _mutate(path, edit):
+    cfg = H.read_config(path)
+    edit(cfg)
+    H.write_config(path, cfg)
+    return path
+
+
+@pytest.mark.parametrize("what,edit", [
+    ("mscale_all_dim ignored", lambda c: c["rope_parameters"].update(mscale_all_dim=1.0)),
+    ("groups ignored", lambda c: c.update(topk_group=2)),
+    ("routed_scaling_factor ignored", lambda c: c.update(routed_scaling_factor=1.0)),
+])
+def test_reference_is_sensitive_to_the_deepseek_feature(what, edit, ds_dir, ds_reference,
+                                                        tmp_path):
+    path = _mutate(H.copy_folder(ds_dir("deepseek_v3"), tmp_path / "m"), edit)
+    diff = (H.hf_last_logits(path, LOGIT_PROMPT) - ds_reference("deepseek_v3")["logits"])
+    assert diff.abs().max() > 100 * TOL, what
+
+
+# ---- refusals ----------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("topk_method", "greedy"), ("scoring_func", "softmax"),
+                                       ("moe_layer_freq", 2), ("qk_head_dim", 40),
+                                       ("n_group", 3), ("quantization_config", {"x": 1})])
+def test_refuses_what_is_not_implemented_naming_the_key(key, value, ds_dir, tmp_path):
+    path = _mutate(H.copy_folder(ds_dir("deepseek_v3"), tmp_path / "m"),
+                   lambda c: c.update({key: value}))
+    with pytest.raises(ValueError, match=key):
+        load_model(path)
+
+
+# ---- the MTP layer (model.layers.L.* of the target folder) ---------------------------------------
+def _mtp_head(path, target):
+    from specdec.models.deepseek_mtp import load_deepseek_mtp
+    return load_deepseek_mtp(path, target)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3_mtp", "deepseek_v3_mtp_nocopies"])
+def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(case, ds_dir):
+    """The target loader skips layer L; the head reads only it (own embedding / head copies
+    when present, else the target's) and equals the reference assembled from transformers'
+    DeepseekV3DecoderLayer, at every position of a 40-token sequence (position 0 masked)."""
+    path = ds_dir(case)
+    target = load_model(path)
+    head = _mtp_head(path, target)
+    own = case == "deepseek_v3_mtp"
+    assert hasattr(head.layer, "embed_tokens") == own == hasattr(head.layer.shared_head, "head")
+    ids = torch.tensor(PROMPTS[2])
+    pos = torch.arange(len(ids))
+    nxt = torch.cat([ids[1:], ids[:1]])
+    with torch.inference_mode():
+        hidden, _ = target(ids[None], pos[None])
+        out, _ = head(nxt[None], pos[None], hidden)
+        got = head.compute_logits(out[0])
+    if not own:  # the reference reads the copies: give it the target's
+        path = H.copy_folder(path, path.parent / "with_copies")
+        H.add_shard(path, {"model.layers.3.embed_tokens.weight": target.model.embed_tokens.weight,
+                           "model.layers.3.shared_head.head.weight": target.lm_head.weight})
+    want = D.hf_mtp_reference(path, nxt, hidden[0], pos)
+    assert (got - want).abs().max().item() <= TOL
+    assert head.kv_cache_spec() == [target.kv_cache_spec()[0]]
+
+
+@pytest.fixture(scope="session")
+def ds_plain(ds_dir):
+    return [o.token_ids for o in LLM(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4,
+                                     max_model_len=256).generate(PROMPTS, max_tokens=MAX_NEW,
+                                                                 ignore_eos=True)]
+
+
+@pytest.mark.parametrize("k,ragged,backend", [(1, False, None), (2, False, None),
+                                              (3, False, None), (1, True, None),
+                                              (2, True, None), (3, True, None),
+                                              (2, False, "replay")])
+def test_deepseek_mtp_speculative_greedy_equals_plain(k, ragged, backend, ds_dir, ds_plain):
+    path = ds_dir("deepseek_v3_mtp")
+    target = load_model(path)
+    llm = LLM(model=str(path), target=target, draft_head=_mtp_head(path, target),
+              max_num_seqs=4, max_model_len=256, graph_backend=backend,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": k,
+                                  "disable_padded_drafter_batch": ragged})
+    got = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)]
+    assert got == ds_plain
