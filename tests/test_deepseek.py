@@ -4,13 +4,15 @@ layer): specdec equals transformers on tiny random models transformers itself wr
 last-position logits of the dense path -- the cache keeps one latent row per token, and the
 config keys DeepSeek does not implement are refused by name."""
 
+import json
+
 import hf_deepseek as D
 import hf_models as H
 import pytest
 import torch
 
 from specdec import LLM
-from specdec.models import load_model
+from specdec.models import checkpoint, load_model
 
 CASES = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v3_t4"]
 MAX_NEW = 32
@@ -139,6 +141,69 @@ def test_reference_is_sensitive_to_the_deepseek_feature(what, edit, ds_dir, ds_r
     path = _mutate(H.copy_folder(ds_dir("deepseek_v3"), tmp_path / "m"), edit)
     diff = (H.hf_last_logits(path, LOGIT_PROMPT) - ds_reference("deepseek_v3")["logits"])
     assert diff.abs().max() > 100 * TOL, what
+
+
+# ---- block-quantized FP8 ---------------------------------------------------------------------
+FP8_BLOCK = [32, 32]  # DeepSeek-V3 publishes [128, 128]; the tiny weights need smaller blocks
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] float -> (e4m3 weight, weight_scale_inv [ceil(O/32), ceil(I/32)]), as
+    DeepSeek's published weights are: per block, scale_inv = amax / 448."""
+    bo, bi = FP8_BLOCK
+    o, i = w.shape
+    scale = torch.zeros(-(-o // bo), -(-i // bi))
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            scale[r, c] = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi].abs().max() / 448
+    full = scale.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path):
+    """Every linear weight of the tiny DeepSeek-V3 stored as e4m3 + weight_scale_inv (with
+    ``quantization_config``) loads into exactly the float model of the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+    src = ds_dir("deepseek_v3")
+    fp8, dequant = H.copy_folder(src, tmp_path / "fp8"), H.copy_folder(src, tmp_path / "f32")
+    quantized = 0
+    for shard in sorted(src.glob("model-*.safetensors")):
+        tensors = load_file(shard)
+        q, d = {}, {}
+        for name, t in tensors.items():
+            linear = t.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name \
+                and not name.endswith("mlp.gate.weight")
+            if linear:
+                w8, scale = quantize_blocks(t.float())
+                q[name], q[name.removesuffix(".weight") + ".weight_scale_inv"] = w8, scale
+                d[name] = checkpoint.dequantize_blocks(w8, scale, tuple(FP8_BLOCK))
+                quantized += 1
+            else:
+                q[name] = d[name] = t
+        save_file(q, fp8 / shard.name)
+        save_file(d, dequant / shard.name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for name in list(index["weight_map"]):
+        if name.endswith(".weight") and (name.removesuffix(".weight") + ".weight_scale_inv"
+                                         ) in load_file(fp8 / index["weight_map"][name]):
+            index["weight_map"][name.removesuffix(".weight") + ".weight_scale_inv"] = \
+                index["weight_map"][name]
+    (fp8 / "model.safetensors.index.json").write_text(json.dumps(index))
+    _mutate(fp8, lambda c: c.update(quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK}))
+    assert quantized > 10
+    a, b = load_model(fp8), load_model(dequant)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sb)
+    # and the quantization really changed the weights (the test can fail)
+    orig = load_model(src).state_dict()
+    assert not all(torch.equal(orig[k], sb[k]) for k in sb)
+    ids = torch.tensor(LOGIT_PROMPT[:20])
+    with torch.no_grad():
+        ha, _ = a(ids[None], torch.arange(20)[None])
+        hb, _ = b(ids[None], torch.arange(20)[None])
+    assert torch.equal(a.compute_logits(ha), b.compute_logits(hb))
 
 
 # ---- refusals ----------------------------------------------------------------------------

@@ -210,8 +210,8 @@ def _finite(file: Path, name: str, t: torch.Tensor) -> torch.Tensor:
     """``t``; ValueError naming the file and the tensor when a floating ``t`` holds NaN/inf.
     One min/max pass (both propagate NaN), with no temporary as large as ``t`` (isfinite makes
     two, which would add most of a shard to the peak memory)."""
-    if t.is_floating_point() and t.numel() > 0:
-        lo, hi = torch.aminmax(t)
+    if t.is_floating_point() and t.numel() > 0 and t.dtype not in FP8_DTYPES:
+        lo, hi = torch.aminmax(t)  # (an fp8 weight is checked once dequantized)
         if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
             raise ValueError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf)")
     return t
@@ -223,9 +223,55 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(path))
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """Block-quantized FP8 (DeepSeek-V3's and Qwen3-FP8's ``weight_block_size``) -> float32:
+    weight [O, I] fp8, scale_inv [ceil(O/bo), ceil(I/bi)] -> weight * scale_inv of its block.
+    Example (block 2x2): weight [[1, 1, 2]], scale_inv [[0.5, 4]] -> [[0.5, 0.5, 8]]."""
+    bo, bi = block
+    o, i = weight.shape
+    if scale_inv.shape != (-(-o // bo), -(-i // bi)):
+        raise ValueError(f"weight_scale_inv shape {tuple(scale_inv.shape)} does not tile a "
+                         f"{tuple(weight.shape)} weight in {bo}x{bi} blocks")
+    scale = scale_inv.float().repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return weight.float() * scale
+
+
+def _dequantized(tensors, block: tuple[int, int] | None, file_of: str):
+    """(name, tensor) pairs with each fp8 ``X.weight`` and its ``X.weight_scale_inv`` (in any
+    order, any shard) replaced by one float32 ``X.weight``; at most the pairs still waiting
+    for their other half are held."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if block is None:
+            yield name, t
+            continue
+        if name.endswith(SCALE_SUFFIX):
+            key = name.removesuffix(SCALE_SUFFIX) + ".weight"
+        elif t.dtype in FP8_DTYPES:
+            key = name
+        else:
+            yield name, t
+            continue
+        if key not in pending:
+            pending[key] = t
+            continue
+        other = pending.pop(key)
+        weight, scale_inv = (t, other) if name == key else (other, t)
+        yield key, _finite(file_of, key, dequantize_blocks(weight, scale_inv, block))
+    if pending:
+        raise ValueError(f"{file_of}: fp8 weights without their weight_scale_inv (or the "
+                         f"reverse): {sorted(pending)}")
+
+
 def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
               rename: Callable[[str], str | None] | None = None,
-              ignore: Callable[[str], bool] | None = None) -> None:
+              ignore: Callable[[str], bool] | None = None,
+              weight_block_size: tuple[int, int] | None = None) -> None:
     """Copy the folder's tensors into ``dest`` (name -> preallocated tensor, views such as row
     slices of a merged weight allowed; ``copy_`` casts the dtype), one file at a time: peak host
     memory is about one weight file on top of ``dest``.
@@ -233,11 +279,13 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     ``rename(name)`` maps a checkpoint name to a ``dest`` name (None skips the tensor);
     ``ignore(name)``, on the renamed name, skips it when true. After all files, one ValueError
     naming every missing (in ``dest``, not in the checkpoint), unexpected (not in ``dest``) and
-    wrongly shaped tensor; ``iter_tensors``' errors on the way.
+    wrongly shaped tensor; ``iter_tensors``' errors on the way. ``weight_block_size``: the
+    checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
+    with its ``weight_scale_inv`` before it is copied (``dequantize_blocks``).
     """
     seen, unexpected, bad = set(), set(), []
     with torch.no_grad():
-        for name, t in iter_tensors(path):
+        for name, t in _dequantized(iter_tensors(path), weight_block_size, str(path)):
             name = rename(name) if rename is not None else name
             if name is not None and not (ignore is not None and ignore(name)):
                 seen.add(name)

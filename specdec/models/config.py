@@ -141,6 +141,12 @@ class ModelConfig:
         """The normalised rotary parameters (transformers-5 form, ``rope_theta`` included)."""
         return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
 
+    @property
+    def weight_block_size(self) -> tuple[int, int] | None:
+        """The FP8 block size of a block-quantized checkpoint (None: not quantized)."""
+        q = self.extra.get("quantization_config")
+        return None if q is None else fp8_block_size(q)
+
     def sliding_window_of(self, layer: int) -> int | None:
         """Keys layer ``layer`` sees at most (None = every earlier key)."""
         if self.layer_types is None:
@@ -161,7 +167,8 @@ class ModelConfig:
                              "bias on o_proj too, which is not supported (Qwen2 layout only)")
         names = {f.name for f in fields(cls)} - {"extra", "architectures", "rope_scaling",
                                                  "rope_theta", "layer_types", "sliding_window"}
-        read = names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | {"sliding_window"}
+        read = names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | {"sliding_window",
+                                                                      "quantization_config"}
         unknown = sorted(set(d) - read - IGNORED_KEYS - HEAD_KEYS - family_keys)
         if unknown:
             raise ValueError(f"config keys {unknown} are not implemented for architectures="
@@ -177,9 +184,12 @@ class ModelConfig:
         kwargs["bos_token_id"] = d.get("bos_token_id")
         if "torch_dtype" not in d and d.get("dtype") is not None:
             kwargs["torch_dtype"] = d["dtype"]
+        if "quantization_config" in d:
+            fp8_block_size(d["quantization_config"])  # refused unless implemented
         rope = rope_parameters(d)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        extra = {k: v for k, v in d.items() if k in HEAD_KEYS | family_keys}
+        extra = {k: v for k, v in d.items()
+                 if k in HEAD_KEYS | family_keys | {"quantization_config"}}
         return cls(architectures=list(archs), extra=extra, rope_theta=rope["rope_theta"],
                    rope_scaling=None if scaling == {"rope_type": "default"} else scaling,
                    **_attention_layout(d, archs), **kwargs)
@@ -238,3 +248,19 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
     if types is not None and "sliding_attention" not in types:
         return {"sliding_window": None, "layer_types": None}
     return {"sliding_window": window, "layer_types": types}
+
+
+def fp8_block_size(q) -> tuple[int, int]:
+    """``quantization_config`` of a block-quantized FP8 checkpoint (DeepSeek-V3, Qwen3-FP8:
+    ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``) -> the block size;
+    anything else is refused (the weights are dequantized at load, the math stays float)."""
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or not (
+            isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"config quantization_config={q!r}: only block-quantized fp8 "
+                         "(quant_method 'fp8' with weight_block_size [bo, bi]) is implemented")
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"config quantization_config={q!r}: fmt must be 'e4m3' and "
+                         "activation_scheme 'dynamic'")
+    return block[0], block[1]

@@ -165,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
         model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
         state = model.state_dict()  # views of the parameters (merged ones as their parts)
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
-                             rename=model.checkpoint_name)
+                             rename=model.checkpoint_name,
+                             weight_block_size=config.weight_block_size)
         return model.to(device=device).eval()
 
 
