@@ -112,10 +112,17 @@ class SpeculativeConfig:
     @property
     def aux_layer_ids_configured(self) -> list[int] | None:
         """`eagle_aux_hidden_state_layer_ids` from draft_model_config, top level or under
-        `hf_config` (as vLLM nests it), or None when not set."""
-        hf_config = self.draft_model_config.get("hf_config") or {}
-        ids = self.draft_model_config.get("eagle_aux_hidden_state_layer_ids")
-        return ids if ids is not None else hf_config.get("eagle_aux_hidden_state_layer_ids")
+        `hf_config` (as vLLM nests it), each also under `eagle_config` (as vLLM reads a head
+        config), or None when not set. For EAGLE-3 a head config naming its own ids takes
+        precedence over these (see ``specdec.proposers.factory``)."""
+        key = "eagle_aux_hidden_state_layer_ids"
+        hf_config = self.draft_model_config.get("hf_config")
+        for where in (self.draft_model_config, hf_config if isinstance(hf_config, dict) else {}):
+            eagle_config = where.get("eagle_config")
+            for d in (where, eagle_config if isinstance(eagle_config, dict) else {}):
+                if d.get(key) is not None:
+                    return d[key]
+        return None
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layers whose outputs feed the head: the configured ids, else vLLM's

@@ -206,6 +206,158 @@ def build_minimax_m2(path) -> Path:
                   bos_token_id=MINIMAX_BOS, eos_token_id=MINIMAX_EOS)
 
 
+# ---- MiMo: the target and its MTP layer in ONE folder ---------------------------------------
+MTP_PREFIX = "model.mtp_layers.0."
+
+
+def build_mimo(path, *, post: Callable | None = None) -> Path:
+    """MiMo-7B-RL: ONE folder holding a Qwen2 target (q/k/v biases; built by transformers as
+    ``Qwen2ForCausalLM``, theta 640000) and its MTP layer ``model.mtp_layers.0.*`` (a
+    transformers ``Qwen2DecoderLayer``'s tensors + ``token_layernorm``, ``hidden_layernorm``,
+    ``input_proj [H, 2H]``, ``final_layernorm``), the MTP tensors in an extra last shard
+    (``model-0000n-of-0000n``, index updated). config.json as published: transformers-4
+    spelling, ``architectures: ["MiMoForCausalLM"]``, ``model_type: "mimo"``,
+    ``num_nextn_predict_layers: 1``, ``auto_map``. ``post(model, gen)`` edits the target."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    import transformers
+
+    path = _qwen2(path, post=post,
+                  rope_parameters={"rope_type": "default", "rope_theta": 640000.0})
+    hf = transformers.Qwen2Config(**read_config(path))
+    config = t4_spelling(read_config(path))
+    config.update(architectures=["MiMoForCausalLM"], model_type="mimo",
+                  num_nextn_predict_layers=1,
+                  auto_map={"AutoConfig": "configuration_mimo.MiMoConfig",
+                            "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    write_config(path, config)
+    torch.manual_seed(SEED + 2)
+    layer = Qwen2DecoderLayer(hf, 0)
+    gen = torch.Generator().manual_seed(SEED + 3)
+    h = hf.hidden_size
+    mtp = {}
+    for name, p in layer.state_dict().items():
+        if name.endswith("norm.weight"):
+            p = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif name.endswith(".bias"):
+            p = 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            p = INIT_RANGE * torch.randn(p.shape, generator=gen)
+        mtp[MTP_PREFIX + name] = p
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        mtp[f"{MTP_PREFIX}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    mtp[MTP_PREFIX + "input_proj.weight"] = INIT_RANGE * torch.randn(h, 2 * h, generator=gen)
+    add_shard(path, mtp)
+    return path
+
+
+def add_shard(path, tensors: dict[str, torch.Tensor]) -> None:
+    """Append ``tensors`` as a new last shard of a sharded folder (shards renamed
+    ``-of-0000{n+1}``, the index's weight_map and total_size updated)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    old = shard_files(path)
+    n = len(old) + 1
+    renamed = {name: f"model-{i:05d}-of-{n:05d}.safetensors" for i, name in enumerate(old, 1)}
+    for name, new in renamed.items():
+        (path / name).rename(path / new)
+    last = f"model-{n:05d}-of-{n:05d}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / last),
+              metadata={"format": "pt"})
+    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
+    index["weight_map"].update(dict.fromkeys(tensors, last))
+    index.setdefault("metadata", {})["total_size"] = sum(
+        t.numel() * t.element_size() for f in shard_files(path) for t in _load(path / f).values())
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def set_tensors(path, tensors: dict[str, torch.Tensor | None]) -> None:
+    """Replace (or, for None, remove) tensors of a sharded folder in the shards holding them."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    for file in sorted({index["weight_map"][k] for k in tensors}):
+        held = _load(path / file)
+        for k, v in tensors.items():
+            if index["weight_map"][k] == file:
+                if v is None:
+                    del held[k]
+                else:
+                    held[k] = v.contiguous()
+        save_file(held, str(path / file), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if k not in tensors or tensors[k] is not None}
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _load(file) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(file))
+
+
+# ---- "cycle" targets: the next token is a fixed function of the current one -----------------
+CYCLE = [7 + 13 * k for k in range(32)]  # the tokens a cycle target emits, in their order
+CYCLE_CONST = 1.0  # embedding dim 0 (the same for every token); dims 1, 2: the angle
+
+
+def cycle_angle(token: int) -> int:
+    """The angle index (of 2 pi / len(CYCLE)) a cycle target gives ``token``."""
+    return CYCLE.index(token) if token in CYCLE else token % len(CYCLE)
+
+
+def cycle_next(token: int) -> int:
+    """A cycle target's greedy next token after ``token``: CYCLE[angle + 1]."""
+    return CYCLE[(cycle_angle(token) + 1) % len(CYCLE)]
+
+
+def cycle_row(k: int, hidden: int) -> torch.Tensor:
+    """The lm_head row of CYCLE[k]: it scores a hidden of angle index k - 1 highest."""
+    psi = 2 * torch.pi / len(CYCLE)
+    row = torch.zeros(hidden, dtype=torch.float64)
+    row[1], row[2] = torch.cos(torch.tensor((k - 1) * psi)), torch.sin(torch.tensor((k - 1) * psi))
+    return row
+
+
+def cycle_weights(model, gen) -> None:
+    """Make a decoder a cycle target (``post`` of a builder): every layer adds nothing
+    (o_proj and down_proj zero) so the final hidden is ``norm(embed(token))`` (norm weight 1);
+    ``embed(t) = [CYCLE_CONST, cos(a psi), sin(a psi), 0, ...]`` for t's angle index a; the
+    lm_head row of CYCLE[k] is ``cycle_row(k)``, every other row ``[-4, 0, ...]``. The argmax is
+    CYCLE[a + 1] by a margin of 1 - cos(psi) (~1.9% of the top logit), whatever the layers'
+    other weights: ``cycle_next``."""
+    psi = 2 * torch.pi / len(CYCLE)
+    emb = model.model.embed_tokens.weight
+    vocab, h = emb.shape
+    a = torch.tensor([cycle_angle(t) for t in range(vocab)], dtype=torch.float64) * psi
+    emb.zero_()
+    emb[:, 0], emb[:, 1], emb[:, 2] = CYCLE_CONST, torch.cos(a), torch.sin(a)
+    head = model.lm_head.weight
+    head.zero_()
+    head[:, 0] = -4.0
+    for k, t in enumerate(CYCLE):
+        head[t] = cycle_row(k, h)
+    model.model.norm.weight.fill_(1.0)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+
+
+def build_llama31_cycle(path) -> Path:
+    """``llama31`` (transformers Llama, llama3 rope, eos list) made a cycle target."""
+    return _llama(path, max_position_embeddings=512, rope_parameters=_llama3_scaling(8.0),
+                  bos_token_id=LLAMA3_BOS, eos_token_id=list(LLAMA3_EOS), post=cycle_weights)
+
+
+def build_mimo_cycle(path) -> Path:
+    """``mimo`` whose target is a cycle target (its MTP layer random)."""
+    return build_mimo(path, post=cycle_weights)
+
+
 # ---- families specdec must refuse -----------------------------------------------------------
 def build_gemma2(path) -> Path:
     """gemma-2-2b: softcapping, query_pre_attn_scalar, alternating sliding window, gelu."""
@@ -239,12 +391,13 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "qwen3": build_qwen3,
     "qwen3_moe": build_qwen3_moe,
     "minimax_m2": build_minimax_m2,
+    "mimo": build_mimo,
     "gemma2": build_gemma2,
     "phi3": build_phi3,
 }
 # the published checkpoint is sharded (7B and up); Llama-3.2-1B is one model.safetensors
 SHARDED = {"llama2", "llama3", "llama31", "llama31_t4", "mistral_v01", "mistral_v03", "qwen25",
-           "qwen25_yarn", "qwen3", "qwen3_moe", "minimax_m2", "gemma2", "phi3"}
+           "qwen25_yarn", "qwen3", "qwen3_moe", "minimax_m2", "mimo", "gemma2", "phi3"}
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 

@@ -1,7 +1,9 @@
-"""Draft heads (MTP, EAGLE-1, EAGLE-3) in the checkpoint layouts vLLM's loaders accept.
+"""Draft heads (MTP, EAGLE-1, EAGLE-3) in the checkpoint layouts vLLM's loaders accept,
+including the folders people download (see "Published folders" below).
 
 What vLLM does (read in vllm/model_executor/models/{mimo_mtp,llama_eagle,llama_eagle3,
-deepseek_mtp,qwen2,llama}.py and config/speculative.py; summarised here, nothing copied):
+deepseek_mtp,qwen2,llama,utils}.py, v1/spec_decode/llm_base_proposer.py, v1/worker/
+gpu_model_runner.py and config/speculative.py; summarised here, nothing copied):
 
 MTP, MiMo layout (mimo_mtp.py). vLLM recognises it by ``architectures[0] == "MiMoForCausalLM"``
 and rewrites the config to ``MiMoMTPModel`` with ``num_hidden_layers = 0`` and
@@ -21,32 +23,61 @@ norm applied before the lm_head instead of a final_layernorm; same position-0 ma
 EAGLE-1 (llama_eagle.py): a ``LlamaForCausalLM`` folder with ``fc.weight [H, 2H]`` applied to
 ``cat(embeds, hidden)`` (EMBEDS FIRST, no norms), then ``layers.0`` whose input_layernorm is an
 identity (so ``layers.0.input_layernorm`` is absent), no final norm: the output
-``residual + mlp_out`` goes straight to the shared lm_head and is also the next hidden. Embeddings
-are skipped on load (shared with the target); the input hidden is the target's final hidden.
+``residual + mlp_out`` goes straight to the shared lm_head and is also the next hidden. The input
+hidden is the target's final hidden.
 
 EAGLE-3 (llama_eagle3.py): ``architectures: ["LlamaForCausalLMEagle3"]``; ``midlayer.*`` is
 renamed to ``layers.0.*``. The target supplies aux states (the residual stream at the input of
-layers ``eagle_aux_hidden_state_layer_ids``, read from the draft config; vLLM's Llama adds
-``hidden + residual`` before running those layers); ``combine_hidden_states`` = ``fc [H, 3H]`` over
-their concatenation in id order, only for the target's states. Layer: attention input is
+layers ``eagle_aux_hidden_state_layer_ids``; vLLM's Llama adds ``hidden + residual`` before
+running those layers); ``combine_hidden_states`` = ``fc [H, 3H]`` over their concatenation in id
+order, only for the target's states. Layer: attention input is
 ``cat(input_layernorm(embeds), hidden_norm(hidden))`` (EMBEDS FIRST, q/k/v in_features 2H), the
 residual is the un-normed hidden (``norm_before_residual`` false); then the usual post-attention
 norm + MLP. Output: ``norm(residual + mlp_out)`` feeds ``lm_head [draft_vocab, H]``; the pre-norm
-sum is the next step's hidden. ``d2t`` (optional, int64) maps ``target = draft + d2t[draft]``;
-``t2d`` is ignored; ``embed_tokens`` is optional (shared when absent).
+sum is the next step's hidden. ``d2t`` (optional, int64) maps ``target = draft + d2t[draft]``
+(absent: zeros, i.e. the first ``draft_vocab_size`` target ids); ``t2d`` is skipped.
+Aux layer ids (gpu_model_runner ``_get_eagle3_aux_layers_from_config``): the head config's
+``eagle_aux_hidden_state_layer_ids``, else its ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+else the target's default ``(2, L // 2, L - 3)``.
+
+Embeddings (llm_base_proposer ``has_own_embed_tokens``, set by utils ``process_eagle_weight``
+when a checkpoint name holds ``embed_tokens``): an EAGLE head that ships ``embed_tokens.weight``
+keeps its own unless it is identical to the target's, in which case the target's is shared;
+without one the target's is shared. (Older vLLM skipped an EAGLE-1 head's copy outright; for the
+published heads, whose copy is the target's, both give the same tokens.)
 
 All three run their single layer as KV layer 0 of the draft's own cache.
+
+Published folders this module loads (``load_head``):
+- EAGLE-1 as yuhuili/EAGLE-* ship it: ``LlamaForCausalLM`` config (``"bias"``: EAGLE's flag for an
+  ``fc.bias``; absent, the file decides), ``pytorch_model.bin`` with ``embed_tokens.weight``,
+  ``fc.weight`` (+ ``fc.bias``), ``layers.0.*``. vLLM's v1 EAGLE-1 ``fc`` has no bias (its loader
+  refuses, or in one version drops, ``fc.bias``); EAGLE's own model (eagle/model/cnets1.py) adds
+  it, so the heads were trained with it and it is applied here.
+- EAGLE-3 as yuhuili/EAGLE3-* and the Qwen3 EAGLE-3 heads ship it: ``midlayer.*``, ``fc``,
+  ``norm``, ``lm_head [draft_vocab, H]``, ``d2t`` int64, ``t2d`` bool (skipped), optional
+  ``embed_tokens.weight``; a ``LlamaForCausalLM`` architecture with ``draft_vocab_size`` or aux
+  ids in its config counts as EAGLE-3. MoE keys copied from a MoE target's config are not read
+  (vLLM's Llama layer reads none: the head's MLP is dense).
+- MiMo: ONE folder holding the target and ``model.mtp_layers.0.*``; the target's own tensors
+  (``model.layers.*``, ``model.norm``) are never read by the head, the two shared copies only
+  have their shapes checked.
+Every head skips ``*.rotary_emb.inv_freq`` (an old exporter's buffer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specdec.attention import KVCacheSpec
+from specdec.config import default_aux_layer_ids
 from specdec.models import checkpoint
 from specdec.models.config import ModelConfig
 from specdec.models.layers.attention import Attention
@@ -54,10 +85,17 @@ from specdec.models.layers.moe import MOE_CONFIG_KEYS
 from specdec.models.layers.norm import RMSNorm
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
 from specdec.models.llama import DecoderLayer, LlamaForCausalLM, build_layer
+from specdec.models.registry import ARCHITECTURES
 
 MTP_ARCH = "MiMoForCausalLM"
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# config keys that make a LlamaForCausalLM-architecture head folder an EAGLE-3 head
+EAGLE3_KEYS = ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "eagle_config")
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+OWN_EMBED = "embed_tokens.weight"  # an EAGLE head's optional own embedding
+# checkpoint tensors no head reads: an old exporter's rotary buffer
+SKIPPED = re.compile(r".*rotary_emb\.inv_freq")
 
 
 @dataclass
@@ -69,12 +107,18 @@ class SharedWeights:
 
 
 class DraftHead(nn.Module):
-    """Common interface the proposers call; subclasses define the layer and the layout."""
+    """Common interface the proposers call; subclasses define the layer and the layout.
+
+    Checkpoint layout hooks: ``skips(name)`` (tensors of the folder the head never reads),
+    ``SHARED_COPIES`` (checkpoint name -> the ``SharedWeights`` field it copies: only its shape
+    is checked) and ``from_checkpoint`` (what the tensors present decide, e.g. an own
+    embedding)."""
 
     method = ""
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose input states feed the head
+    SHARED_COPIES: dict[str, str] = {}
 
-    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM, *, own_embed: bool = False):
         super().__init__()
         t = target.config
         if (config.hidden_size, config.vocab_size) != (t.hidden_size, t.vocab_size):
@@ -86,6 +130,19 @@ class DraftHead(nn.Module):
         self.draft_vocab_size = config.vocab_size
         self.rotary = RotaryEmbedding(config.head_dim, config.rope,
                                       config.max_position_embeddings)
+        if own_embed:  # a head that ships an embedding other than the target's uses its own
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+    @classmethod
+    def skips(cls, name: str) -> bool:
+        """True for a checkpoint tensor this head never reads (it is not even loaded)."""
+        return SKIPPED.fullmatch(name) is not None
+
+    @classmethod
+    def from_checkpoint(cls, config: ModelConfig, target: LlamaForCausalLM,
+                        tensors: dict[str, torch.Tensor], **options) -> DraftHead:
+        """The head the folder's ``tensors`` (not yet loaded) describe."""
+        return cls(config, target, **options)
 
     def kv_cache_spec(self) -> list[KVCacheSpec]:
         """One spec per attention layer of the head (its own KV cache)."""
@@ -114,29 +171,48 @@ class DraftHead(nn.Module):
         return ids
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What ``save_pretrained`` writes (the head's tensors, plus any shared copies)."""
         return dict(self.state_dict())
 
     def expected_tensors(self) -> dict[str, torch.Size]:
-        return {k: v.shape for k, v in self.checkpoint_tensors().items()}
+        """What a folder must hold for this head (shared copies are optional)."""
+        return {k: v.shape for k, v in self.state_dict().items()}
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
         checkpoint.save_folder(path, self.config.to_hf_dict(), self.checkpoint_tensors(), dtype)
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+        """Load the folder's tensors: every expected one present with its shape, no other
+        (shared copies: shape checked, then dropped); ValueError naming the offenders."""
+        tensors = dict(tensors)
+        for name, field in self.SHARED_COPIES.items():
+            if name in tensors:
+                want = getattr(self.shared, field).weight.shape
+                if tensors[name].shape != want:
+                    raise ValueError(f"checkpoint {str(path)!r}: wrong shapes "
+                                     f"['{name}: {tuple(tensors[name].shape)} != {tuple(want)}'] "
+                                     "(a copy of the target's)")
+                del tensors[name]
         checkpoint.check_names(self.expected_tensors(), tensors, path)
-        self.load_state_dict({k: v for k, v in tensors.items() if k in self.state_dict()})
+        self.load_state_dict(tensors)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.shared.embed_tokens(input_ids)
+        own = getattr(self, "embed_tokens", None)
+        return (own if own is not None else self.shared.embed_tokens)(input_ids)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         return self.rotary.tables(positions, dtype)
 
 
 class MtpHead(DraftHead):
-    """MiMo-style MTP layer: ``model.mtp_layers.0.*`` (Qwen2 decoder layer + input projection)."""
+    """MiMo-style MTP layer: ``model.mtp_layers.0.*`` (Qwen2 decoder layer + input projection),
+    in a head folder of its own or in the MiMo target's folder."""
 
     method = "mtp"
+    # vLLM's MiMo loader requires these two in the folder; they are the target's
+    SHARED_COPIES = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+    # a MiMo checkpoint's target tensors (the target loader reads them, the head never does)
+    TARGET_TENSORS = re.compile(r"model\.(layers\.\d+\..*|norm\.weight)")
 
     def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
         super().__init__(config, target)
@@ -147,6 +223,10 @@ class MtpHead(DraftHead):
         self.model = nn.Module()
         self.model.mtp_layers = nn.ModuleList([_MtpLayer(config)])
 
+    @classmethod
+    def skips(cls, name):
+        return super().skips(name) or cls.TARGET_TENSORS.fullmatch(name) is not None
+
     def forward(self, input_ids, positions, hidden, kv=None):
         layer = self.model.mtp_layers[0]
         emb = self._embed(input_ids).masked_fill((positions == 0)[..., None], 0.0)
@@ -156,7 +236,6 @@ class MtpHead(DraftHead):
         return out, out
 
     def checkpoint_tensors(self):
-        # vLLM's MiMo loader requires these two in the folder; they are the target's.
         return dict(self.state_dict(), **{"model.embed_tokens.weight": self.shared.embed_tokens.weight,
                                           "lm_head.weight": self.shared.lm_head.weight})
 
@@ -172,19 +251,45 @@ class _MtpLayer(DecoderLayer):
         self.final_layernorm = RMSNorm(h, eps)
 
 
-class EagleHead(DraftHead):
-    """EAGLE-1: ``fc [H, 2H]`` over ``cat(embeds, hidden)`` + ``layers.0`` without input norm."""
+class _LlamaStyleHead(DraftHead):
+    """An EAGLE head: a Llama layer (whatever the target's family: MoE keys copied from a MoE
+    target's config are not read, as vLLM's Llama layer reads none) with an optional own
+    ``embed_tokens``."""
+
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM, *, own_embed: bool = False):
+        config = replace(config, extra={k: v for k, v in config.extra.items()
+                                        if k not in MOE_CONFIG_KEYS})
+        super().__init__(config, target, own_embed=own_embed)
+
+    @classmethod
+    def from_checkpoint(cls, config, target, tensors, **options):
+        return cls(config, target, own_embed=_keeps_own_embedding(tensors, target), **options)
+
+
+class EagleHead(_LlamaStyleHead):
+    """EAGLE-1: ``fc [H, 2H]`` (bias optional) over ``cat(embeds, hidden)`` + ``layers.0``
+    without input norm."""
 
     method = "eagle"
 
-    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
-        super().__init__(config, target)
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM, *, own_embed: bool = False,
+                 fc_bias: bool = False):
+        super().__init__(config, target, own_embed=own_embed)
+        config = self.config
         if config.num_hidden_layers != 1:
             raise ValueError(f"EagleHead config num_hidden_layers={config.num_hidden_layers}: "
                              "only 1 is supported")
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList([build_layer(config, 0, input_layernorm=False)])
+        if fc_bias:
+            self.config.extra["bias"] = True  # EAGLE's own spelling, written back on save
+
+    @classmethod
+    def from_checkpoint(cls, config, target, tensors, *, fc_bias=None, **options):
+        # EAGLE's ``bias`` config flag when given, else the file decides
+        return super().from_checkpoint(config, target, tensors, **options,
+                                       fc_bias="fc.bias" in tensors if fc_bias is None else fc_bias)
 
     def forward(self, input_ids, positions, hidden, kv=None):
         x = self.fc(torch.cat((self._embed(input_ids), hidden), dim=-1))
@@ -192,21 +297,35 @@ class EagleHead(DraftHead):
         return out, out
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(_LlamaStyleHead):
     """EAGLE-3: ``fc [H, 3H]`` over target aux states, ``midlayer`` with 2H-wide q/k/v,
-    ``norm``, own ``lm_head [draft_vocab, H]`` and optional ``d2t``."""
+    ``norm``, own ``lm_head [draft_vocab, H]`` and optional ``d2t``.
+
+    Aux layer ids: the config's (top level or under ``eagle_config``), else ``aux_layer_ids``
+    (the speculative config's ``draft_model_config``), else vLLM's default (2, L // 2, L - 3)."""
 
     method = "eagle3"
 
-    def __init__(self, config: ModelConfig, target: LlamaForCausalLM):
-        super().__init__(config, target)
+    def __init__(self, config: ModelConfig, target: LlamaForCausalLM, *, own_embed: bool = False,
+                 aux_layer_ids: list[int] | tuple[int, ...] | None = None):
+        super().__init__(config, target, own_embed=own_embed)
+        config = self.config
         extra = config.extra
-        ids = extra.get("eagle_aux_hidden_state_layer_ids")
         n_layers = target.config.num_hidden_layers
-        if (not isinstance(ids, list) or len(ids) != 3
-                or not all(isinstance(i, int) and 0 <= i < n_layers for i in ids)):
-            raise ValueError(f"Eagle3Head config eagle_aux_hidden_state_layer_ids={ids!r}: need 3 "
+        ids, where = head_aux_layer_ids(extra), "the head config"
+        if ids is None and aux_layer_ids is not None:
+            ids, where = list(aux_layer_ids), "speculative_config.draft_model_config"
+        if ids is None:
+            ids = list(default_aux_layer_ids(n_layers))
+            where = f"vLLM's default (2, L // 2, L - 3) for L={n_layers}"
+        if (not isinstance(ids, list) or len(ids) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in ids)):
+            raise ValueError(f"Eagle3Head {AUX_IDS_KEY}={ids!r} (from {where}): need 3 "
                              f"target layer ids in 0..{n_layers - 1}")
+        eagle_config = extra.get("eagle_config") or {}
+        if not isinstance(eagle_config, dict) or not eagle_config.get("use_aux_hidden_state", True):
+            raise ValueError(f"Eagle3Head config eagle_config={eagle_config!r}: only "
+                             "use_aux_hidden_state=true (fc over 3 target layers) is supported")
         if extra.get("norm_before_residual", False):
             raise ValueError("Eagle3Head config norm_before_residual=True is not supported")
         if extra.get("target_hidden_size", config.hidden_size) != config.hidden_size:
@@ -216,6 +335,7 @@ class Eagle3Head(DraftHead):
         if not 0 < draft_vocab <= config.vocab_size:
             raise ValueError(f"Eagle3Head config draft_vocab_size={draft_vocab}: "
                              f"allowed 1..{config.vocab_size}")
+        extra.setdefault(AUX_IDS_KEY, list(ids))  # a saved head names the ids it was run with
         self.aux_layer_ids = tuple(ids)
         self.draft_vocab_size = draft_vocab
         h = config.hidden_size
@@ -225,6 +345,20 @@ class Eagle3Head(DraftHead):
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         if draft_vocab < config.vocab_size:
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+
+    @classmethod
+    def skips(cls, name):
+        return super().skips(name) or name == "t2d"  # target -> draft mask: unused (vLLM too)
+
+    def load_tensors(self, tensors, path):
+        if hasattr(self, "d2t"):
+            tensors = dict(tensors)
+            d2t = tensors.setdefault("d2t", torch.zeros_like(self.d2t))  # absent: vLLM's zeros
+            if d2t.is_floating_point() or d2t.dtype == torch.bool:
+                raise ValueError(f"checkpoint {str(path)!r}: d2t has dtype {d2t.dtype}; need "
+                                 "integer offsets (int64)")
+            tensors["d2t"] = d2t.to(torch.int64)
+        super().load_tensors(tensors, path)
 
     def combine_hidden_states(self, target_aux: torch.Tensor) -> torch.Tensor:
         """Aux states [..., 3, H] (stacked, as the target returns them) or [..., 3H] -> [..., H]."""
@@ -270,16 +404,53 @@ class _Eagle3Layer(DecoderLayer):
         return self(hidden, rope, kv, attn_in=attn_in)
 
 
+def head_aux_layer_ids(config: dict) -> list | None:
+    """A head config's aux layer ids as vLLM reads them: ``eagle_aux_hidden_state_layer_ids``,
+    else ``eagle_config.eagle_aux_hidden_state_layer_ids``; None when neither is set (an empty
+    list counts as unset, as in vLLM)."""
+    ids = config.get(AUX_IDS_KEY)
+    if not ids and isinstance(config.get("eagle_config"), dict):
+        ids = config["eagle_config"].get(AUX_IDS_KEY)
+    return ids or None
+
+
+def _keeps_own_embedding(tensors: dict[str, torch.Tensor], target: LlamaForCausalLM) -> bool:
+    """Whether an EAGLE head uses its own ``embed_tokens.weight``: when it ships one that is
+    not identical to the target's (vLLM's ``has_own_embed_tokens`` + ``torch.equal``); an
+    identical copy is dropped from ``tensors`` and the target's is shared."""
+    t = tensors.get(OWN_EMBED)
+    if t is None:
+        return False
+    w = target.model.embed_tokens.weight
+    if t.shape != w.shape or t.is_floating_point() != w.is_floating_point():
+        return True  # kept: the load names the wrong shape
+    rows = max(1, (1 << 24) // max(w.shape[1], 1))  # compare ~64 MB at a time
+    with torch.no_grad():
+        same = all(torch.equal(t[i:i + rows].to(device=w.device, dtype=w.dtype), w[i:i + rows])
+                   for i in range(0, w.shape[0], rows))
+    if same:
+        del tensors[OWN_EMBED]
+    return not same
+
+
 def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig:
     """A head config sized like the target (one layer), with the keys vLLM reads for ``method``.
 
-    Eagle3 takes ``eagle_aux_hidden_state_layer_ids=[...]`` and optional ``draft_vocab_size``.
+    The target family's own keys that no head reads are left out: q/k-norm and attention-type
+    keys (MiniMax-M2), the sliding window (a head attends to every earlier token), and for the
+    Llama-style EAGLE heads the MoE keys (their MLP is dense; an MTP layer of a MoE target stays
+    a MoE). Eagle3 takes ``eagle_aux_hidden_state_layer_ids=[...]`` (default: vLLM's
+    (2, L // 2, L - 3)) and optional ``draft_vocab_size``.
     """
     archs = {"mtp": [MTP_ARCH], "eagle": ["LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
     if method not in archs:
         raise ValueError(f"head method={method!r}: allowed {sorted(archs)}")
-    d = dict(target_config.to_hf_dict(), architectures=archs[method], num_hidden_layers=1,
-             tie_word_embeddings=False, **extra)
+    family = ARCHITECTURES.get(target_config.architectures[0], LlamaForCausalLM).CONFIG_KEYS
+    unread = (family - MOE_CONFIG_KEYS) | {"layer_types", "sliding_window"}
+    if method != "mtp":
+        unread |= MOE_CONFIG_KEYS
+    d = {k: v for k, v in target_config.to_hf_dict().items() if k not in unread}
+    d.update(architectures=archs[method], num_hidden_layers=1, tie_word_embeddings=False, **extra)
     if method == "mtp":
         d["num_nextn_predict_layers"] = 1
     if method == "eagle3":
@@ -300,7 +471,8 @@ def head_class_for(config: ModelConfig) -> type[DraftHead]:
     arch = config.architectures[0]
     if arch == MTP_ARCH:
         return MtpHead
-    if arch in EAGLE3_ARCHS:
+    if arch in EAGLE3_ARCHS or (arch in EAGLE_ARCHS
+                                and any(config.extra.get(k) for k in EAGLE3_KEYS)):
         return Eagle3Head
     if arch in EAGLE_ARCHS:
         return EagleHead
@@ -309,15 +481,67 @@ def head_class_for(config: ModelConfig) -> type[DraftHead]:
 
 
 def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> DraftHead:
-    """Load a head folder (class picked from ``config.json``), sharing ``target``'s embed/lm_head."""
-    head = checkpoint.naming_folder(path, lambda: _build_head(path, target))
-    head.load_tensors(checkpoint.load_tensors(path), path)
-    if hasattr(head, "d2t"):
-        checkpoint.naming_folder(path, lambda: head.check_d2t())
+              device: str | torch.device = "cpu",
+              aux_layer_ids: list[int] | tuple[int, ...] | None = None) -> DraftHead:
+    """Load a head folder (class picked from ``config.json``), sharing ``target``'s embed/lm_head.
+
+    ``path`` may be a head folder of its own or a MiMo target folder holding
+    ``model.mtp_layers.*`` (the target's tensors there are skipped unread). ``aux_layer_ids``:
+    an EAGLE-3 head's aux layers when its config names none (the speculative config's
+    ``draft_model_config``); else vLLM's default. Every tensor the head needs must be present
+    with its shape, and every other one known to be skipped: ValueError naming them.
+    """
+    def build() -> DraftHead:
+        d = checkpoint.load_config(path)
+        fc_bias = d.pop("bias", None)  # EAGLE's flag for an fc bias (EAGLE-1 heads only)
+        if fc_bias is not None and not isinstance(fc_bias, bool):
+            raise ValueError(f"config bias={fc_bias!r}: must be true or false")
+        config = ModelConfig.from_dict(d, MOE_CONFIG_KEYS)
+        cls = head_class_for(config)
+        options = {}
+        if cls is EagleHead:
+            options["fc_bias"] = fc_bias
+        elif fc_bias:
+            raise ValueError(f"config bias=True: only an EAGLE-1 head's fc bias is supported "
+                             f"(this is a {cls.method!r} head)")
+        if cls is Eagle3Head:
+            options["aux_layer_ids"] = aux_layer_ids
+        tensors = _read_tensors(path, cls.skips, shape_only=cls.SHARED_COPIES)
+        head = cls.from_checkpoint(config, target, tensors, **options)
+        head.load_tensors(tensors, path)
+        if hasattr(head, "d2t"):
+            head.check_d2t()
+        return head
+
+    head = checkpoint.naming_folder(path, build)
     return head.to(device=device, dtype=dtype).eval()
 
 
-def _build_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
-    config = ModelConfig.from_dict(checkpoint.load_config(path), MOE_CONFIG_KEYS)
-    return head_class_for(config)(config, target)
+def _read_tensors(path: str | Path, skips, shape_only=()) -> dict[str, torch.Tensor]:
+    """The folder's tensors but those ``skips(name)``; ``shape_only`` names come as meta tensors
+    of their shape. In safetensors files a skipped or shape-only tensor is never read (a MiMo
+    target's shards cost a header read each); ``.bin`` files go through
+    ``checkpoint.iter_tensors`` (its checks), dropping the skipped ones."""
+    files = checkpoint.weight_files(path)
+    if any(f.suffix != ".safetensors" for f in files):
+        return {k: v for k, v in checkpoint.iter_tensors(path) if not skips(k)}
+    out = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                if skips(name):
+                    continue
+                if name in shape_only:
+                    out[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+                    continue
+                t = f.get_tensor(name)
+                if t.is_floating_point() and t.numel() and not all(
+                        math.isfinite(x.item()) for x in torch.aminmax(t)):
+                    raise ValueError(f"{file}: tensor {name!r} holds non-finite values "
+                                     "(NaN or inf)")
+                out[name] = t
+    return out

@@ -1,33 +1,73 @@
 """Build the proposer a SpeculativeConfig asks for: find and load its head, pick its class."""
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from specdec.config import SpeculativeConfig
-from specdec.models.heads import DraftHead, load_head
+from specdec.models import checkpoint
+from specdec.models.heads import MTP_ARCH, DraftHead, load_head
 from specdec.proposers.registry import get_proposer_class
 
 
 def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
-    """``speculative_config.model``, else ``<target folder>/../<method>``."""
+    """``speculative_config.model``; else for ``mtp`` the target folder itself when it is a
+    MiMo checkpoint holding ``model.mtp_layers.*`` (as vLLM takes the target as the MTP model);
+    else ``<target folder>/../<method>`` (the embedded default model's sibling heads)."""
     if spec.model is not None:
         path = Path(spec.model)
     elif model_dir is not None:
+        if spec.method == "mtp" and holds_mtp_layers(model_dir):
+            return Path(model_dir)
         path = Path(model_dir).parent / spec.method  # e.g. assets/default/{target,eagle3}
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
+        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH} checkpoint "
+                 "holding model.mtp_layers.*" if spec.method == "mtp" and spec.model is None
+                 else "")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
-                         f"(a {spec.method} head folder is needed)")
+                         f"(a {spec.method} head folder is needed{where})")
     return path
+
+
+def holds_mtp_layers(path: str | Path) -> bool:
+    """Whether ``path`` is a MiMo checkpoint (``architectures[0] == MiMoForCausalLM``) whose
+    weights include ``model.mtp_layers.*``: names from the index, else the files' headers."""
+    path = Path(path)
+    try:
+        if (checkpoint.load_config(path).get("architectures") or [None])[0] != MTP_ARCH:
+            return False
+        return any(n.startswith("model.mtp_layers.") for n in _tensor_names(path))
+    except (ValueError, OSError, RuntimeError, SafetensorError):
+        return False  # unreadable: the head loader names the problem if this folder is used
+
+
+def _tensor_names(path: Path) -> set[str]:
+    for index in (checkpoint.WEIGHTS_INDEX_NAME, checkpoint.BIN_INDEX_NAME):
+        if (path / index).is_file():
+            weight_map = json.loads((path / index).read_text()).get("weight_map")
+            return set(weight_map) if isinstance(weight_map, dict) else set()
+    names = set()
+    for file in checkpoint.weight_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                names |= set(f.keys())
+        else:
+            names |= set(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return names
 
 
 def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
                       draft_head, dtype: torch.dtype, device: torch.device):
     """The head ``spec`` needs (``draft_head``, else loaded from its folder; None for
-    extract_hidden_states), checked against the method and the aux layers; an EAGLE-3
-    head's aux layer ids become the config's when the config sets none."""
+    extract_hidden_states), checked against the method and the aux layers.
+
+    EAGLE-3 aux layer ids, as vLLM picks them: the head config's, else the speculative
+    config's ``draft_model_config``, else vLLM's default (2, L // 2, L - 3); the head's become
+    the config's (a configured list of another length is an error naming the field)."""
     if spec.method == "extract_hidden_states":
         head, where = None, None
     elif draft_head is not None:
@@ -37,7 +77,8 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
         head, where = draft_head, "draft_head"
     else:
         path = find_head_dir(spec, model_dir)
-        head = load_head(path, target, dtype=dtype, device=device)
+        head = load_head(path, target, dtype=dtype, device=device,
+                         aux_layer_ids=spec.aux_layer_ids_configured)
         where = f"speculative_config.model={str(path)!r}"
     if head is not None and head.method != spec.method:
         raise ValueError(f"speculative_config.method={spec.method!r}, but {where} is a "
@@ -45,13 +86,12 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
                          f"{spec.method!r} head")
     if spec.uses_aux_hidden_states and head is not None:
         trained = head.aux_layer_ids
-        if spec.aux_layer_ids_configured is None:
-            spec.draft_model_config["eagle_aux_hidden_state_layer_ids"] = list(trained)
         configured = spec.aux_layer_ids_configured
-        if len(configured) != len(trained):
+        if configured is not None and len(configured) != len(trained):
             raise ValueError(
                 f"eagle_aux_hidden_state_layer_ids={configured!r} has {len(configured)} ids, "
                 f"but {where} combines {len(trained)} target layers ({list(trained)})")
+        spec.draft_model_config["eagle_aux_hidden_state_layer_ids"] = list(trained)
     if spec.uses_aux_hidden_states:
         spec.aux_layer_ids(target.config.num_hidden_layers)  # the ids exist in the target
     return head
