@@ -88,6 +88,7 @@ from specdec.models.llama import DecoderLayer, LlamaForCausalLM, build_layer
 from specdec.models.registry import ARCHITECTURES
 
 MTP_ARCH = "MiMoForCausalLM"
+DEEPSEEK_ARCH = "DeepseekV3ForCausalLM"  # its MTP layer: models/deepseek_mtp.py
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # config keys that make a LlamaForCausalLM-architecture head folder an EAGLE-3 head
@@ -485,12 +486,17 @@ def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = t
               aux_layer_ids: list[int] | tuple[int, ...] | None = None) -> DraftHead:
     """Load a head folder (class picked from ``config.json``), sharing ``target``'s embed/lm_head.
 
-    ``path`` may be a head folder of its own or a MiMo target folder holding
-    ``model.mtp_layers.*`` (the target's tensors there are skipped unread). ``aux_layer_ids``:
+    ``path`` may be a head folder of its own, a MiMo target folder holding
+    ``model.mtp_layers.*`` (the target's tensors there are skipped unread), or a DeepSeek-V3
+    folder holding its MTP layer ``model.layers.L.*`` (``deepseek_mtp.load_deepseek_mtp``). ``aux_layer_ids``:
     an EAGLE-3 head's aux layers when its config names none (the speculative config's
     ``draft_model_config``); else vLLM's default. Every tensor the head needs must be present
     with its shape, and every other one known to be skipped: ValueError naming them.
     """
+    if (checkpoint.load_config(path).get("architectures") or [None])[0] == DEEPSEEK_ARCH:
+        from specdec.models.deepseek_mtp import load_deepseek_mtp  # (it imports this module)
+        return load_deepseek_mtp(path, target, dtype, device)
+
     def build() -> DraftHead:
         d = checkpoint.load_config(path)
         fc_bias = d.pop("bias", None)  # EAGLE's flag for an fc bias (EAGLE-1 heads only)

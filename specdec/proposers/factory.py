@@ -8,7 +8,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdec.config import SpeculativeConfig
 from specdec.models import checkpoint
-from specdec.models.heads import MTP_ARCH, DraftHead, load_head
+from specdec.models.heads import DEEPSEEK_ARCH, MTP_ARCH, DraftHead, load_head
 from specdec.proposers.registry import get_proposer_class
 
 
@@ -25,22 +25,28 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
-        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH} checkpoint "
-                 "holding model.mtp_layers.*" if spec.method == "mtp" and spec.model is None
-                 else "")
+        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH} or "
+                 f"{DEEPSEEK_ARCH} checkpoint holding its MTP layer"
+                 if spec.method == "mtp" and spec.model is None else "")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
                          f"(a {spec.method} head folder is needed{where})")
     return path
 
 
 def holds_mtp_layers(path: str | Path) -> bool:
-    """Whether ``path`` is a MiMo checkpoint (``architectures[0] == MiMoForCausalLM``) whose
-    weights include ``model.mtp_layers.*``: names from the index, else the files' headers."""
+    """Whether ``path`` is a target checkpoint holding its own MTP layers: MiMo
+    (``model.mtp_layers.*``) or DeepSeek-V3 (``model.layers.L.eh_proj``, L = its layer count);
+    names from the index, else the files' headers."""
     path = Path(path)
     try:
-        if (checkpoint.load_config(path).get("architectures") or [None])[0] != MTP_ARCH:
-            return False
-        return any(n.startswith("model.mtp_layers.") for n in _tensor_names(path))
+        config = checkpoint.load_config(path)
+        arch = (config.get("architectures") or [None])[0]
+        if arch == MTP_ARCH:
+            return any(n.startswith("model.mtp_layers.") for n in _tensor_names(path))
+        if arch == DEEPSEEK_ARCH:
+            return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in \
+                _tensor_names(path)
+        return False
     except (ValueError, OSError, RuntimeError, SafetensorError):
         return False  # unreadable: the head loader names the problem if this folder is used
 
