@@ -33,8 +33,8 @@ DEEPSEEK = dict(vocab_size=H.VOCAB, hidden_size=64, intermediate_size=96,
                                  "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
 
 
-def build_deepseek_v3(path, **overrides) -> Path:
-    path = H._build(path, "DeepseekV3Config", "DeepseekV3ForCausalLM", post=H._routing_bias,
+def build_deepseek_v3(path, post=H._routing_bias, **overrides) -> Path:
+    path = H._build(path, "DeepseekV3Config", "DeepseekV3ForCausalLM", post=post,
                     **{**DEEPSEEK, **overrides})
     H.write_config(path, {**H.read_config(path), "topk_method": "noaux_tc",
                           "scoring_func": "sigmoid"})
@@ -146,3 +146,27 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
         out = layer(x, attention_mask=mask, position_embeddings=rope,
                     position_ids=positions[None])
         return (norm("shared_head.norm")(out[0]) @ t["shared_head.head.weight"].T).float()
+
+
+def build_deepseek_v3_mtp_cycle(path) -> Path:
+    """``deepseek_v3`` made a cycle target (``hf_models.cycle_weights``: every layer adds
+    nothing, the next token is ``cycle_next`` of the current one) with an MTP layer that
+    predicts it exactly: its decoder layer adds nothing either, ``eh_proj = [I, 0]`` keeps
+    ``enorm(embed(next token))``, all its norms are 1, and the target's embedding and lm_head
+    are shared, so its logits are the target's at the next token."""
+    path = build_deepseek_v3(path, post=lambda m, g: (H._routing_bias(m, g),
+                                                       H.cycle_weights(m, g)))
+    t = mtp_tensors(path, copies=False)
+    cfg = H.read_config(path)
+    h, prefix = cfg["hidden_size"], f"model.layers.{cfg['num_hidden_layers']}."
+    for name in t:
+        if name.endswith("o_proj.weight") or "down_proj" in name:
+            t[name] = torch.zeros_like(t[name])
+        elif name.endswith("norm.weight"):
+            t[name] = torch.ones_like(t[name])
+    t[prefix + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    H.add_shard(path, t)
+    return path
+
+
+BUILDERS["deepseek_v3_mtp_cycle"] = build_deepseek_v3_mtp_cycle

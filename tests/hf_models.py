@@ -342,9 +342,9 @@ def cycle_weights(model, gen) -> None:
     for k, t in enumerate(CYCLE):
         head[t] = cycle_row(k, h)
     model.model.norm.weight.fill_(1.0)
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
+    for name, p in model.model.layers.named_parameters():  # dense, MoE and shared experts
+        if name.endswith("o_proj.weight") or "down_proj" in name:
+            p.zero_()
 
 
 def build_llama31_cycle(path) -> Path:

@@ -270,3 +270,23 @@ def test_deepseek_mtp_speculative_greedy_equals_plain(k, ragged, backend, ds_dir
     outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
     assert [o.token_ids for o in outs] == ds_plain
     assert sum(sum(o.num_drafted) for o in outs) > 0
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_exact_mtp_layer_is_always_accepted(ragged, ds_dir):
+    """A cycle target with an MTP layer that predicts it exactly (hf_deepseek): every draft
+    accepted, acceptance length K + 1, and the tokens are the cycle's."""
+    k = 3
+    llm = LLM(model=str(ds_dir("deepseek_v3_mtp_cycle")), max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": k,
+                                  "disable_padded_drafter_batch": ragged})
+    outs = llm.generate(PROMPTS, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, outs):
+        expected, t = [], prompt[-1]
+        for _ in range(24):
+            t = H.cycle_next(t)
+            expected.append(t)
+        assert out.token_ids == expected
+        assert out.num_accepted == out.num_drafted and sum(out.num_drafted) > 0
+        # every verifying step but the last (cut by max_tokens) accepts all K drafts
+        assert out.acceptance_length >= k + 1 - k / out.num_decode_steps
