@@ -18,12 +18,16 @@ m = 3, l = e^(1-3) + 1; block 2: m' = 3, alpha = 1, l' = l + e^(2-3); out = acc 
 Padding tokens (past the last request) attend like the last request's last token.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from specdec.kernels.mla_attention_torch import check_latent
-from specdec.kernels.triton_paged_attention import TritonPlan
+
+if TYPE_CHECKING:  # not imported at run time: loading this module must not load that one
+    from specdec.kernels.triton_paged_attention import TritonPlan
 
 ROWS_PER_ITERATION = 16  # BLOCK_N (tl.dot needs >= 16)
 HEADS_PER_PROGRAM = 16  # BLOCK_H (tl.dot needs >= 16; fewer heads are masked)
@@ -103,7 +107,7 @@ _DOT_TYPES = {torch.float64: tl.float64, torch.float32: tl.float32,
               torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: TritonPlan, *, value_dim: int,
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: "TritonPlan", *, value_dim: int,
                   scale: float) -> torch.Tensor:
     """q [N, H, D] (unit last stride), cache [S, 1, D] (unit last stride) -> [N, H, value_dim]
     in q's dtype; same contract as ``mla_attention_torch.mla_attention``. O(1) host checks."""

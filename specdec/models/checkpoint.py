@@ -245,24 +245,28 @@ def _dequantized(tensors, block: tuple[int, int] | None, file_of: str):
     """(name, tensor) pairs with each fp8 ``X.weight`` and its ``X.weight_scale_inv`` (in any
     order, any shard) replaced by one float32 ``X.weight``; at most the pairs still waiting
     for their other half are held."""
+    if block is None:  # no local reference: a yielded tensor keeps its whole file mapped
+        yield from tensors
+        return
     pending: dict[str, torch.Tensor] = {}
     for name, t in tensors:
-        if block is None:
-            yield name, t
-            continue
         if name.endswith(SCALE_SUFFIX):
             key = name.removesuffix(SCALE_SUFFIX) + ".weight"
         elif t.dtype in FP8_DTYPES:
             key = name
         else:
             yield name, t
+            del t
             continue
         if key not in pending:
-            pending[key] = t
+            pending[key] = t.clone()  # held past its file
+            del t
             continue
         other = pending.pop(key)
         weight, scale_inv = (t, other) if name == key else (other, t)
+        del t, other
         yield key, _finite(file_of, key, dequantize_blocks(weight, scale_inv, block))
+        del weight, scale_inv
     if pending:
         raise ValueError(f"{file_of}: fp8 weights without their weight_scale_inv (or the "
                          f"reverse): {sorted(pending)}")
