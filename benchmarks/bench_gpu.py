@@ -75,7 +75,8 @@ def measure(llm: LLM, conc: int, output_len: int, vocab: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_gpu", description=" ".join(__doc__.split("\n\n")[0].split()),
+        prog="python -m benchmarks.bench_gpu",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="Run it from the repository root (benchmarks/ is not installed with the "
                "package). " + " ".join(__doc__.split("\n\n", 2)[2].split()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

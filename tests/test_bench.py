@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 
 from specdec.bench import itl
+from specdec.bench import sweep as bench_sweep
 from specdec.cli import UsageError
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
@@ -169,7 +170,7 @@ def test_one_failing_config_does_not_lose_the_sweep(tmp_path, monkeypatch):
         broken.step = step
         return engines, skipped
 
-    monkeypatch.setattr(itl, "build_engines", build_with_a_broken_engine)
+    monkeypatch.setattr(bench_sweep, "build_engines", build_with_a_broken_engine)
     out = tmp_path / "out"
     sweep = {**SWEEP, "methods": ["none", "mtp"], "concurrency": [1], "model": str(model)}
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))

@@ -50,7 +50,7 @@ GENERATE_CASES = [  # llm.generate(prompts, **kwargs) -> the field named
     (([[1, 2]],), {"max_tokens": 0}, "max_tokens"), (([[1, 2]],), {"max_tokens": "2"}, "max_tokens"),
     (([[1, 2]],), {"temperature": -0.5}, "temperature"),
     (([[1, 2]],), {"temperature": float("nan")}, "temperature"),
-    (([[1, 2]],), {"top_p": 1.5}, "top_p"), (([[1, 2]],), {"ignore_eos": None}, "ignore_eos"),
+    (([[1, 2]],), {"top_p": 1.5}, "top_p"), (([[1, 2]],), {"ignore_eos": 1}, "ignore_eos"),
     (([[1, 2]],), {"stop_token_ids": [-1]}, "stop_token_ids"),
     (([[1, 2]],), {"stop_token_ids": "5"}, "stop_token_ids"),
     (([[1, 2.0]],), {}, "prompts"), (([[1, 10**9]],), {}, "prompts"), ((["a", []],), {}, "prompts"),

@@ -29,15 +29,19 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specdec.bench import itl
-from specdec.cli import DEFAULT_K, METHODS, UsageError, speculative_config
+from specdec.bench import metrics, plots, report
+from specdec.bench import sweep as bench_sweep
+from specdec.flags import DEFAULT_K, METHODS, UsageError, ints, speculative_config
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
                 seed=0, request_rate=None, num_prompts=None)
 QUICK = dict(DEFAULTS, concurrency=[1, 4], prompt_len=32, output_len=32, repeats=4)
 DEFINITIONS = {
-    **{k: v for k, v in itl.DEFINITIONS.items() if k not in ("dp", "collectives_per_step")},
+    **{k: v for k, v in metrics.DEFINITIONS.items() if k not in ("dp", "collectives_per_step")},
+    "mode": "padded / ragged: the drafter batch of a server the bench launched; plain: it "
+            "launched one without a drafter; server: one started elsewhere (not known)",
+    "server": "owned_by of the model in the server's /v1/models (specdec or vllm), its URL",
     "chunk": "an SSE event that brought output tokens (a speculative step: several)",
     "itl": "per output token after a request's first chunk: (gap to the previous chunk) / "
            "(tokens in the chunk), client clock; per request they add up to e2e - ttft",
@@ -162,13 +166,13 @@ def engine_deltas(before: dict, after: dict) -> dict:
 
 
 def run_figures(records: list[dict], start: float, end: float, engine: dict) -> dict:
-    """One run's JSON record: ``itl.repeat_figures`` plus chunk gaps and per-request records."""
+    """One run's JSON record: ``metrics.repeat_figures`` plus chunk gaps and per-request records."""
     per = [request_figures(r) for r in records]
     raw = dict(engine, wall_s=end - start, output_tokens=sum(p["output_tokens"] for p in per),
                itl_s=[x for p in per for x in p["itl"]], ttft_s=[p["ttft"] for p in per],
                e2e_s=[p["e2e"] for p in per], tpot_s=[p["tpot"] for p in per],
                decode_time_s=sum(p["e2e"] - p["ttft"] for p in per))
-    rep = itl.repeat_figures(raw)
+    rep = metrics.repeat_figures(raw)
     rep["itl_chunk_ms"] = [1e3 * x for p in per for x in p["chunk_gaps"]]
     rep["requests"] = [dict(ttft_ms=1e3 * p["ttft"], e2e_ms=1e3 * p["e2e"],
                             itl_ms=[1e3 * x for x in p["itl"]], chunk_tokens=p["chunk_tokens"],
@@ -217,19 +221,51 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 # ---- the sweep ------------------------------------------------------------------------------
-def served_model(base_url: str) -> str:
+def served_models(base_url: str) -> list[dict]:
+    """The server's ``/v1/models`` entries ([] when it has none or does not answer)."""
     import httpx
-    data = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
-    return data[0]["id"]
+    try:
+        data = httpx.get(f"{base_url}/v1/models", timeout=30).json().get("data")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return []
+    return data if isinstance(data, list) else []
+
+
+def served_model(base_url: str) -> str:
+    """The first model of ``/v1/models``."""
+    models = served_models(base_url)
+    if not models:
+        raise UsageError(f"{base_url}/v1/models lists no model: give --model NAME")
+    return models[0]["id"]
+
+
+def server_info(base_url: str, model: str, launched: bool) -> dict:
+    """Which server the figures came from: ``owned_by`` of the model in ``/v1/models``
+    (specdec serve: "specdec", vllm serve: "vllm"), else the base URL's host."""
+    entry = next((m for m in served_models(base_url) if m.get("id") == model), {})
+    owner = entry.get("owned_by")
+    name = f"{owner} serve" if owner in ("specdec", "vllm") else (owner or "unknown server")
+    return dict(name=name + (" (launched by the bench)" if launched else ""), owned_by=owner,
+                base_url=base_url, model=model, launched=launched)
+
+
+def endpoint_mode(spec: dict | None, launched: bool) -> str:
+    """The drafter batch of the served engine when the bench launched it (padded, ragged;
+    plain without a drafter); ``server`` when the server was started elsewhere (unknown)."""
+    if not launched:
+        return "server"
+    if spec is None:
+        return "plain"
+    return "ragged" if spec.get("disable_padded_drafter_batch") else "padded"
 
 
 def bench(opts: dict, base_url: str, model: str, label: str, k: int,
-          console: Console) -> dict:
+          console: Console, mode: str = "server", server: dict | None = None) -> dict:
     """Warm up, then the interleaved repeats over the concurrencies; -> results.json dict."""
     from specdec.engine.llm import DEFAULT_MODEL
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
-    source = itl.PromptSource(tok, tok.get_vocab_size())
+    source = bench_sweep.PromptSource(tok, tok.get_vocab_size())
     body = dict(model=model, max_tokens=opts["output_len"], temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True,
                                                      continuous_usage_stats=True))
@@ -258,48 +294,64 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int,
     phases["measure_s"] = time.perf_counter() - t
     configs = []
     for c in concs:
-        summary = itl.summarize(reps[c])
-        summary["itl_chunk_ms"] = itl._dist([x for r in reps[c] for x in r["itl_chunk_ms"]])
+        summary = metrics.summarize(reps[c])
+        summary["itl_chunk_ms"] = metrics.dist([x for r in reps[c] for x in r["itl_chunk_ms"]])
         summary["host_syncs_per_step"] = None  # an endpoint is timed, never checked
         configs.append(dict(
             name=f"{label}-c{c}-p{opts['prompt_len']}-o{opts['output_len']}", method=label,
-            mode="-", k=k, concurrency=c, prompt_len=opts["prompt_len"],
+            mode=mode, k=k, concurrency=c, prompt_len=opts["prompt_len"],
             output_len=opts["output_len"], request_rate=opts["request_rate"], status="ok",
             summary=summary, repeats=reps[c]))
     sweep = {**opts, "dp": 1, "base_url": base_url, "model": model}
-    return dict(schema_version=SCHEMA_VERSION, kind="endpoint", definitions=DEFINITIONS,
-                environment=itl.environment({"device": "cpu"}), sweep=sweep,
+    return dict(schema_version=SCHEMA_VERSION, kind="endpoint", server=server or {},
+                definitions=DEFINITIONS,
+                environment=bench_sweep.environment({"device": "cpu"}), sweep=sweep,
                 prompt_source=source.kind, phase_seconds=phases, configs=configs)
 
 
 # ---- command line ---------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (specdec or vllm serve)")
-    target.add_argument("--launch", action="store_true", help="start specdec serve on a free port")
+    target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (specdec or vllm serve; "
+                                           "this or --launch is required)")
+    target.add_argument("--launch", action="store_true",
+                        help="start specdec serve on a free port, stop it at the end (this or "
+                             "--base-url is required)")
     p.add_argument("--model", help="the served model name (default: the first of /v1/models)")
     p.add_argument("--label", help="the config name in the results (default: the method "
                                    "with --launch, else the model name)")
     p.add_argument("--quick", action="store_true", help="concurrency 1,4, 32-token prompts, "
-                   "32 output tokens, 4 repeats (about a minute with --launch)")
-    p.add_argument("--out", default="bench-serve-results", metavar="DIR")
-    p.add_argument("--concurrency", type=itl._ints, help="comma list (default 1,4,16)")
+                   "32 output tokens, 4 repeats (see the README for its measured duration; "
+                   "default: concurrency 1,4,16, 64-token prompts and outputs, 3 repeats)")
+    p.add_argument("--out", default="bench-serve-results", metavar="DIR",
+                   help="where results.json and the PNGs go")
+    p.add_argument("--concurrency", type=ints,
+                   help=f"comma list (default {','.join(map(str, d['concurrency']))})")
     p.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s "
-                   "(concurrency then caps requests in flight)")
+                   "(concurrency then caps requests in flight; default: all at once)")
     p.add_argument("--num-prompts", type=int, help="requests per run (default: concurrency)")
-    p.add_argument("--prompt-len", type=int)
-    p.add_argument("--output-len", type=int)
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--warmup", type=int, help="warm-up runs per concurrency (excluded)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {d['prompt_len']})")
+    p.add_argument("--output-len", type=int, help=f"output tokens (default {d['output_len']})")
+    p.add_argument("--repeats", type=int, help=f"measured runs per concurrency "
+                                               f"(default {d['repeats']})")
+    p.add_argument("--warmup", type=int, help=f"warm-up runs per concurrency, excluded "
+                                              f"(default {d['warmup']})")
+    p.add_argument("--seed", type=int, help=f"prompt seed (default {d['seed']})")
     p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
                    "makes the prompts (default: the embedded model's)")
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
-    g.add_argument("--method", choices=METHODS, default=None)
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None)
-    g.add_argument("--speculative-config", default=None, metavar="JSON")
-    g.add_argument("--no-padded", action="store_true")
-    g.add_argument("--server-model", metavar="PATH", help="--model of the launched server")
+    g.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter of the launched server (default eagle3)")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"K (default {DEFAULT_K})")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM-style dict; its keys override --method/-k/--no-padded "
+                        "(default: none)")
+    g.add_argument("--no-padded", action="store_true",
+                   help="ragged drafter batch (default: padded)")
+    g.add_argument("--server-model", metavar="PATH",
+                   help="--model of the launched server (default: the embedded model)")
 
 
 def options(args) -> dict:
@@ -351,16 +403,18 @@ def run_from_args(args) -> int:
             base_url = args.base_url.rstrip("/")
         model = args.model or served_model(base_url)
         label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
-        results = bench(opts, base_url, model, label, k, console)
+        server = server_info(base_url, model, args.launch)
+        results = bench(opts, base_url, model, label, k, console,
+                        mode=endpoint_mode(spec, args.launch), server=server)
     finally:
         if proc is not None:
             stop(proc)
     results["launched_speculative_config"] = spec
-    results["plots"] = itl.write_plots(results, out)
+    results["plots"] = plots.write_plots(results, out)
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    wide = Console(width=max(Console().width, 170))
-    wide.print(itl.results_table(results))
-    wide.print(f"wrote {out / 'results.json'} and {', '.join(results['plots'])} in "
+    out_console = Console()
+    out_console.print(report.results_table(results, out_console.width))
+    out_console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots'])} in "
                f"{results['wall_seconds']:.1f} s", markup=False, highlight=False, soft_wrap=True)
     return 0

@@ -277,25 +277,43 @@ class LLM:
             return "length"
         return None
 
-    def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, ignore_eos: bool = False,
-                 stop_token_ids: list[int] = (), seed: int | None = None
+    def generate(self, prompts,
+                 sampling_params: "SamplingParams | list[SamplingParams] | None" = None, *,
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, ignore_eos: bool | None = None,
+                 stop_token_ids: list[int] | None = None, seed: int | None = None
                  ) -> list[RequestOutput]:
         """One output per prompt, in order. ``prompts``: a str or a list of token ids (one
-        prompt), or a list of those. Every prompt is checked before any is queued; if the call
-        fails or is interrupted, none of its requests stays queued. ``seed``: every prompt
-        samples from its own generator seeded with it (see SamplingParams.seed)."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, seed=seed)
-        params.check_vocab(self.vocab_size)
+        prompt), or a list of those. ``sampling_params`` (as vLLM's ``LLM.generate``): one
+        SamplingParams for every prompt, or a list with one per prompt; or give the keyword
+        arguments instead (unset ones take SamplingParams' defaults: max_tokens 64, greedy).
+        An int in its place is read as ``max_tokens`` (the older positional form). Every prompt
+        is checked before any is queued; if the call fails or is interrupted, none of its
+        requests stays queued. ``seed``: every prompt's random numbers are keyed by it (see
+        SamplingParams.seed and engine/counter_rng.py)."""
         prompts = as_prompt_list(prompts)
+        per_prompt = self._sampling_params(len(prompts), sampling_params, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids, seed=seed))
+        for params in per_prompt:
+            params.check_vocab(self.vocab_size)
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if self.data_parallel_size > 1:  # N ranks, prompts split round-robin, prompt order back
             from specdec.engine.dp_engine import DPJob, run_data_parallel
-            job = DPJob(self.init_kwargs, prompts, params)
-            return run_data_parallel([job], self.data_parallel_size,
-                                     timeout=self.config.data_parallel_timeout)[0].outputs
-        reqs = [self._queue(x, params, None) for x in ids]
+            groups: dict[int, list[int]] = {}  # one DP job per distinct SamplingParams
+            for i, params in enumerate(per_prompt):
+                key = next((j for j in groups if per_prompt[j] == params), i)
+                groups.setdefault(key, []).append(i)
+            jobs = [DPJob(self.init_kwargs, [prompts[i] for i in idx], per_prompt[first])
+                    for first, idx in groups.items()]
+            runs = run_data_parallel(jobs, self.data_parallel_size,
+                                     timeout=self.config.data_parallel_timeout)
+            outputs = [None] * len(prompts)
+            for idx, run in zip(groups.values(), runs):
+                for i, out in zip(idx, run.outputs):
+                    outputs[i] = out
+            return outputs
+        reqs = [self._queue(x, params, None) for x, params in zip(ids, per_prompt)]
         try:
             while self.step() is not None:
                 pass
@@ -304,6 +322,33 @@ class LLM:
                 self.scheduler.abort(r, "abort")
             raise
         return [self._output(r) for r in reqs]
+
+    @staticmethod
+    def _sampling_params(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:
+        """One SamplingParams per prompt from generate's arguments (see generate)."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        if isinstance(sampling_params, int):  # generate(prompts, 8): the older max_tokens form
+            if "max_tokens" in given:
+                raise TypeError("max_tokens given twice: positionally and as a keyword")
+            given["max_tokens"] = sampling_params
+            sampling_params = None
+        if sampling_params is None:
+            return [SamplingParams(**given)] * n
+        if given:
+            raise TypeError(f"give sampling_params or the keyword arguments "
+                            f"{sorted(given)}, not both")
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if isinstance(sampling_params, (list, tuple)):
+            for i, p in enumerate(sampling_params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}]={p!r}: must be a SamplingParams")
+            if len(sampling_params) != n:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} "
+                                 "prompts: give one per prompt, or a single SamplingParams")
+            return list(sampling_params)
+        raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
+                        "of them (one per prompt), or None")
 
     def _output(self, r: Request) -> RequestOutput:
         out = r.output_token_ids

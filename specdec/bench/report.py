@@ -1,0 +1,105 @@
+"""ITL harness, report: the summary table (it fits 80 columns), the slower-than-plain hint,
+and the skipped/failed lines."""
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+
+def _f(x, fmt=".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+# headers stack on two lines so the numbers set the widths; every other figure is in results.json
+TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s",
+                 "acc\nlen", "acc rate per\nposition", "syncs\n/step")
+RATES = "acc rate per\nposition"
+NUMERIC = ("K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s", "acc\nlen", "syncs\n/step")
+
+
+def _row(c: dict) -> dict:
+    """One ok config's table cells, by column."""
+    s = c["summary"]
+    itl = s["itl_ms"]
+    return {"method": c["method"], "mode": c["mode"], "K": str(c["k"] or "-"),
+            "conc": str(c["concurrency"]), "ITL\nmean": _f(itl["mean"]),
+            "ITL\np99": _f(itl["p99"]), "TTFT\nmean": _f(s["ttft_ms"]["mean"], ".1f"),
+            "tok/s": f"{s['output_tokens_per_s']:.0f}", "acc\nlen": _f(s["acceptance_length"]),
+            RATES: " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
+            "syncs\n/step": _f(s["host_syncs_per_step"], ".1f")}
+
+
+def table_title(results: dict) -> str:
+    """In-process sweep, or (results of ``specdec bench serve``) which server, model and URL."""
+    sw = results["sweep"]
+    if results.get("kind") == "endpoint":
+        server = results.get("server") or {}
+        return (f"endpoint ITL: {server.get('name', 'server')} serving {sw['model']!r} at "
+                f"{sw['base_url']}, {sw['repeats']} repeats, client clock, latencies in ms")
+    return f"ITL sweep: {sw['repeats']} repeats, dp={sw['dp']}, latencies in ms"
+
+
+def _table(results: dict, columns, title: str | None, caption: str | None) -> Table:
+    t = Table(title=title, caption=caption, header_style="bold", box=box.SIMPLE_HEAD,
+              pad_edge=False, show_edge=False, collapse_padding=True)
+    for col in columns:
+        # method and mode never wrap or shrink: they name the row; the rates may wrap
+        t.add_column(col, justify="right" if col in NUMERIC else "left",
+                     no_wrap=col != RATES,
+                     min_width=max(map(len, col.split("\n"))) if col != RATES else None)
+    for c in results["configs"]:
+        if c["status"] == "ok":
+            row = _row(c)
+            t.add_row(*(row[col] for col in columns))
+    return t
+
+
+def results_table(results: dict, width: int | None = None):
+    """The summary table. With ``width`` (the console's columns) and a table wider than that,
+    the per-position acceptance rates move to a second table below, keyed by method, mode, K
+    and concurrency, so every column stays readable at 80 columns and in a redirected file."""
+    caption = ("tok/s: mean over repeats; acc len = 1 + accepted / verifying steps; syncs: "
+               "host-device syncs per step; mode -: no drafter; all figures in results.json")
+    if results.get("kind") == "endpoint":
+        caption = ("tok/s: mean over repeats; acc len = 1 + accepted / verifying steps, from the "
+                   "server's /metrics; mode: the drafter batch of a server the bench launched "
+                   "(server: started elsewhere, not known); all figures in results.json")
+    title = table_title(results)
+    full = _table(results, TABLE_COLUMNS, title, caption)
+    if width is None or Console(width=10_000).measure(full).maximum <= width:
+        return full
+    main = _table(results, [c for c in TABLE_COLUMNS if c != RATES], title, caption)
+    rates = _table(results, ("method", "mode", "K", "conc", RATES), None, None)
+    return Group(main, rates)
+
+
+def slower_hint(results: dict) -> str | None:
+    """One line when a speculative config had a higher mean ITL than plain decoding (method
+    none) at the same concurrency and lengths in this run; None otherwise."""
+    ok = [c for c in results["configs"] if c["status"] == "ok"]
+    plain = {(c["concurrency"], c["prompt_len"], c["output_len"]): c["summary"]["itl_ms"]["mean"]
+             for c in ok if c["method"] == "none"}
+    slower = [(c, plain[key]) for c in ok if c["method"] != "none"
+              for key in [(c["concurrency"], c["prompt_len"], c["output_len"])]
+              if plain.get(key) is not None and c["summary"]["itl_ms"]["mean"] is not None
+              and c["summary"]["itl_ms"]["mean"] > plain[key]]
+    if not slower:
+        return None
+    c, base = max(slower, key=lambda x: x[0]["summary"]["itl_ms"]["mean"] / x[1])
+    return (f"hint: {len(slower)} of {sum(c['method'] != 'none' for c in ok)} speculative "
+            f"configs were slower than plain decoding here (worst: {c['method']} {c['mode']} "
+            f"K={c['k']} at concurrency {c['concurrency']}, {c['summary']['itl_ms']['mean']:.2f} "
+            f"vs {base:.2f} ms ITL): speculation wins only when the acceptance length exceeds "
+            "the time of a speculative step over a plain one, which on a CPU the drafter's "
+            "forwards make large (README, Benchmarks).")
+
+
+def skipped_lines(results: dict) -> list[str]:
+    """One line per skipped (method, mode, K) with the reason, and per failed config with its
+    error (the other configs were still measured)."""
+    seen = {}
+    for c in results["configs"]:
+        if c["status"] == "skipped":
+            seen.setdefault((c["method"], c["mode"], c["k"]), c["reason"])
+    lines = [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
+    return lines + [f"failed {c['name']}: {c['error']}" for c in results["configs"]
+                    if c["status"] == "failed"]

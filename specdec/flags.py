@@ -1,0 +1,136 @@
+"""What the ``specdec`` subcommands share, below all of them: the one list of method names,
+the engine flags, building an ``LLM`` from flags, and the one-line usage error.
+
+``specdec.cli`` (dispatch), ``specdec.bench`` (the ITL harnesses) and
+``specdec.entrypoints.serve`` import from here; ``specdec.cli`` re-exports every name for
+code that imports them from there.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+# --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
+METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states")
+DEFAULT_METHOD, DEFAULT_K = "eagle3", 3
+# the ITL harness sweeps the drafters that draft (extract_hidden_states never does)
+BENCH_METHODS = tuple(m for m in METHODS if m != "extract_hidden_states")
+
+
+class UsageError(Exception):
+    """A bad flag or config: reported as one line, exit status 2."""
+
+    def __str__(self):
+        return " ".join(super().__str__().split())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def document_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``parser`` and its subcommands says its default in --help: " (default:
+    X)" is added where the help does not already name one (flags defined elsewhere, e.g. by
+    ``specdec serve``, included); on/off switches are off unless given."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                document_defaults(sub)
+            continue
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._HelpAction, argparse._VersionAction))):
+            continue
+        if "default" not in (action.help or ""):
+            action.help = ((action.help or "").rstrip() + " (default: %(default)s)").lstrip()
+
+
+def speculative_config(method: str, k: int, padded: bool, override: str | None = None) -> dict | None:
+    """The vLLM-style dict for ``--method/-k/--no-padded``, updated by the ``override`` JSON.
+
+    ``speculative_config("torchair-mtp", 2, True)`` ->
+    ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
+    "graph_mode": "torchair"}``; method "none" with no override -> None (no speculation).
+    """
+    if method not in METHODS:
+        raise UsageError(f"method={method!r} is not supported; allowed: {METHODS}")
+    spec = None
+    if method != "none":
+        spec = {"method": method, "num_speculative_tokens": k,
+                "disable_padded_drafter_batch": not padded}
+        if method == "torchair-mtp":
+            spec.update(method="mtp", graph_mode="torchair")
+    if override is not None:
+        try:
+            extra = json.loads(override)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--speculative-config is not valid JSON ({e}): {override!r}") from None
+        if not isinstance(extra, dict):
+            raise UsageError(f"--speculative-config must be a JSON object, got {override!r}")
+        spec = {**(spec or {}), **extra}
+    return spec
+
+
+def default_method(model: str | None) -> tuple[str, int]:
+    """eagle3 with K=3 when the model folder has an ``../eagle3`` head, else none."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    target = Path(model) if model is not None else DEFAULT_MODEL
+    if (target.parent / "eagle3" / "config.json").exists():
+        return DEFAULT_METHOD, DEFAULT_K
+    return "none", DEFAULT_K
+
+
+def default_device() -> str:
+    """cuda when this torch has a CUDA device, else cpu."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --graph-backend (generate and serve)."""
+    from specdec.engine.config import DTYPES
+    from specdec.graphs import BACKENDS
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or npu (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="weights and activations (default float32)")
+    p.add_argument("--graph-backend", default=None, choices=BACKENDS,
+                   help="step wrapper of captured steps (default: the speculative config's "
+                        "graph_mode, else eager)")
+
+
+def engine_kwargs(args) -> dict:
+    """LLM keyword arguments from add_engine_arguments' flags."""
+    return dict(device=args.device or default_device(), dtype=args.dtype,
+                graph_backend=args.graph_backend)
+
+
+def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):
+    """``LLM(...)``; a config or engine construction error becomes a UsageError (one line)."""
+    from specdec.engine.llm import LLM
+    if dp < 1:
+        raise UsageError(f"--dp={dp} must be >= 1")
+    if dp > 1:  # the data-parallel engine launches the rank processes
+        kw["data_parallel_size"] = dp
+    if model is not None and not (Path(model) / "config.json").exists():
+        raise UsageError(f"--model={model!r} has no config.json (an HF-style target folder is needed)")
+    try:
+        return LLM(model, speculative_config=spec, seed=seed, **kw)
+    except (ValueError, TypeError, NotImplementedError, OSError) as e:
+        raise UsageError(f"cannot build the engine: {type(e).__name__}: {e}") from None
+
+
+def ints(s: str) -> list[int]:
+    """argparse type: "1,4,16" -> [1, 4, 16]."""
+    try:
+        return [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+
+
+def words(s: str) -> list[str]:
+    """argparse type: "none,mtp" -> ["none", "mtp"]."""
+    return [x for x in s.split(",") if x]

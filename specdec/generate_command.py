@@ -1,0 +1,207 @@
+"""``specdec generate``: one prompt, its text, and a table of the speculative statistics
+(or, for ``--method extract_hidden_states``, what was written)."""
+
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specdec.config import default_aux_layer_ids
+from specdec.flags import (DEFAULT_K, DEFAULT_METHOD, METHODS, UsageError, add_engine_arguments,
+                           build_llm, default_method, engine_kwargs, speculative_config)
+
+
+def method_label(spec: dict | None) -> tuple[str, str, str]:
+    """(method, K, batch) as the tables show them: torchair-mtp for mtp with graph_mode
+    torchair, ``method/graph`` for other graph modes, ``-`` for no speculation."""
+    if spec is None:
+        return "none", "-", "-"
+    method, graph = spec.get("method", "?"), spec.get("graph_mode", "eager")
+    method = ("torchair-mtp" if graph == "torchair" else
+              method if graph == "eager" else f"{method}/{graph}")
+    return (method, str(spec.get("num_speculative_tokens", "?")),
+            "ragged" if spec.get("disable_padded_drafter_batch") else "padded")
+
+
+STATS_COLUMNS = ("method", "K", "batch", "tokens", "tok/s", "accept\nlen", "drafted", "accepted")
+
+
+def stats_table(rows: list[tuple], engine: str) -> Table:
+    """One row per run: method, K, batch (padded/ragged), output tokens, tok/s, acceptance
+    length, drafted/accepted counts; ``engine`` (device, dtype, graph backend) in the title.
+    ``rows``: (out, seconds, spec). Fits 80 columns whatever K is: the per-position rates are
+    printed below it (rate_lines)."""
+    table = Table(title=f"speculative decoding ({engine})", header_style="bold",
+                  caption="accept len = 1 + accepted / verifying steps; tok/s includes prefill")
+    for col in STATS_COLUMNS:
+        table.add_column(col, justify="left" if col in ("method", "batch") else "right",
+                         no_wrap=True)
+    for out, seconds, spec in rows:
+        n = len(out.token_ids)
+        table.add_row(*method_label(spec), str(n), f"{n / seconds:.1f}",
+                      f"{out.acceptance_length:.2f}", str(sum(out.num_drafted)),
+                      str(sum(out.num_accepted)))
+    return table
+
+
+def rate_lines(rows: list[tuple]) -> list[str]:
+    """Per speculative row: its acceptance rate at each draft position (1st, 2nd, ...), one
+    line that the console folds at its width (so K = 20 reads as well as K = 3)."""
+    lines = []
+    for out, _, spec in rows:
+        if spec is None or not out.num_drafted:
+            continue
+        rates = " ".join(f"{a / d:.2f}" if d else "-"
+                         for a, d in zip(out.num_accepted, out.num_drafted))
+        lines.append(f"{method_label(spec)[0]} accept rate per draft position 1-"
+                     f"{len(out.num_drafted)}: {rates}")
+    return lines
+
+
+def compare_hint(rows: list[tuple]) -> str | None:
+    """One line when this run measured speculation and plain decoding (``--compare-plain``)
+    and speculation gave fewer tokens/s; None otherwise (one row measured: no guess)."""
+    spec_rows = [(len(o.token_ids) / s, spec) for o, s, spec in rows if spec is not None]
+    plain_rows = [len(o.token_ids) / s for o, s, spec in rows if spec is None]
+    if not spec_rows or not plain_rows or spec_rows[0][0] >= plain_rows[0]:
+        return None
+    return (f"hint: {method_label(spec_rows[0][1])[0]} was slower than plain decoding in this "
+            f"run ({spec_rows[0][0]:.1f} vs {plain_rows[0]:.1f} tok/s): it wins only when the "
+            "acceptance length exceeds the time of a speculative step over a plain one, which "
+            "on a CPU the drafter's forwards make large (README, Benchmarks).")
+
+
+def hidden_states_summary(out, output_dir: str) -> list[str]:
+    """What ``--method extract_hidden_states`` wrote for one request: the file, its tensors
+    and their shapes (T = the prompt's tokens; generated tokens are not written)."""
+    from safetensors import safe_open
+    path = Path(output_dir) / f"{out.request_id}.safetensors"
+    if not path.exists():
+        return [f"no file written at {path} (finish_reason {out.finish_reason})"]
+    with safe_open(str(path), "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    lines = [f"wrote {path}:"]
+    lines += [f"  {name} {shape}" for name, shape in shapes.items()]
+    t = shapes.get("token_ids", ["?"])[0]
+    lines.append(f"  T = {t}: the prompt's {len(out.prompt_token_ids)} tokens (the "
+                 f"{len(out.token_ids)} generated tokens are not written); "
+                 "hidden_states [T, aux layers, hidden size]")
+    return lines
+
+
+def extract_hidden_states_config(model: str | None, output_dir: str | None) -> dict:
+    """draft_model_config for ``--method extract_hidden_states``: ``--output-dir`` and vLLM's
+    default aux layers (2, L // 2, L - 3) of the target's L layers."""
+    from specdec.engine.llm import DEFAULT_MODEL
+    from specdec.models.checkpoint import load_config
+    if output_dir is None:
+        raise UsageError("--method extract_hidden_states needs --output-dir DIR (where the "
+                         "hidden-state files are written)")
+    try:
+        layers = load_config(Path(model) if model is not None else DEFAULT_MODEL)[
+            "num_hidden_layers"]
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--model={model!r}: cannot read num_hidden_layers ({e})") from None
+    return {"output_dir": output_dir,
+            "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(layers))}
+
+
+def cmd_generate(args) -> int:
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens={args.max_tokens} must be >= 1")
+    if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails ">= 0"
+        raise UsageError(f"--temperature={args.temperature} must be finite and >= 0 "
+                         "(0 = greedy)")
+    method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
+    if method == "extract_hidden_states":
+        k = 1  # the only K it runs with
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
+    spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
+    extracting = spec is not None and spec.get("method") == "extract_hidden_states"
+    if extracting:
+        dmc = extract_hidden_states_config(args.model, args.output_dir)
+        if args.overwrite_output_dir:
+            dmc["overwrite_output_dir"] = True
+        spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
+    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed, **engine_kwargs(args))
+    console = Console()
+    engine = f"{llm.device}, {str(llm.config.dtype).removeprefix('torch.')}, {llm.graph_backend}"
+
+    def timed(llm):
+        start = time.perf_counter()
+        try:
+            out = llm.generate(args.prompt, max_tokens=args.max_tokens,
+                               temperature=args.temperature)[0]
+        except (ValueError, TypeError) as e:  # e.g. a str prompt, no tokenizer in the model
+            raise UsageError(f"cannot generate: {e}") from None
+        if out.finish_reason == "error":
+            raise UsageError(f"the request failed: {out.error}")
+        return out, time.perf_counter() - start
+
+    if method == "torchair-mtp":  # graph compilation is not decoding: time it apart
+        start = time.perf_counter()
+        timed(llm)
+        console.print(f"graph compile + warm-up: {time.perf_counter() - start:.1f} s "
+                      "(not counted in tok/s)", highlight=False)
+    out, seconds = timed(llm)
+    text = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+    console.print(args.prompt + text + "\n", markup=False, highlight=False, soft_wrap=True)
+    if extracting:  # no drafts, so no acceptance: say what was written instead
+        for line in hidden_states_summary(out, spec["draft_model_config"]["output_dir"]):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return 0
+    rows = [(out, seconds, spec)]
+    if args.compare_plain and spec is not None:  # the same prompt without a drafter
+        plain = build_llm(args.model, None, dp=args.dp, seed=args.seed, **engine_kwargs(args))
+        timed(plain)  # warm-up, as the speculative engine had (its first call above or here)
+        rows.append((*timed(plain), None))
+        if method != "torchair-mtp":  # time the speculative run warm too, as plain's
+            rows[0] = (*timed(llm), spec)
+    console.print(stats_table(rows, engine))
+    for line in rate_lines(rows):
+        console.print(line, markup=False, highlight=False)
+    if (hint := compare_hint(rows)) is not None:
+        console.print(hint, markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text for one prompt and show the speculative statistics",
+        description="Generate text for one prompt. Without --method or --speculative-config the "
+                    f"method is {DEFAULT_METHOD} with K={DEFAULT_K} when the model folder has a "
+                    "sibling eagle3/ head (the embedded default does), else none.")
+    p.add_argument("--prompt", required=True,
+                   help="the prompt text (required; run through the model's tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter; torchair-mtp = mtp with graph_mode torchair; "
+                        f"default: {DEFAULT_METHOD} if the model has an eagle3 head, else none")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"K, draft tokens per step (default {DEFAULT_K})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM-style dict, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'; '
+                        "its keys override --method/-k/--no-padded (default: none)")
+    p.add_argument("--no-padded", action="store_true",
+                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
+                        "default: padded)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="target folder; heads are found in its sibling mtp/, eagle/, eagle3/ "
+                        "(default: the embedded model)")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="--method extract_hidden_states: the (empty) folder its "
+                        "<request id>.safetensors files go to (no default: required with "
+                        "that method)")
+    p.add_argument("--overwrite-output-dir", action="store_true",
+                   help="--method extract_hidden_states: write into --output-dir even if it "
+                        "already holds *.safetensors files (default: refuse)")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also run the prompt without a drafter and show both rows, timed warm, "
+                        "with a hint when speculation was slower (default: off)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_generate)

@@ -1,0 +1,65 @@
+"""``LLM.generate(prompts, SamplingParams(...))`` and a list of them, as vLLM's LLM.generate."""
+
+import pytest
+
+from specdec import LLM
+from specdec.engine.sequence import SamplingParams
+
+PROMPTS = [[5, 9, 13], [7, 7, 7, 7], [3, 1]]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(folder):
+    return LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},
+               max_model_len=64, max_num_seqs=4)
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_positional_sampling_params_equals_the_keyword_form(spec_llm):
+    kw = spec_llm.generate(PROMPTS, max_tokens=6, ignore_eos=True)
+    pos = spec_llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    named = spec_llm.generate(PROMPTS, sampling_params=SamplingParams(max_tokens=6,
+                                                                      ignore_eos=True))
+    assert tokens(pos) == tokens(kw) == tokens(named)
+    assert all(len(t) == 6 for t in tokens(pos))
+    # sampled, with a per-request seed: same tokens either way
+    a = spec_llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+    b = spec_llm.generate(PROMPTS, max_tokens=5, temperature=0.8, seed=3)
+    assert tokens(a) == tokens(b)
+
+
+def test_a_list_gives_each_prompt_its_own_params(spec_llm):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 5, 3)]
+    outs = spec_llm.generate(PROMPTS, params)
+    assert [len(o.token_ids) for o in outs] == [2, 5, 3]
+    for prompt, p, out in zip(PROMPTS, params, outs):  # each as if generated alone
+        assert out.token_ids == spec_llm.generate([prompt], p)[0].token_ids
+
+
+def test_the_older_int_positional_is_max_tokens(spec_llm):
+    assert tokens(spec_llm.generate(PROMPTS, 4, ignore_eos=True)) == tokens(
+        spec_llm.generate(PROMPTS, max_tokens=4, ignore_eos=True))
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [
+    ((SamplingParams(max_tokens=2),), dict(max_tokens=3), TypeError, "not both"),
+    (([SamplingParams()] * 2,), {}, ValueError, "2 entries for 3 prompts"),
+    (([SamplingParams(), 4, SamplingParams()],), {}, TypeError, r"sampling_params\[1\]"),
+    (("greedy",), {}, TypeError, "sampling_params='greedy'"),
+    ((4,), dict(max_tokens=3), TypeError, "max_tokens given twice"),
+])
+def test_bad_sampling_params_queue_nothing(spec_llm, args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        spec_llm.generate(PROMPTS, *args, **kwargs)
+    assert spec_llm.step() is None  # nothing was queued
+
+
+def test_a_list_under_data_parallel_keeps_prompt_order(folder, spec_llm):
+    """DP: one job per distinct SamplingParams, outputs back in prompt order."""
+    dp = LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},
+             max_model_len=64, max_num_seqs=4, data_parallel_size=2)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 5, 2)]
+    assert tokens(dp.generate(PROMPTS, params)) == tokens(spec_llm.generate(PROMPTS, params))
