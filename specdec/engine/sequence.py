@@ -14,8 +14,8 @@ class SamplingParams:
     top_p: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    # this request's own random stream (None: the engine's shared one): the same prompt and
-    # seed give the same tokens whatever else is in the batch
+    # the key of this request's random numbers (None: one from the engine seed and its id):
+    # the same prompt and seed give the same tokens whatever else is in the batch
     seed: int | None = None
 
     def __post_init__(self):
