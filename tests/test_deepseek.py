@@ -290,3 +290,34 @@ def test_an_exact_mtp_layer_is_always_accepted(ragged, ds_dir):
         assert out.num_accepted == out.num_drafted and sum(out.num_drafted) > 0
         # every verifying step but the last (cut by max_tokens) accepts all K drafts
         assert out.acceptance_length >= k + 1 - k / out.num_decode_steps
+
+
+# ---- graph capture and data parallelism ---------------------------------------------------------
+def test_deepseek_mtp_k2_under_compile_equals_plain(ds_dir, ds_plain):
+    """graph_backend="compile" (dynamo tracing, ``compile_backend="eager"`` as test_graphs:
+    inductor's codegen is too slow for a CPU test), padded drafter batch, K=2."""
+    llm = LLM(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
+              graph_backend="compile", compile_backend="eager",
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == ds_plain
+    assert sum(sum(o.num_drafted) for o in outs) > 0
+
+
+def test_deepseek_mtp_k2_dp2_with_an_idle_rank_equals_dp1(ds_dir, ds_plain):
+    """DP=2, one rank never gets a request (it runs dummy steps: the target's MoE layers and
+    the MTP layer's MoE exchange tokens across ranks), the other all of them: no hang (the
+    spawn has a timeout) and the tokens of DP=1."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    kw = dict(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    job = DPJob(kw, PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                [list(range(len(PROMPTS))), []])
+    run, = run_data_parallel([job], 2, timeout=240)
+    assert [o.token_ids for o in run.outputs] == ds_plain
+    busy, idle = run.ranks
+    assert all(s.num_reqs == 0 for s in idle.steps) and len(idle.steps) == len(busy.steps)
+    assert idle.collectives == busy.collectives
+    assert any(op.startswith("moe_") for step in busy.collectives for op, _ in step)

@@ -17,7 +17,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     r = cos.shape[-1]
     rot = x[..., :r]
     if interleaved:
-        partner = rot.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)
+        # reshape, not unflatten: dynamo cannot trace Tensor.unflatten under a TorchFunctionMode
+        partner = rot.reshape(*rot.shape[:-1], r // 2, 2).flip(-1).flatten(-2)
     else:
         partner = rot.roll(r // 2, dims=-1)
     out = torch.addcmul(rot * cos, partner, sin)
