@@ -9,24 +9,15 @@
 A bad flag or a bad speculative config prints one line on stderr and exits with status 2.
 This module only dispatches: ``specdec.generate_command`` (generate), ``specdec.bench``
 (bench, bench serve), ``specdec.entrypoints.serve`` (serve); what they share (method names,
-engine flags, building an LLM, UsageError) is in ``specdec.flags``, re-exported here.
+engine flags, building an LLM, UsageError) is in ``specdec.flags``.
 """
 
 import argparse
 import importlib.metadata
 import sys
 
-
-# shared with specdec.bench and specdec.entrypoints.serve; re-exported from here for code that
-# imports them from specdec.cli
-from specdec.flags import (BENCH_METHODS, DEFAULT_K, DEFAULT_METHOD, METHODS,  # noqa: F401
-                           OneLineParser, UsageError, add_engine_arguments, build_llm,
-                           default_device, default_method, document_defaults, engine_kwargs,
-                           speculative_config)
-from specdec.generate_command import (add_generate_parser, cmd_generate,  # noqa: F401
-                                      compare_hint, extract_hidden_states_config,
-                                      hidden_states_summary, method_label, rate_lines,
-                                      stats_table)
+from specdec.flags import OneLineParser, UsageError, document_defaults
+from specdec.generate_command import add_generate_parser
 
 
 def add_bench_parser(sub) -> None:

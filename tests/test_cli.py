@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.cli import main, speculative_config
+from specdec.cli import main
+from specdec.flags import speculative_config
 from specdec.engine.llm import LLM
 
 PROMPT = "def fibonacci(n):"

@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from specdec import cli, generate_command
+from specdec.flags import speculative_config
 from specdec.bench import itl
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import RequestOutput
@@ -126,7 +127,7 @@ def out(n_tokens: int) -> RequestOutput:
 
 
 def test_generate_hint_needs_both_measured():
-    spec = cli.speculative_config("eagle3", 3, True)
+    spec = speculative_config("eagle3", 3, True)
     assert "eagle3 was slower than plain" in generate_command.compare_hint([(out(10), 1.0, spec),
                                                                (out(10), 0.5, None)])
     assert generate_command.compare_hint([(out(10), 0.5, spec), (out(10), 1.0, None)]) is None
@@ -144,7 +145,7 @@ def test_generate_compare_plain_shows_both_rows(folder, capsys):
 def test_endpoint_mode_and_server_are_named(monkeypatch):
     assert bench_serve.endpoint_mode(None, launched=False) == "server"
     assert bench_serve.endpoint_mode(None, launched=True) == "plain"
-    assert bench_serve.endpoint_mode(cli.speculative_config("eagle3", 3, False), True) == "ragged"
+    assert bench_serve.endpoint_mode(speculative_config("eagle3", 3, False), True) == "ragged"
     monkeypatch.setattr(bench_serve, "served_models", lambda url: [
         {"id": "m", "owned_by": "vllm"}])
     info = bench_serve.server_info("http://h:1", "m", launched=False)

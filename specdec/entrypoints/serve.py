@@ -7,8 +7,8 @@ import argparse
 import json
 import signal
 
-from specdec.cli import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, build_llm,
-                         default_method, engine_kwargs, speculative_config)
+from specdec.flags import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, build_llm,
+                           default_method, engine_kwargs, speculative_config)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
