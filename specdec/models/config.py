@@ -32,9 +32,11 @@ IGNORED_KEYS = frozenset({
     "attention_dropout", "hidden_dropout", "output_attentions", "output_hidden_states",
     "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
     "is_encoder_decoder", "output_router_logits", "router_aux_loss_coef",
-    "router_jitter_noise", "tokenizer_class", "pretraining_tp", "bos_token_id",
-    "tie_word_embeddings", "max_window_layers", "use_sliding_window", "layer_types",
+    "router_jitter_noise", "tokenizer_class", "pretraining_tp",
 })
+# read by _attention_layout (the sliding-window spellings)
+LAYOUT_KEYS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
+                         "layer_types"})
 # what draft-head folders add (read by specdec.models.heads)
 HEAD_KEYS = frozenset({
     "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
@@ -167,8 +169,8 @@ class ModelConfig:
                              "bias on o_proj too, which is not supported (Qwen2 layout only)")
         names = {f.name for f in fields(cls)} - {"extra", "architectures", "rope_scaling",
                                                  "rope_theta", "layer_types", "sliding_window"}
-        read = names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | {"sliding_window",
-                                                                      "quantization_config"}
+        read = (names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | LAYOUT_KEYS
+                | {"quantization_config"})
         unknown = sorted(set(d) - read - IGNORED_KEYS - HEAD_KEYS - family_keys)
         if unknown:
             raise ValueError(f"config keys {unknown} are not implemented for architectures="
