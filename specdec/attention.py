@@ -78,6 +78,10 @@ class KVCache:
                   for s, k in zip(specs, self.k)]
         self.block_size = block_size
         self.trash_slot = num_slots - 1
+        # a window or a latent row needs a Triton path not yet run on a GPU: the torch formulas
+        # (plan included: every layer shares it) until kernels.unverified_triton() is on
+        self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
+                                    for s in specs) and not kernels.unverified_triton())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,7 +112,9 @@ class PagedKV:
         if self._plan is None:
             self._write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot,
                                             meta.slot_mapping)
-            self._plan = kernels.plan_paged_attention(
+            plan = (kernels.TORCH_IMPLS["plan_paged_attention"] if self.cache.torch_attention
+                    else kernels.plan_paged_attention)
+            self._plan = plan(
                 meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
                 meta.max_seq_len, self.cache.block_size)
         return self._plan
@@ -121,9 +127,11 @@ class PagedKV:
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
         window = self.cache.specs[layer_idx].sliding_window
+        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
+                     else kernels.paged_attention)
         if window is None:
-            return kernels.paged_attention(q, k_cache, v_cache, self._plan)
-        return kernels.paged_attention(q, k_cache, v_cache, self._plan, sliding_window=window)
+            return attention(q, k_cache, v_cache, self._plan)
+        return attention(q, k_cache, v_cache, self._plan, sliding_window=window)
 
     def attend_latent(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor,
                       scale: float) -> torch.Tensor:
@@ -138,4 +146,6 @@ class PagedKV:
         plan = self._plan_once(q.shape[0])
         cache = self.cache.k[layer_idx]
         cache.index_copy_(0, self._write_slots, latent.unsqueeze(1))
-        return kernels.mla_attention(q, cache, plan, value_dim=spec.value_dim, scale=scale)
+        mla = (kernels.TORCH_IMPLS["mla_attention"] if self.cache.torch_attention
+               else kernels.mla_attention)
+        return mla(q, cache, plan, value_dim=spec.value_dim, scale=scale)

@@ -1,4 +1,5 @@
-"""Every Triton kernel is launched through Triton's own ``kernel[grid](...)``.
+"""Every Triton kernel is launched through Triton's own ``kernel[grid](...)``, and the Triton
+paths not yet run on a GPU are taken only when opted in.
 
 A direct ``CompiledKernel[grid](*args)`` launch passed every CPU test and broke every
 kernel's second launch on CUDA (its ``__getitem__`` indexes ``grid[0..2]``); nothing in the
@@ -8,7 +9,13 @@ package may call a compiled binary directly.
 import ast
 import pathlib
 
+import pytest
+import torch
+
 import specdec
+from specdec import kernels
+from specdec.attention import KVCache, KVCacheSpec
+from specdec.models.layers.rotary import RotaryEmbedding
 
 PACKAGE = pathlib.Path(specdec.__file__).parent
 
@@ -59,3 +66,38 @@ def test_every_kernel_module_launches_its_kernels():
     launched = {n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)}
     assert {k for k in kernels if k.endswith("_kernel")} <= launched
+
+
+# ---- Triton paths not yet run on a GPU are opt-in --------------------------------------------
+@pytest.mark.parametrize("specs,unverified", [
+    ([KVCacheSpec(2, 8)], False),
+    ([KVCacheSpec(2, 8), KVCacheSpec(2, 8, sliding_window=4)], True),
+    ([KVCacheSpec(1, 12, value_dim=8)], True),
+])
+def test_window_and_latent_caches_take_the_torch_formulas_unless_opted_in(
+        specs, unverified, monkeypatch):
+    monkeypatch.delenv(kernels.UNVERIFIED_TRITON_ENV, raising=False)
+    assert KVCache(specs, 1, 4, torch.float32, "cpu").torch_attention == unverified
+    monkeypatch.setenv(kernels.UNVERIFIED_TRITON_ENV, "1")
+    assert not KVCache(specs, 1, 4, torch.float32, "cpu").torch_attention
+
+
+@pytest.mark.parametrize("params,interleaved,unverified", [
+    ({"rope_theta": 1e4}, False, False),
+    ({"rope_theta": 1e4, "partial_rotary_factor": 0.5}, False, True),
+    ({"rope_theta": 1e4}, True, True),
+])
+def test_partial_and_interleaved_rope_skip_the_dispatcher_unless_opted_in(
+        params, interleaved, unverified, monkeypatch):
+    calls = []
+    dispatched = kernels.apply_rope
+    monkeypatch.setattr(kernels, "apply_rope",
+                        lambda *a, **k: calls.append(1) or dispatched(*a, **k))
+    rope = RotaryEmbedding(8, params, 64, interleaved=interleaved).tables(torch.arange(3),
+                                                                          torch.float32)
+    x = torch.randn(3, 2, 8)
+    monkeypatch.delenv(kernels.UNVERIFIED_TRITON_ENV, raising=False)
+    default = rope.apply(x)
+    assert len(calls) == (0 if unverified else 1)
+    monkeypatch.setenv(kernels.UNVERIFIED_TRITON_ENV, "1")
+    assert torch.equal(rope.apply(x), default) and len(calls) == (1 if unverified else 2)

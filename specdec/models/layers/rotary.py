@@ -224,6 +224,10 @@ class Rope(NamedTuple):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., T, H, D] (may be a strided view, e.g. the q and k heads of one qkv output)
         -> rotated copy, same shape and dtype (one kernel where Triton runs)."""
+        partial = self.cos.shape[-1] != x.shape[-1]
+        if (partial or self.interleaved) and not kernels.unverified_triton():
+            # the Triton kernel's partial / interleaved variants are not yet run on a GPU
+            return kernels.TORCH_IMPLS["apply_rope"](x, self.cos, self.sin, self.interleaved)
         return kernels.apply_rope(x, self.cos, self.sin, interleaved=self.interleaved)
 
 
