@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import kernels
+from specdec import kernels, platform
 
 
 @dataclass
@@ -79,9 +79,9 @@ class KVCache:
         self.block_size = block_size
         self.trash_slot = num_slots - 1
         # a window or a latent row needs a Triton path not yet run on a GPU: the torch formulas
-        # (plan included: every layer shares it) until kernels.unverified_triton() is on
+        # (plan included: every layer shares it) until platform.unverified_gpu_paths() is on
         self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
-                                    for s in specs) and not kernels.unverified_triton())
+                                    for s in specs) and not platform.unverified_gpu_paths())
 
     @property
     def dtype(self) -> torch.dtype:

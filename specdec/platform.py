@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 
 import torch
 
@@ -47,6 +48,18 @@ def triton_available(device: torch.device) -> bool:
     if kind == "npu":
         return _has_module("torch_npu") and _has_distribution("triton-ascend")
     return False
+
+
+# Code paths only a GPU can exercise that have not yet run on one: the Triton MLA kernel, the
+# paged-attention window, the partial / interleaved rotary kernel, and sampled steps inside a
+# CUDA graph. Off by default (the torch formulas / eager sampled steps run instead) until this
+# is "1"; set it for the first GPU run of tests/test_cuda.py, then make them the default.
+UNVERIFIED_GPU_PATHS_ENV = "SPECDEC_UNVERIFIED_GPU_PATHS"
+
+
+def unverified_gpu_paths() -> bool:
+    """Whether the GPU paths not yet run on a GPU are switched on (``UNVERIFIED_GPU_PATHS_ENV``)."""
+    return os.environ.get(UNVERIFIED_GPU_PATHS_ENV, "0") == "1"
 
 
 def available_devices() -> list[str]:

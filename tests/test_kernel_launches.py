@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import specdec
-from specdec import kernels
+from specdec import kernels, platform
 from specdec.attention import KVCache, KVCacheSpec
 from specdec.models.layers.rotary import RotaryEmbedding
 
@@ -76,9 +76,9 @@ def test_every_kernel_module_launches_its_kernels():
 ])
 def test_window_and_latent_caches_take_the_torch_formulas_unless_opted_in(
         specs, unverified, monkeypatch):
-    monkeypatch.delenv(kernels.UNVERIFIED_TRITON_ENV, raising=False)
+    monkeypatch.delenv(platform.UNVERIFIED_GPU_PATHS_ENV, raising=False)
     assert KVCache(specs, 1, 4, torch.float32, "cpu").torch_attention == unverified
-    monkeypatch.setenv(kernels.UNVERIFIED_TRITON_ENV, "1")
+    monkeypatch.setenv(platform.UNVERIFIED_GPU_PATHS_ENV, "1")
     assert not KVCache(specs, 1, 4, torch.float32, "cpu").torch_attention
 
 
@@ -96,8 +96,8 @@ def test_partial_and_interleaved_rope_skip_the_dispatcher_unless_opted_in(
     rope = RotaryEmbedding(8, params, 64, interleaved=interleaved).tables(torch.arange(3),
                                                                           torch.float32)
     x = torch.randn(3, 2, 8)
-    monkeypatch.delenv(kernels.UNVERIFIED_TRITON_ENV, raising=False)
+    monkeypatch.delenv(platform.UNVERIFIED_GPU_PATHS_ENV, raising=False)
     default = rope.apply(x)
     assert len(calls) == (0 if unverified else 1)
-    monkeypatch.setenv(kernels.UNVERIFIED_TRITON_ENV, "1")
+    monkeypatch.setenv(platform.UNVERIFIED_GPU_PATHS_ENV, "1")
     assert torch.equal(rope.apply(x), default) and len(calls) == (1 if unverified else 2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec import platform
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
@@ -89,6 +90,9 @@ class ModelRunner:
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
         self.buffers = StepBuffers(max_tokens, max_reqs, k,
                                    -(-max_model_len // block_size), device)
+        # sampled steps in a CUDA graph have not yet run on a GPU: opt-in there (replay and the
+        # compiling backends capture them always)
+        self.capture_sampled = graph_backend != "cuda_graph" or platform.unverified_gpu_paths()
         self.target_graphs = {v: StepGraph(
             functools.partial(self.target_step, max_seq_len=max_model_len, variant=v),
             graph_backend, compile_backend) for v in VARIANTS}
@@ -218,7 +222,7 @@ class ModelRunner:
         step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                      x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
                      x.discard_mask, x.rows, x.temperature, x.top_p, x.rng_key)
-        if plan.capturable:
+        if plan.capturable and (batch.variant == "greedy" or self.capture_sampled):
             out = self.target_graphs[batch.variant](plan.num_reqs_padded, *step_args)
         else:
             out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,

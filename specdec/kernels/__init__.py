@@ -25,7 +25,6 @@ the host-side reference for ``disable_padded_drafter_batch=True``.
 
 import functools
 import importlib
-import os
 
 import torch
 
@@ -67,18 +66,6 @@ TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
     "apply_rope": "triton_rope"}
 
 
-# Triton code paths not yet run on a GPU (interpreter- and sm_90-compile-verified only): the
-# MLA kernel, the paged-attention window, the partial / interleaved rotary. Off by default --
-# their callers take the torch formula on CUDA too -- until this is "1" (set it for the first
-# GPU run of tests/test_cuda.py, then make them the default).
-UNVERIFIED_TRITON_ENV = "SPECDEC_UNVERIFIED_TRITON"
-
-
-def unverified_triton() -> bool:
-    """Whether the Triton paths not yet run on a GPU are switched on (``UNVERIFIED_TRITON_ENV``)."""
-    return os.environ.get(UNVERIFIED_TRITON_ENV, "0") == "1"
-
-
 def _by_device(name: str):
     """``name`` from its Triton module when the first argument's device runs Triton, else its
     torch implementation. The Triton module is imported on first use only."""
@@ -109,7 +96,6 @@ __all__ = [
     "DraftStep",
     "PaddedPrep",
     "TORCH_IMPLS",
-    "UNVERIFIED_TRITON_ENV",
     "add_rms_norm",
     "apply_rope",
     "advance_draft_step",
@@ -122,6 +108,5 @@ __all__ = [
     "prepare_padded_step",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",
-    "unverified_triton",
     "token_requests",
 ]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec import kernels
+from specdec import kernels, platform
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -225,7 +225,7 @@ class Rope(NamedTuple):
         """x [..., T, H, D] (may be a strided view, e.g. the q and k heads of one qkv output)
         -> rotated copy, same shape and dtype (one kernel where Triton runs)."""
         partial = self.cos.shape[-1] != x.shape[-1]
-        if (partial or self.interleaved) and not kernels.unverified_triton():
+        if (partial or self.interleaved) and not platform.unverified_gpu_paths():
             # the Triton kernel's partial / interleaved variants are not yet run on a GPU
             return kernels.TORCH_IMPLS["apply_rope"](x, self.cos, self.sin, self.interleaved)
         return kernels.apply_rope(x, self.cos, self.sin, interleaved=self.interleaved)
