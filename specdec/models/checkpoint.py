@@ -133,25 +133,34 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(path: str | Path, *, skip: Callable[[str], bool] | None = None,
+                 shape_only: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's (name, tensor) pairs as stored (dtype, shape), file by file in
     ``weight_files`` order, with only the file being read open. Tensors are views of their
     memory-mapped file and keep it mapped: drop each before taking the next to hold at most one
     file (``.bin`` files older than torch 1.6's zip format are read whole). ValueError naming
     the file when it is unreadable, the file and the tensor when one holds NaN or inf (one
     reduction per tensor), and the index and the tensor when the index and the files disagree
-    on where a tensor is (listed for another file, or held by none)."""
+    on where a tensor is (listed for another file, or held by none). ``skip(name)``: left out
+    (in a safetensors file, never read); ``shape_only(name)``: a meta tensor of its stored shape
+    and dtype (never read or checked)."""
     files, index, weight_map = _layout(path)
     absent = []
     for file in files:
-        absent += yield from _file_tensors(file, index, weight_map)
+        absent += yield from _file_tensors(file, index, weight_map, skip or _never,
+                                           shape_only or _never)
     if absent:
         raise ValueError(f"{index}: its weight_map lists tensors {sorted(absent)}, "
                          "which none of its files holds")
 
 
-def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path]
-                  ) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
+def _never(name: str) -> bool:
+    return False
+
+
+def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], skip,
+                  shape_only) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
     """One file's (name, tensor) pairs, checked for NaN/inf and against the index: ValueError
     for a tensor it puts elsewhere; returns those it puts here that the file lacks."""
     if file.suffix == ".safetensors":
@@ -163,15 +172,32 @@ def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path]
             names = list(f.keys())
             _check_index(index, weight_map, file, names)
             for name in names:
+                if skip(name):
+                    continue
+                if shape_only(name):
+                    piece = f.get_slice(name)
+                    yield name, torch.empty(piece.get_shape(), device="meta",
+                                            dtype=_SAFETENSORS_DTYPES[piece.get_dtype()])
+                    continue
                 yield name, _finite(file, name, f.get_tensor(name))
     else:
         tensors = _load_bin(file)
         names = list(tensors)
         _check_index(index, weight_map, file, names)
         for name in names:
-            yield name, _finite(file, name, tensors.pop(name))
+            t = tensors.pop(name)
+            if skip(name):
+                continue
+            yield name, (t.to("meta") if shape_only(name) else _finite(file, name, t))
     held = set(names)
     return [k for k, v in weight_map.items() if v == file and k not in held]
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:

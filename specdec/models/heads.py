@@ -67,13 +67,11 @@ Every head skips ``*.rotary_emb.inv_freq`` (an old exporter's buffer).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specdec.attention import KVCacheSpec
@@ -524,30 +522,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = t
 
 
 def _read_tensors(path: str | Path, skips, shape_only=()) -> dict[str, torch.Tensor]:
-    """The folder's tensors but those ``skips(name)``; ``shape_only`` names come as meta tensors
-    of their shape. In safetensors files a skipped or shape-only tensor is never read (a MiMo
-    target's shards cost a header read each); ``.bin`` files go through
-    ``checkpoint.iter_tensors`` (its checks), dropping the skipped ones."""
-    files = checkpoint.weight_files(path)
-    if any(f.suffix != ".safetensors" for f in files):
-        return {k: v for k, v in checkpoint.iter_tensors(path) if not skips(k)}
-    out = {}
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except SafetensorError as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for name in f.keys():
-                if skips(name):
-                    continue
-                if name in shape_only:
-                    out[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
-                    continue
-                t = f.get_tensor(name)
-                if t.is_floating_point() and t.numel() and not all(
-                        math.isfinite(x.item()) for x in torch.aminmax(t)):
-                    raise ValueError(f"{file}: tensor {name!r} holds non-finite values "
-                                     "(NaN or inf)")
-                out[name] = t
-    return out
+    """The folder's tensors but those ``skips(name)`` (never read from safetensors: a MiMo
+    target's shards cost a header read each); ``shape_only`` names as meta tensors of their
+    shape."""
+    return dict(checkpoint.iter_tensors(path, skip=skips, shape_only=shape_only.__contains__))

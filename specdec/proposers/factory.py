@@ -1,10 +1,9 @@
 """Build the proposer a SpeculativeConfig asks for: find and load its head, pick its class."""
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from specdec.config import SpeculativeConfig
 from specdec.models import checkpoint
@@ -36,7 +35,7 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
 def holds_mtp_layers(path: str | Path) -> bool:
     """Whether ``path`` is a target checkpoint holding its own MTP layers: MiMo
     (``model.mtp_layers.*``) or DeepSeek-V3 (``model.layers.L.eh_proj``, L = its layer count);
-    names from the index, else the files' headers."""
+    names from the files' headers."""
     path = Path(path)
     try:
         config = checkpoint.load_config(path)
@@ -52,18 +51,8 @@ def holds_mtp_layers(path: str | Path) -> bool:
 
 
 def _tensor_names(path: Path) -> set[str]:
-    for index in (checkpoint.WEIGHTS_INDEX_NAME, checkpoint.BIN_INDEX_NAME):
-        if (path / index).is_file():
-            weight_map = json.loads((path / index).read_text()).get("weight_map")
-            return set(weight_map) if isinstance(weight_map, dict) else set()
-    names = set()
-    for file in checkpoint.weight_files(path):
-        if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt") as f:
-                names |= set(f.keys())
-        else:
-            names |= set(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-    return names
+    """The folder's tensor names, no tensor read (meta tensors of the stored shapes)."""
+    return {name for name, _ in checkpoint.iter_tensors(path, shape_only=lambda _: True)}
 
 
 def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
