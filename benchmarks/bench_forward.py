@@ -45,7 +45,7 @@ def decode_batch(model, b: int, context: int) -> tuple:
         slot_mapping=slots, query_start_loc=torch.arange(b + 1, dtype=torch.int32),
         seq_lens=torch.full((b,), context + 1, dtype=torch.int32), block_table=table,
         max_seq_len=context + 1)
-    ids = torch.randint(0, cfg.vocab_size, (b,))
+    ids = torch.randint(0, model.config.vocab_size, (b,))
     return ids, positions, cache, meta
 
 

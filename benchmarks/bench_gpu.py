@@ -53,7 +53,7 @@ def build(model: str, method: str, padded: bool, backend: str, conc: int, device
 def graph_calls(llm: LLM) -> int:
     runner = llm.runner
     step_graph = getattr(runner.proposer, "step_graph", None)
-    target = sum(g.calls for g in runner.target_graphs.values())
+    target = runner.target_graph.calls
     return target + (step_graph.calls if step_graph else 0)
 
 

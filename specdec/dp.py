@@ -6,13 +6,14 @@ sync of its own. So one tensor shape on the DP group per step (upstream's gloo `
 crash cannot be built) and one all-reduce per rank per step.
 
 The packed tensor is ``[3, dp_size]`` int32: row 0 holds each rank's padded token count in its
-own column, row 1 its padded request count, row 2 its capturable flag (1 = uniform decode
-within a capture bucket, or idle). After a SUM all-reduce: ``max(row 0)`` and ``max(row 1)``
-are what every rank runs, ``min(row 2)`` says whether every rank can replay a captured step.
+own column, row 1 its padded request count, row 2 its capture level (``CAPTURE_UNIFORM`` = 2:
+a uniform decode within a capture bucket, or idle; ``CAPTURE_MIXED`` = 1: token and request
+counts both capture buckets; 0: eager). After a SUM all-reduce: ``max(row 0)`` and
+``max(row 1)`` are what every rank runs, ``min(row 2)`` is the level every rank can replay.
 
-Worked example (dp_size=2): rank 0 sends ``[[8, 0], [2, 0], [1, 0]]``, rank 1 (idle)
-``[[0, 0], [0, 0], [0, 1]]``; both get ``[[8, 0], [2, 0], [1, 1]]`` -> 8 tokens, 2 requests,
-capturable.
+Worked example (dp_size=2): rank 0 sends ``[[8, 0], [2, 0], [2, 0]]``, rank 1 (idle)
+``[[0, 0], [0, 0], [0, 2]]``; both get ``[[8, 0], [2, 0], [2, 2]]`` -> 8 tokens, 2 requests,
+a uniform decode every rank can replay.
 """
 
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from specdec.syncs import host_side
+
+
+CAPTURE_MIXED, CAPTURE_UNIFORM = 1, 2  # capture levels (0: eager)
 
 
 @dataclass
@@ -40,30 +44,30 @@ class DPContext:
 class DPSyncResult:
     num_tokens: int  # max padded token count over ranks: every rank runs this many
     num_reqs: int  # max padded request count over ranks
-    capturable: bool  # True only if every rank can replay a captured step
+    capture: int  # the lowest capture level over ranks (0 eager, CAPTURE_MIXED, CAPTURE_UNIFORM)
     num_tokens_across_dp: tuple[int, ...]  # [dp_size] each rank's own padded token count
 
 
 def packed_metadata(ctx: DPContext, num_tokens: int, num_reqs: int,
-                    capturable: bool) -> torch.Tensor:
+                    capture: int) -> torch.Tensor:
     """The one tensor shape ever all-reduced on the DP group: [3, dp_size] int32."""
     packed = torch.zeros(3, ctx.size, dtype=torch.int32)
     packed[0, ctx.rank] = num_tokens
     packed[1, ctx.rank] = num_reqs
-    packed[2, ctx.rank] = int(capturable)
+    packed[2, ctx.rank] = capture
     return packed
 
 
 def sync_step_across_dp(ctx: DPContext, num_tokens: int, num_reqs: int,
-                        capturable: bool) -> DPSyncResult:
+                        capture: int) -> DPSyncResult:
     """Agree on one padded step size and mode across DP ranks (no collective at DP=1)."""
     if num_tokens < 0 or num_reqs < 0:
         raise ValueError(f"num_tokens={num_tokens}, num_reqs={num_reqs}: must be >= 0")
     if ctx.size == 1:
-        return DPSyncResult(num_tokens, num_reqs, capturable, (num_tokens,))
+        return DPSyncResult(num_tokens, num_reqs, capture, (num_tokens,))
     with host_side():  # gloo's buffers live in host memory: reading them is not a device sync
-        packed = packed_metadata(ctx, num_tokens, num_reqs, capturable)
+        packed = packed_metadata(ctx, num_tokens, num_reqs, capture)
         ctx.record("all_reduce", packed.shape)
         dist.all_reduce(packed, group=ctx.group)
         return DPSyncResult(int(packed[0].max()), int(packed[1].max()),
-                            bool(packed[2].min() > 0), tuple(packed[0].tolist()))
+                            int(packed[2].min()), tuple(packed[0].tolist()))

@@ -1,26 +1,28 @@
 """Graph mode as a wrapper: run a static-shape step function once per bucket with a backend.
 
-A *step function* takes only tensors whose shapes are fixed by the bucket (the padded request
-count Bp) and returns a tensor or a tuple of tensors; it reads nothing on the host. The
+A *step function* takes tensors whose shapes are fixed by the bucket (the padded token and
+request counts (Np, Bp)), plus *static* keyword values (Python values baked into the graph, part
+of its key), and returns a tensor or a tuple of tensors; it reads nothing on the host. The
 runner's target step and every proposer's padded draft step are such functions, so one
 wrapper gives each of them every backend:
 
     backend      what a call does
     eager        fn(*args)
-    compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per bucket
+    compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per key
     torchair     the same through torchair's NPU backend when torch_npu + torchair are
                  installed (specdec.platform.compile_graph), torch.compile elsewhere
-    cuda_graph   per bucket: the first call's args become the static inputs; warm up, capture
-                 once with torch.cuda.CUDAGraph (one memory pool shared by every bucket);
+    cuda_graph   per key: the first call's args become the static inputs; warm up, capture
+                 once with torch.cuda.CUDAGraph (one memory pool shared by every key);
                  later calls copy in each arg not already at its static input's address,
                  and replay. Returns the static outputs.
     replay       the cuda_graph code path without a graph (static inputs and outputs per
-                 bucket, fn run eagerly on the static inputs): proves the capture logic on CPU
+                 key, fn run eagerly on the static inputs): proves the capture logic on CPU
 
-With cuda_graph/replay the returned tensors are the bucket's static outputs: read them before
-the next call of the same bucket.
+The key of a call is (bucket, static values). With cuda_graph/replay the returned tensors are
+the key's static outputs: read them before the next call with the same key.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -43,7 +45,8 @@ class _Captured:
     buffers, a captured step's outputs -- cost no copy; any other argument is copied in."""
 
     def __init__(self, fn: Callable, args: tuple[torch.Tensor, ...], use_cuda_graph: bool,
-                 pool):
+                 pool):  # fn: the step function with its static values bound
+        self.fn = fn
         self.inputs = args
         self.graph = None
         if use_cuda_graph:
@@ -67,10 +70,12 @@ class _Captured:
 
 
 class StepGraph:
-    """``StepGraph(fn, backend)(bucket, *args)``: fn's result for args, through the backend.
+    """``StepGraph(fn, backend)(bucket, *args, **static)``: ``fn(*args, **static)`` through
+    the backend.
 
-    ``bucket`` (an int, e.g. Bp) keys the captured graphs; every arg must be a tensor whose
-    shape is fixed by the bucket (a Python value would be baked into a captured graph).
+    ``bucket`` (hashable, e.g. (Np, Bp)) and the static values key the captured graphs; every
+    positional arg must be a tensor whose shape is fixed by the bucket (a Python value there
+    would be baked into a captured graph silently: pass it as a static value instead).
     """
 
     def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
@@ -82,12 +87,12 @@ class StepGraph:
                 raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
         self.fn = fn
         self.backend = backend
-        self.captured: dict[int, _Captured] = {}  # cuda_graph / replay
-        self.seen: set[int] = set()  # buckets called once (compiled, captured or warmed)
+        self.captured: dict[tuple, _Captured] = {}  # cuda_graph / replay, by key
+        self.seen: set[tuple] = set()  # keys called once (compiled, captured or warmed)
         self.pool = None
         if backend in ("compile", "torchair"):
-            # one graph per bucket by design (up to len(capture_sizes)), not recompilations
-            # to be warned about; dynamo counts them per code object across engines
+            # one graph per key by design (a capture bucket and its static values), not
+            # recompilations to be warned about; dynamo counts them per code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         if backend == "compile":
             self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
@@ -97,33 +102,35 @@ class StepGraph:
             self.run = fn
         self.calls = 0  # calls that went through the backend (graph replays on cuda_graph)
 
-    def __call__(self, bucket: int, *args: torch.Tensor):
+    def __call__(self, bucket, *args: torch.Tensor, **static):
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
         if bad:
             raise TypeError(f"step arguments must be tensors (a Python value would be baked "
                             f"into a captured graph); got {bad}")
         self.calls += 1
         if self.backend == "eager":  # nothing to set up: every call is the steady state
-            return self.run(*args)
-        static = self.backend in ("cuda_graph", "replay")
-        if bucket not in self.seen:  # compile / capture outside the sync guards
-            self.seen.add(bucket)
+            return self.run(*args, **static)
+        key = (bucket, *sorted(static.items()))
+        captures = self.backend in ("cuda_graph", "replay")
+        if key not in self.seen:  # compile / capture outside the sync guards
+            self.seen.add(key)
             with unguarded():
-                if not static:
-                    return self.run(*args)
+                if not captures:
+                    return self.run(*args, **static)
                 if self.backend == "cuda_graph" and self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                entry = self.captured[bucket] = _Captured(
-                    self.fn, args, self.backend == "cuda_graph", self.pool)
-        elif not static:
-            return self.run(*args)
+                entry = self.captured[key] = _Captured(
+                    functools.partial(self.fn, **static), args, self.backend == "cuda_graph",
+                    self.pool)
+        elif not captures:
+            return self.run(*args, **static)
         else:
-            entry = self.captured[bucket]
+            entry = self.captured[key]
             entry.load(args)
             if entry.graph is not None:
                 entry.graph.replay()
             else:
-                for out, new in zip(entry.outputs, _as_tuple(self.fn(*entry.inputs))):
+                for out, new in zip(entry.outputs, _as_tuple(entry.fn(*entry.inputs))):
                     out.copy_(new)
         return entry.outputs if len(entry.outputs) > 1 else entry.outputs[0]
 

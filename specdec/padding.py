@@ -14,7 +14,7 @@ import logging
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from specdec.dp import DPContext, sync_step_across_dp
+from specdec.dp import CAPTURE_MIXED, CAPTURE_UNIFORM, DPContext, sync_step_across_dp
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +75,20 @@ class StepPlan:
     """How one engine step runs, the same on every DP rank (from one packed all-reduce).
 
     Worked example (K=3, capture sizes [1, 2, 4, 8, 16], DP=1): 3 decode requests verifying 3
-    drafts each (12 tokens) -> num_reqs_padded=4, num_tokens_padded=16, capturable=True;
-    a prefill chunk of 5 tokens plus one decode request (9 tokens) -> num_reqs_padded=2,
-    num_tokens_padded=16 (dispatch(9)), capturable=False.
+    drafts each (12 tokens) -> num_reqs_padded=4, num_tokens_padded=16, a capturable uniform
+    decode; a prefill chunk of 5 tokens plus one decode request (9 tokens) -> num_reqs_padded=2,
+    num_tokens_padded=16 (dispatch(9)), capturable as a mixed step where the backend captures
+    those (else eager); 40 tokens (above the largest size) -> eager.
     """
 
     num_reqs: int  # B, requests this rank runs (0: an idle rank)
     num_tokens: int  # real tokens this rank runs
     num_reqs_padded: int  # Bp: rows of the logits, the sampler and the draft loop
     num_tokens_padded: int  # Np: the target forward and the drafter's first pass; 0 = all idle
-    capturable: bool  # every rank is a uniform decode within a capture bucket (or idle):
-    #                   Np == Bp * (1 + K), the step can replay a captured graph of bucket Bp
+    capturable: bool  # every rank's (Np, Bp) is a capture key: the step replays the graph of
+    #                   (Np, Bp) (uniform decode, or a mixed step on a backend that captures them)
     num_tokens_across_dp: tuple[int, ...]  # [dp_size] each rank's own padded token count
+    uniform_decode: bool = False  # every rank a uniform decode (or idle): Np == Bp * (1 + K)
 
     @property
     def all_idle(self) -> bool:
@@ -103,39 +105,50 @@ def largest_step(padder: BatchPadder, num_speculative_tokens: int, max_num_seqs:
 
 
 class StepPlanner:
-    """Plans each step: SP pad -> dispatch -> one DP sync -> re-dispatch -> TP check."""
+    """Plans each step: SP pad -> dispatch -> one DP sync -> re-dispatch -> TP check.
+
+    ``allow_capture``: uniform decodes in a bucket replay graphs (False: no graph backend, or
+    cross-rank layers); ``capture_mixed``: so do steps with prefill chunks whose token and
+    request counts are both capture sizes (the backends that capture per (Np, Bp) key)."""
 
     def __init__(self, padder: BatchPadder, dp: DPContext, num_speculative_tokens: int,
-                 allow_capture: bool):
+                 allow_capture: bool, capture_mixed: bool = False):
         self.padder = padder
         self.dp = dp
         self.tokens_per_req = 1 + num_speculative_tokens  # of a uniform decode request
-        self.allow_capture = allow_capture  # False: no graph backend, or cross-rank layers
+        self.allow_capture = allow_capture
+        self.capture_mixed = capture_mixed and allow_capture
 
     def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> StepPlan:
         """num_tokens / num_reqs: this rank's real counts; uniform_decode: every request
         verifies exactly K drafts (layout [B, 1+K])."""
         pad, dispatch = self.padder.pad_for_sequence_parallel, self.padder.dispatch
         if num_reqs == 0:  # an idle rank can run any shape the others pick
-            tokens, reqs, capturable = 0, 0, True
+            tokens, reqs, capture = 0, 0, CAPTURE_UNIFORM
         else:
             bucket = dispatch(pad(num_reqs))
             reqs = bucket.num_tokens
-            capturable = uniform_decode and bucket.graph
-            # padding requests (Bp > B) sample at the last token: keep one padding token
-            spare = int(self.dp.size > 1 or reqs > num_reqs)
-            tokens = (reqs * self.tokens_per_req if capturable
-                      else dispatch(pad(num_tokens + spare)).num_tokens)
-        synced = sync_step_across_dp(self.dp, tokens, reqs, capturable and self.allow_capture)
+            if uniform_decode and bucket.graph:
+                tokens, capture = reqs * self.tokens_per_req, CAPTURE_UNIFORM
+            else:
+                # padding requests (Bp > B) sample at the last token: keep one padding token
+                spare = int(self.dp.size > 1 or reqs > num_reqs)
+                token_bucket = dispatch(pad(num_tokens + spare))
+                tokens = token_bucket.num_tokens
+                capture = CAPTURE_MIXED if bucket.graph and token_bucket.graph else 0
+            if not self.allow_capture or (capture == CAPTURE_MIXED and not self.capture_mixed):
+                capture = 0
+        synced = sync_step_across_dp(self.dp, tokens, reqs, capture)
         if synced.num_tokens == 0:
             return StepPlan(0, 0, 0, 0, False, synced.num_tokens_across_dp)
+        uniform = synced.capture == CAPTURE_UNIFORM
         reqs_padded = dispatch(synced.num_reqs).num_tokens
-        tokens_padded = (reqs_padded * self.tokens_per_req if synced.capturable
+        tokens_padded = (reqs_padded * self.tokens_per_req if uniform
                          else dispatch(synced.num_tokens).num_tokens)
         for n in (reqs_padded, tokens_padded):
             if not self.padder.is_aligned(n):
                 raise AssertionError(f"padded size {n} is not a multiple of "
                                      f"tensor_parallel_size={self.padder.tp_size} with "
                                      "sequence parallelism")
-        return StepPlan(num_reqs, num_tokens, reqs_padded, tokens_padded, synced.capturable,
-                        synced.num_tokens_across_dp)
+        return StepPlan(num_reqs, num_tokens, reqs_padded, tokens_padded, synced.capture > 0,
+                        synced.num_tokens_across_dp, uniform)

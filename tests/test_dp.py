@@ -164,7 +164,7 @@ def test_seed000_one_packed_shape_on_the_dp_group(dp_runs):
 def test_seed000_the_packed_tensor_has_one_shape_by_construction(size, data):
     rank = data.draw(st.integers(0, size - 1))
     packed = packed_metadata(DPContext(rank, size), data.draw(st.integers(0, 10**6)),
-                             data.draw(st.integers(0, 10**4)), data.draw(st.booleans()))
+                             data.draw(st.integers(0, 10**4)), data.draw(st.integers(0, 2)))
     assert packed.shape == (3, size) and packed.dtype == torch.int32
 
 

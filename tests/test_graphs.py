@@ -9,8 +9,11 @@ engine token for token, drafts included, over steps of varying acceptance.
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specdec.engine.llm import LLM
+from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, graph_seq_len
 from specdec.engine.sequence import SamplingParams
 from specdec.graphs import StepGraph
 from specdec.models.heads import build_head
@@ -65,7 +68,13 @@ def run(llm, prompts, max_tokens):
 
 def graph_calls(llm):
     proposer = llm.runner.proposer
-    return llm.runner.target_graphs["greedy"].calls, proposer.step_graph.calls if proposer else 0
+    return llm.runner.target_graph.calls, proposer.step_graph.calls if proposer else 0
+
+
+def request_buckets(wrapper, variant=None):
+    """Bp of every captured key ((Np, Bp), static values...) [of one sampling variant]."""
+    return {key[0][1] for key in wrapper.captured
+            if variant is None or ("variant", variant) in key}
 
 
 @pytest.mark.parametrize("backend", ["replay", "compile"])
@@ -103,19 +112,21 @@ def test_sampled_steps_are_captured_and_equal_eager(target, heads, method):
     target step: the same tokens and acceptance as eager, and most steps replayed."""
     eager = run_sampled(make_llm(target, heads, method), SAMPLED)
     llm = make_llm(target, heads, method, graph_backend="replay")
-    graphs = llm.runner.target_graphs
-    warm_up = graphs["greedy"].calls  # construction captures the greedy buckets
+    graph = llm.runner.target_graph
+    warm_up = set(graph.captured)  # construction captures the greedy buckets
+    assert all(("variant", "greedy") in key for key in warm_up)
     assert run_sampled(llm, SAMPLED) == eager
-    sampled_calls = graphs["top_p"].calls + graphs["sampled"].calls
-    decode_steps = sum(1 for s in llm.steps if s.num_reqs and s.num_tokens == s.num_reqs * (
-        1 + (K if method else 0)))
-    assert graphs["top_p"].calls > 0 and sampled_calls == decode_steps >= 6
-    assert graphs["greedy"].calls == warm_up
+    decode_steps = [s for s in llm.steps if s.num_reqs and s.num_tokens == s.num_reqs * (
+        1 + (K if method else 0))]
+    assert len(decode_steps) >= 6 and all(s.captured for s in decode_steps)
+    assert request_buckets(graph, "top_p")
+    assert {key for key in graph.captured if ("variant", "greedy") in key} == warm_up
     # a greedy-only run never touches the sampled variants
     greedy = make_llm(target, heads, method, graph_backend="replay")
     run(greedy, PROMPTS, 20)
-    assert greedy.runner.target_graphs["top_p"].calls == 0 and \
-        greedy.runner.target_graphs["greedy"].calls > 0
+    assert greedy.runner.target_graph.calls > 0
+    assert not request_buckets(greedy.runner.target_graph, "top_p") | request_buckets(
+        greedy.runner.target_graph, "sampled")
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
@@ -134,8 +145,8 @@ def test_zero_recompilations_after_warmup(target, heads, method):
 def test_replay_captures_once_per_bucket_and_reuses_its_buffers(target, heads):
     llm = make_llm(target, heads, "mtp", graph_backend="replay")
     run(llm, PROMPTS, 30)
-    for wrapper in (llm.runner.target_graphs["greedy"], llm.runner.proposer.step_graph):
-        assert set(wrapper.captured) <= {1, 2, 4} and wrapper.captured
+    for wrapper in (llm.runner.target_graph, llm.runner.proposer.step_graph):
+        assert request_buckets(wrapper) <= {1, 2, 4} and wrapper.captured
         ptrs = {b: [t.data_ptr() for t in e.outputs] for b, e in wrapper.captured.items()}
         run(llm, PROMPTS, 30)
         assert {b: [t.data_ptr() for t in e.outputs]
@@ -150,7 +161,7 @@ def test_batch_above_the_largest_bucket_runs_eager(target, heads):
     # 4 decoding requests fit no bucket: those steps ran eagerly, the 1-2 request tails did not
     steps_of_four = sum(1 for s in llm.steps if s.num_reqs == 4)
     assert steps_of_four > 0
-    assert set(llm.runner.target_graphs["greedy"].captured) <= {1, 2}
+    assert request_buckets(llm.runner.target_graph) <= {1, 2}
 
 
 def test_step_arguments_must_be_tensors():
@@ -192,8 +203,8 @@ def test_only_the_first_call_of_a_bucket_runs_outside_the_sync_guard():
 
 def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
     llm = make_llm(target, heads, "eagle3", graph_backend="replay")
-    assert set(llm.runner.target_graphs["greedy"].captured) == set(llm.runner.proposer.step_graph.captured) \
-        == {1, 2, 4}
+    assert request_buckets(llm.runner.target_graph) == request_buckets(
+        llm.runner.proposer.step_graph) == {1, 2, 4}
     assert llm.graph_warmup_seconds > 0 and not llm.steps
 
 
@@ -211,7 +222,7 @@ def test_static_inputs_are_the_first_args_and_other_tensors_are_copied_in():
     buf.copy_(torch.tensor([3.0, 4.0]))  # the caller refills its buffer in place
     assert graph(2, buf).tolist() == [30.0, 40.0]
     assert graph(2, torch.tensor([5.0, 6.0])).tolist() == [50.0, 60.0]
-    assert graph.captured[2].inputs[0] is buf and buf.tolist() == [5.0, 6.0]
+    assert graph.captured[(2,)].inputs[0] is buf and buf.tolist() == [5.0, 6.0]
 
 
 @pytest.mark.parametrize("kwargs,exc,field", [
@@ -221,3 +232,73 @@ def test_graph_and_sync_options_are_checked_on_the_dp_parent(target, kwargs, exc
     """Before any rank starts, like every other option."""
     with pytest.raises(exc, match=field):
         LLM(target=target, dtype=torch.float64, data_parallel_size=2, **kwargs)
+
+
+LONG_PROMPT = [1, 2, 3, 4, 5, 6, 1, 2] * 8  # 64 tokens: chunked at max_num_batched_tokens=32
+ARRIVING = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=11),
+            SamplingParams(max_tokens=16, ignore_eos=True),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9)]
+
+
+def run_arrivals(llm):
+    """A long prompt (two chunks), then a request every third step while the others decode
+    (one waits for a slot): most steps mix prefill chunks with decodes, some past 64 tokens
+    of context (attention bound 128)."""
+    pending = list(zip([LONG_PROMPT] + PROMPTS, ARRIVING))
+    reqs, i = [], 0
+    while True:
+        if pending and i % 3 == 0:
+            reqs.append(llm.add_request(*pending.pop(0)))
+        i += 1
+        if llm.step() is None and not pending:
+            break
+    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
+
+
+def is_mixed(step, k):
+    return step.num_reqs and step.num_tokens != step.num_reqs * (1 + k)
+
+
+@pytest.mark.parametrize("method", ["eagle3", None])
+def test_mixed_prefill_decode_steps_are_captured_and_equal_eager(target, heads, method):
+    """Steps with prefill chunks (greedy and sampled requests, seeded and unseeded) replay
+    graphs keyed (Np, Bp, attention bound, variant) on the replay backend: every step fits a
+    key here, so every step is captured, with the eager engine's tokens and acceptance."""
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    eager = run_arrivals(make_llm(target, heads, method, capture_sizes=sizes))
+    llm = make_llm(target, heads, method, graph_backend="replay", capture_sizes=sizes)
+    assert run_arrivals(llm) == eager
+    k = K if method else 0
+    mixed = [s for s in llm.steps if is_mixed(s, k)]
+    assert len(mixed) >= 4 and all(s.captured for s in llm.steps)
+    graph = llm.runner.target_graph
+    mixed_keys = {key for key in graph.captured if key[0][0] != key[0][1] * (1 + k)}
+    assert 0 < len(mixed_keys) <= len(mixed)
+    assert {dict(key[1:])["max_seq_len"] for key in mixed_keys} == {64, 128}
+    if method is not None:
+        assert set(llm.runner.proposer.step_graph.captured) >= {
+            key[:-1] for key in mixed_keys}  # the drafter replays the same (Np, Bp, bound)
+
+
+def test_compiling_backends_run_mixed_steps_eagerly(target, heads):
+    """A compile per (Np, Bp, bound) key would stall a serving engine: mixed steps run eager
+    there, uniform decodes compiled."""
+    llm = make_llm(target, heads, "mtp", graph_backend="compile",
+                   capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    run_arrivals(llm)
+    assert not any(s.captured for s in llm.steps if is_mixed(s, K))
+    assert any(s.captured for s in llm.steps if s.num_reqs and not is_mixed(s, K))
+
+
+@given(max_model_len=st.integers(1, 10_000), data=st.data())
+def test_a_mixed_steps_attention_bound_covers_its_sequences(max_model_len, data):
+    """graph_seq_len: >= the longest sequence, <= max_model_len, a power of two (>= 64) unless
+    capped, and under twice the longest sequence: few keys, little wasted gather."""
+    n = data.draw(st.integers(1, max_model_len))
+    bound = graph_seq_len(n, max_model_len)
+    assert n <= bound <= max_model_len
+    if bound < max_model_len:
+        assert bound & (bound - 1) == 0 and bound >= MIN_GRAPH_SEQ_LEN
+        assert bound < 2 * n or bound == MIN_GRAPH_SEQ_LEN

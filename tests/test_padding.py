@@ -50,32 +50,44 @@ def test_bad_padder_arguments_name_the_field(kwargs, field):
         BatchPadder(**kwargs)
 
 
-def planner(k=3, sizes=(1, 2, 4, 8, 16), tp=1, sp=False):
-    return StepPlanner(BatchPadder(list(sizes), tp, sp), DPContext(), k, allow_capture=True)
+def planner(k=3, sizes=(1, 2, 4, 8, 16), tp=1, sp=False, mixed=False):
+    return StepPlanner(BatchPadder(list(sizes), tp, sp), DPContext(), k, allow_capture=True,
+                       capture_mixed=mixed)
 
 
 def test_plan_docstring_example():
     p = planner()
     decode = p.plan(12, 3, uniform_decode=True)
-    assert (decode.num_reqs_padded, decode.num_tokens_padded, decode.capturable) == (4, 16, True)
+    assert (decode.num_reqs_padded, decode.num_tokens_padded, decode.capturable,
+            decode.uniform_decode) == (4, 16, True, True)
     mixed = p.plan(9, 2, uniform_decode=False)
-    assert (mixed.num_reqs_padded, mixed.num_tokens_padded, mixed.capturable) == (2, 16, False)
+    assert (mixed.num_reqs_padded, mixed.num_tokens_padded, mixed.capturable,
+            mixed.uniform_decode) == (2, 16, False, False)
+    assert planner(mixed=True).plan(9, 2, uniform_decode=False).capturable
+    assert not planner(mixed=True).plan(40, 2, uniform_decode=False).capturable
     assert p.plan(0, 0, uniform_decode=False).all_idle
 
 
 @given(k=st.integers(0, 5), b=st.integers(1, 40), extra=st.integers(0, 60),
-       uniform=st.booleans(), tp=st.sampled_from([1, 2, 4]), sp=st.booleans())
-def test_a_plan_fits_its_step(k, b, extra, uniform, tp, sp):
+       uniform=st.booleans(), tp=st.sampled_from([1, 2, 4]), sp=st.booleans(),
+       mixed=st.booleans())
+def test_a_plan_fits_its_step(k, b, extra, uniform, tp, sp, mixed):
     """Bp >= B and Np >= N; padding requests get a padding token to sample at; a capturable
-    plan is the uniform [Bp, 1+K] layout in a bucket; with SP every size is TP-aligned."""
+    plan is the uniform [Bp, 1+K] layout in a bucket, or (capture_mixed) any step whose Np and
+    Bp are both capture sizes; with SP every size is TP-aligned."""
     n = b * (1 + k) if uniform else b + extra
-    plan = planner(k, tp=tp, sp=sp).plan(n, b, uniform)
+    plan = planner(k, tp=tp, sp=sp, mixed=mixed).plan(n, b, uniform)
     assert plan.num_reqs_padded >= b and plan.num_tokens_padded >= n
     if plan.num_reqs_padded > b:
         assert plan.num_tokens_padded > n
-    if plan.capturable:
-        assert uniform and plan.num_reqs_padded in (1, 2, 4, 8, 16)
+    sizes = (1, 2, 4, 8, 16)
+    if plan.uniform_decode:
+        assert uniform and plan.capturable and plan.num_reqs_padded in sizes
         assert plan.num_tokens_padded == plan.num_reqs_padded * (1 + k)
+    elif plan.capturable:
+        assert mixed and plan.num_reqs_padded in sizes and plan.num_tokens_padded in sizes
+    else:  # eager: the step fits no capture key (or mixed steps are not captured)
+        assert not mixed or plan.num_reqs_padded > 16 or plan.num_tokens_padded > 16
     if sp and tp > 1:
         assert plan.num_tokens_padded % tp == 0 and plan.num_reqs_padded % tp == 0
     assert plan.num_tokens_across_dp == (plan.num_tokens_padded,)

@@ -306,8 +306,11 @@ def test_sigterm_lets_the_running_request_finish():
 
 
 def test_bench_serve_launch_quick(tmp_path):
+    """Poisson arrivals on a server with the replay backend: prefill chunks join decodes, and
+    every step (all fit a capture key here) replays a graph, as /metrics reports."""
     run = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--launch",
-                          "--quick", "--repeats", "2", "--out", str(tmp_path)],
+                          "--quick", "--repeats", "2", "--graph-backend", "replay",
+                          "--request-rate", "50", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads((tmp_path / "results.json").read_text())
@@ -321,6 +324,7 @@ def test_bench_serve_launch_quick(tmp_path):
         assert {"itl_ms", "itl_chunk_ms", "tpot_ms", "ttft_ms", "e2e_ms"} <= set(s)
         assert s["acceptance_length"] > 1 and len(s["per_position_acceptance_rate"]) == 3
         assert s["output_tokens"] == 2 * c["concurrency"] * 32
+        assert s["num_steps"] > 0 and s["captured_share"] == 1.0
         for rep in c["repeats"]:
             assert len(rep["requests"]) == c["concurrency"]
             for q in rep["requests"]:

@@ -11,9 +11,10 @@ def _f(x, fmt=".2f") -> str:
 
 # headers stack on two lines so the numbers set the widths; every other figure is in results.json
 TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s",
-                 "acc\nlen", "acc rate per\nposition", "syncs\n/step")
+                 "acc\nlen", "acc rate per\nposition", "syncs\n/step", "capt\n%")
 RATES = "acc rate per\nposition"
-NUMERIC = ("K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s", "acc\nlen", "syncs\n/step")
+NUMERIC = ("K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s", "acc\nlen", "syncs\n/step",
+           "capt\n%")
 
 
 def _row(c: dict) -> dict:
@@ -25,7 +26,8 @@ def _row(c: dict) -> dict:
             "ITL\np99": _f(itl["p99"]), "TTFT\nmean": _f(s["ttft_ms"]["mean"], ".1f"),
             "tok/s": f"{s['output_tokens_per_s']:.0f}", "acc\nlen": _f(s["acceptance_length"]),
             RATES: " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
-            "syncs\n/step": _f(s["host_syncs_per_step"], ".1f")}
+            "syncs\n/step": _f(s["host_syncs_per_step"], ".1f"),
+            "capt\n%": _f(100 * s["captured_share"], ".0f")}
 
 
 def table_title(results: dict) -> str:
@@ -58,7 +60,8 @@ def results_table(results: dict, width: int | None = None):
     the per-position acceptance rates move to a second table below, keyed by method, mode, K
     and concurrency, so every column stays readable at 80 columns and in a redirected file."""
     caption = ("tok/s: mean over repeats; acc len = 1 + accepted / verifying steps; syncs: "
-               "host-device syncs per step; mode -: no drafter; all figures in results.json")
+               "host-device syncs per step; capt: steps that replayed a captured or compiled graph; "
+               "mode -: no drafter; all figures in results.json")
     if results.get("kind") == "endpoint":
         caption = ("tok/s: mean over repeats; acc len = 1 + accepted / verifying steps, from the "
                    "server's /metrics; mode: the drafter batch of a server the bench launched "

@@ -49,7 +49,8 @@ DEFINITIONS = {
     "ttft": "first chunk arrival - request send",
     "e2e": "last chunk arrival - request send",
     "output_tokens_per_s": "output tokens of the run / (last chunk arrival - first send)",
-    "engine metrics": "num_steps, step_seconds, draft_seconds, drafted/accepted: "
+    "engine metrics": "num_steps, step_seconds, draft_seconds, captured_steps, "
+                      "drafted/accepted: "
                       "deltas of the server's /metrics over the run (0 when it has none)",
 }
 
@@ -161,7 +162,7 @@ def engine_deltas(before: dict, after: dict) -> dict:
     return dict(num_steps=int(d("specdec:step_seconds_count")),
                 step_seconds=d("specdec:step_seconds_sum"),
                 draft_seconds=d("specdec:step_draft_seconds_total"),
-                collectives=0,
+                captured_steps=int(d("specdec:captured_steps_total")), collectives=0,
                 verify_steps=int(drafts), drafted=drafted, accepted=accepted)
 
 
@@ -289,8 +290,10 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int,
     for r in range(opts["repeats"]):
         for c in concs if r % 2 == 0 else concs[::-1]:
             reps[c].append(one(c, opts["seed"] + r))
+            rep = reps[c][-1]
             console.print(f"repeat {r + 1}/{opts['repeats']} concurrency {c}: "
-                          f"{reps[c][-1]['output_tokens_per_s']:.0f} tok/s", highlight=False)
+                          f"{rep['output_tokens_per_s']:.0f} tok/s, {rep['num_steps']} steps, "
+                          f"{100 * rep['captured_share']:.0f}% captured", highlight=False)
     phases["measure_s"] = time.perf_counter() - t
     configs = []
     for c in concs:
@@ -340,6 +343,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help=f"prompt seed (default {d['seed']})")
     p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
                    "makes the prompts (default: the embedded model's)")
+    from specdec.graphs import BACKENDS
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
     g.add_argument("--method", choices=METHODS, default=None,
                    help="drafter of the launched server (default eagle3)")
@@ -350,6 +354,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: none)")
     g.add_argument("--no-padded", action="store_true",
                    help="ragged drafter batch (default: padded)")
+    g.add_argument("--graph-backend", choices=BACKENDS, default=None,
+                   help="the launched server's step wrapper (default: its default, eager); "
+                        "replay counts the steps a CUDA graph would capture, on CPU")
     g.add_argument("--server-model", metavar="PATH",
                    help="--model of the launched server (default: the embedded model)")
 
@@ -398,6 +405,8 @@ def run_from_args(args) -> int:
                 serve_args += ["--speculative-config", json.dumps(spec)]
             if args.server_model:
                 serve_args += ["--model", args.server_model]
+            if args.graph_backend:
+                serve_args += ["--graph-backend", args.graph_backend]
             proc, base_url = launch(serve_args)
         else:
             base_url = args.base_url.rstrip("/")

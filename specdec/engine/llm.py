@@ -55,6 +55,7 @@ class StepRecord:
     host_syncs: int | None  # in the device part of the step; None unless syncs are checked
     collectives: int  # DP collectives issued during the step
     new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
+    captured: bool = False  # the target step replayed a graph (compiled or captured)
 
 
 class LLM:
@@ -221,7 +222,7 @@ class LLM:
             new_tokens[s.request.request_id] = self._update(s, row, draft)
         rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
                          self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
-                         new_tokens)
+                         new_tokens, self.runner.last_step_captured)
         self.steps.append(rec)
         return rec
 

@@ -4,14 +4,17 @@ One engine step (``LLM.step``):
     plan    = runner.plan(scheduled)        # the one DP all-reduce of the step (StepPlan)
     batch   = runner.prepare(scheduled, plan)   # host work: fill the buffers, 3 copies
     sampled, drafts = runner.execute(batch)     # device work only, no host-device sync
-A capturable step (uniform decode in a bucket, greedy or sampled) runs the target step through
-the graph wrapper of its sampling variant (`specdec.graphs`: greedy, sampled, sampled with
-top-p; the graph key is (variant, bucket)) and the proposer's padded step through its own: on
-CUDA with ``graph_mode="full_cuda_graph"`` that is two graph replays per step. Sampling draws
-counter-based random numbers (``counter_rng``), so a replay needs no generator state.
+A capturable step runs the target step through its graph wrapper (`specdec.graphs`) and the
+proposer's padded step through its own: on CUDA with ``graph_mode="full_cuda_graph"`` that is
+two graph replays per step. Capturable are uniform decodes in a request bucket (key (Np, Bp),
+attention bounded by max_model_len; captured at start-up) and, on the capturing backends
+(``replay``; ``cuda_graph`` behind ``SPECDEC_UNVERIFIED_GPU_PATHS``), mixed steps with prefill
+chunks whose Np and Bp are capture sizes (key (Np, Bp) and the attention bound, a power of two
+>= the longest sequence; captured at first use). Each key has a graph per sampling variant
+(greedy, sampled, sampled with top-p). Sampling draws counter-based random numbers
+(``counter_rng``), so a replay needs no generator state.
 """
 
-import functools
 import time
 from dataclasses import dataclass
 
@@ -32,6 +35,13 @@ from specdec.proposers.inputs import DraftInputs
 
 
 VARIANTS = ("greedy", "sampled", "top_p")  # the target step's sampling variants
+MIN_GRAPH_SEQ_LEN = 64  # the smallest attention bound of a captured mixed step
+
+
+def graph_seq_len(max_seq_len: int, max_model_len: int) -> int:
+    """A captured mixed step's attention bound: the power of two >= max_seq_len (at least
+    MIN_GRAPH_SEQ_LEN), at most max_model_len; e.g. 70 -> 128 (max_model_len 2048)."""
+    return min(max(MIN_GRAPH_SEQ_LEN, 1 << (max_seq_len - 1).bit_length()), max_model_len)
 
 
 def sampling_variant(params) -> str:
@@ -47,7 +57,8 @@ class StepBatch:
 
     plan: StepPlan
     inputs: StepInputs  # [Np] tokens, [Bp] requests
-    max_seq_len: int  # host bound on seq_lens (eager attention); graphs use max_model_len
+    max_seq_len: int  # host bound on seq_lens (eager attention)
+    graph_seq_len: int  # the captured step's bound: max_model_len (uniform) or graph_seq_len()
     variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
 
 
@@ -86,16 +97,21 @@ class ModelRunner:
                              f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
                              "collectives cannot run inside a captured or compiled step")
         k = num_speculative_tokens
-        self.planner = StepPlanner(padder, dp, k, allow_capture=graph_backend != "eager")
+        # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
+        # capturing backends (a CUDA graph of them has not yet run on a GPU: opt-in there); the
+        # compiling ones would stall serving on an inductor compile per key, so run them eager
+        self.planner = StepPlanner(padder, dp, k, allow_capture=graph_backend != "eager",
+                                   capture_mixed=graph_backend == "replay" or (
+                                       graph_backend == "cuda_graph"
+                                       and platform.unverified_gpu_paths()))
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
         self.buffers = StepBuffers(max_tokens, max_reqs, k,
                                    -(-max_model_len // block_size), device)
         # sampled steps in a CUDA graph have not yet run on a GPU: opt-in there (replay and the
         # compiling backends capture them always)
         self.capture_sampled = graph_backend != "cuda_graph" or platform.unverified_gpu_paths()
-        self.target_graphs = {v: StepGraph(
-            functools.partial(self.target_step, max_seq_len=max_model_len, variant=v),
-            graph_backend, compile_backend) for v in VARIANTS}
+        self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend)
+        self.last_step_captured = False  # whether the last execute() replayed a graph
 
     def warm_up_graphs(self) -> float:
         """Capture the step wrappers of every capture bucket up to the largest step, largest
@@ -103,13 +119,13 @@ class ModelRunner:
         first real step (cuda_graph / replay). Compiling backends compile each bucket at its
         first use instead (an inductor compile per bucket would make start-up minutes long);
         either way outside the sync guards. -> seconds spent."""
-        if self.target_graphs["greedy"].backend not in ("cuda_graph", "replay"):
+        if self.target_graph.backend not in ("cuda_graph", "replay"):
             return 0.0
         start, k = time.perf_counter(), self.num_speculative_tokens
         padder = self.planner.padder
         buckets = [b for b in padder.capture_sizes if b <= self.buffers.max_reqs]
         for bp in reversed(buckets):
-            plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),))
+            plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),), True)
             self.execute(self.prepare([], plan))
         return time.perf_counter() - start
 
@@ -179,7 +195,10 @@ class ModelRunner:
         h["rng_key"][b:bp] = 0
         h["cu_num_draft_tokens"][:bp] = np.cumsum(h["num_draft_tokens"][:bp])
         self.buffers.copy_to_device()
-        return StepBatch(plan, self.buffers.view(np_, bp), int(h["seq_lens"][:bp].max()),
+        max_seq_len = int(h["seq_lens"][:bp].max())
+        bound = (self.max_model_len if plan.uniform_decode
+                 else graph_seq_len(max_seq_len, self.max_model_len))
+        return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          sampling_variant([s.request.params for s in scheduled]))
 
     # ---- device side -----------------------------------------------------------------------
@@ -222,8 +241,11 @@ class ModelRunner:
         step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                      x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
                      x.discard_mask, x.rows, x.temperature, x.top_p, x.rng_key)
-        if plan.capturable and (batch.variant == "greedy" or self.capture_sampled):
-            out = self.target_graphs[batch.variant](plan.num_reqs_padded, *step_args)
+        self.last_step_captured = plan.capturable and (batch.variant == "greedy"
+                                                       or self.capture_sampled)
+        if self.last_step_captured:
+            out = self.target_graph((plan.num_tokens_padded, plan.num_reqs_padded), *step_args,
+                                    max_seq_len=batch.graph_seq_len, variant=batch.variant)
         else:
             out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
                                    variant=batch.variant)
@@ -238,6 +260,7 @@ class ModelRunner:
             aux_hidden_states=aux,
             attn=AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens,
                                    x.block_table, batch.max_seq_len),
+            graph_seq_len=batch.graph_seq_len,
             sampled_token_ids=sampled, discard_mask=x.discard_mask,
             cu_num_draft_tokens=x.cu_num_draft_tokens, token_table=self.token_table,
             rows=x.rows))

@@ -35,6 +35,9 @@ class ServerMetrics:
                                buckets=STEP_BUCKETS_S, registry=r)
         self.draft_seconds = Counter("specdec:step_draft_seconds", "drafter host wall time "
                                      "inside steps (s)", registry=r)
+        self.captured_steps = Counter("specdec:captured_steps", "engine steps whose target "
+                                      "step replayed a captured (or compiled) graph",
+                                      registry=r)
         self.host_syncs = Counter("specdec:host_syncs", "host-device syncs inside steps "
                                   "(counted on the ragged path; padded: 0 by construction)",
                                   registry=r)
@@ -65,6 +68,7 @@ class ServerMetrics:
         """One engine step (a ``StepRecord``)."""
         self.steps.observe(rec.seconds)
         self.draft_seconds.inc(rec.draft_seconds)
+        self.captured_steps.inc(rec.captured)
         if rec.host_syncs is not None:  # counted only when the engine checks them
             self.host_syncs.inc(rec.host_syncs)
         self.generation_tokens.inc(sum(rec.new_tokens.values()))

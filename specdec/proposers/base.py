@@ -15,11 +15,10 @@ static-shape *padded step* per step: for Np tokens and Bp requests,
     draft loop: seq_lens -= num_rejected (once), then K-1 steps of one token per row
 
 Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`): a capturable
-step (uniform decode in a bucket) runs it through the configured backend -- torch.compile /
-torchair, or a CUDA graph per bucket -- every other padded step runs the same function eagerly.
+step (``plan.capturable``: a uniform decode, or a mixed step where the backend captures those)
+runs it through the configured backend -- torch.compile / torchair, or a CUDA graph per
+(Np, Bp, attention bound) key -- every other padded step runs the same function eagerly.
 """
-
-import functools
 
 import torch
 
@@ -121,9 +120,7 @@ class DraftModelProposer(Proposer):
         self.seq_lens = buf(torch.int32)
         self.slot_mapping = buf(torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
-        self.step_graph = StepGraph(
-            functools.partial(self.padded_step, max_seq_len=self.max_model_len),
-            graph_backend, compile_backend)
+        self.step_graph = StepGraph(self.padded_step, graph_backend, compile_backend)
 
     # ---- the per-method hooks ---------------------------------------------------------------
     def draft_features(self, x: DraftInputs) -> torch.Tensor:
@@ -151,7 +148,8 @@ class DraftModelProposer(Proposer):
                 x.discard_mask, x.cu_num_draft_tokens, x.token_table, x.rows,
                 torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
         if plan.capturable:
-            return self.step_graph(plan.num_reqs_padded, *args)
+            return self.step_graph((plan.num_tokens_padded, plan.num_reqs_padded), *args,
+                                   max_seq_len=x.graph_seq_len)
         return self.padded_step(*args, max_seq_len=a.max_seq_len)
 
     def padded_step(self, target_ids, positions, features, slot_mapping, query_start_loc,

@@ -23,3 +23,4 @@ class DraftInputs:
     cu_num_draft_tokens: torch.Tensor  # [Bp] int32, inclusive cumsum of drafts verified
     token_table: torch.Tensor  # [rows + 1, max_model_len + 1] int32 known tokens, -1 unknown
     rows: torch.Tensor  # [Bp] int64, each request's row in token_table
+    graph_seq_len: int  # host: the attention bound of a captured step (>= every seq_len)

@@ -219,7 +219,7 @@ def write_report(out: Path, args, argv, stats: dict) -> None:
         f"Python {sys.version.split()[0]} standard library `.py` files under "
         "`sysconfig.get_paths()['stdlib']`, skipping `site-packages`, `dist-packages`, `test`, "
         "`tests`, `idle_test`, `encodings` directories and files over 256 KiB.",
-        f"Split by path hash: a file (POSIX path relative to the stdlib root) is held out when "
+        "Split by path hash: a file (POSIX path relative to the stdlib root) is held out when "
         "`int(sha256(relpath)[:8], 16) % 20 == 0` (`specdec.train.data.is_held_out`).",
         f"{stats['n_train_files']} training files ({stats['train_tokens']:,} tokens), {len(held)} "
         f"held-out files ({stats['held_tokens']:,} tokens): " + ", ".join(f"`{h}`" for h in held) + ".", "",
