@@ -3,6 +3,7 @@ endpoint labels, plot labels and footers, extract_hidden_states' report, --help 
 (issue 22, items 7, 8, 11-14)."""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -252,5 +253,26 @@ def test_bench_gpu_help_is_whole_and_says_run_from_the_root():
                          capture_output=True, text=True, env=env80(), cwd=ROOT, timeout=120)
     assert run.returncode == 0
     text = " ".join(run.stdout.split())
-    assert "on a synthetic ~0.85B target (bf16)." in text and "repository root" in text
+    assert "on synthetic Llama targets (bf16);" in text and "repository root" in text
     assert "(default: 3)" in text
+
+
+def test_bench_gpu_smoke_run_on_cpu_prints_the_goal_figures(tmp_path):
+    """The GPU table's code on a CPU (replay backend, tiny synthetic target): every config
+    measured, the sampled rows beside the greedy ones, every Poisson-arrival step captured,
+    and each goal line printed."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "--device", "cpu",
+                          "--models", "llama-tiny", "--backends", "replay", "--methods", "none",
+                          "eagle3", "--concurrency", "2", "--output-len", "6", "--out",
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [(x["method"], x["temperature"]) for x in r["rows"]] == [
+        ("none", 0.0), ("none", 0.7), ("eagle3", 0.0), ("eagle3", 0.7)]
+    assert all("error" not in x and x["graph_calls_per_step"] > 0 for x in r["rows"])
+    assert r["poisson"][0]["steps"] > 0 and r["poisson"][0]["share"] == 1.0
+    assert r["goals"]["captured_share_poisson"] == 1.0
+    assert r["goals"]["sampled_over_greedy_step"] > 0
+    assert r["goals"]["eagle3_over_plain_tokens_per_s"] > 0
+    for key in r["goals"]:
+        assert f"{key}: " in run.stdout
