@@ -3,9 +3,11 @@ event loop and 413, inputs that used to be 500s, OpenAI fields refused or accept
 admission limit, the acceptance gauge, /tokenize and /detokenize, SIGTERM under load."""
 
 import json
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -292,6 +294,54 @@ def test_sigterm_under_load_exits_0_and_ends_every_stream():
             assert all("error" not in e for e in events)
             reasons.append(events[-1]["choices"][0]["finish_reason"])
         assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---- 7: the engine process -------------------------------------------------------------------
+def engine_process(server_pid: int) -> int:
+    """The pid of ``specdec serve``'s engine process (its spawned child; not the resource
+    tracker that multiprocessing may start beside it)."""
+    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError(f"no engine process under {server_pid}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
+    """The engine dies mid-stream: every open stream ends with an error event and [DONE]
+    within seconds (nothing hangs), the server stops and exits non-zero, saying why."""
+    proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128",
+                                    "--max-num-seqs", "4"])
+    try:
+        engine = engine_process(proc.pid)
+        results = [None] * 3
+
+        def stream(i):
+            body = dict(prompt=[5 + i, 6, 7], max_tokens=120, temperature=0, ignore_eos=True,
+                        stream=True)
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                results[i] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        while httpx.get(f"{url}/health").json()["running"] < 3:
+            time.sleep(0.01)
+        start = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert proc.wait(timeout=30) == 1
+        assert time.monotonic() - start < 30
+        assert "engine process exited with code -9" in proc.stderr.read()
+        for lines in results:
+            assert lines[-1] == "data: [DONE]"
+            error = json.loads(lines[-2][6:])["error"]
+            assert error["code"] == 500 and "engine process exited" in error["message"]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -22,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.engine.sequence import SamplingParams
-from specdec.entrypoints.async_engine import AsyncEngine, QueueFullError, RequestHandle
+from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
+                                             RequestHandle)
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     HugeInt, SamplingRequest, TokenizeRequest, check_prompt_ids, check_prompt_length,
@@ -171,6 +172,8 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             handle = engine.submit(ids, params)
         except QueueFullError as e:
             raise ApiError(503, str(e)) from None
+        except EngineDeadError as e:
+            raise ApiError(500, str(e)) from None
         gen = Generation(engine, handle, TextStream(model.tokenizer, req.stop_strings()))
         shape = ChatShape(model.name) if chat else CompletionShape(model.name)
         if req.stream:

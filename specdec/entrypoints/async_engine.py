@@ -1,21 +1,35 @@
-"""One background loop steps the engine; HTTP handlers add requests and read their tokens.
+"""The API process's side of the engine: admission, one chunk queue per request, metrics.
 
-Ownership: the ``LLM`` is touched only by the loop task (on the event loop, between steps) and
-by ``LLM.step()`` (in one worker thread, so the event loop never blocks). Handlers queue adds
-and aborts; the loop applies them before the next step. After each step every request that
-got tokens receives one ``TokenChunk`` (a speculative step can bring several tokens).
+HTTP handlers ``submit`` requests and read ``TokenChunk`` objects from their handles; each
+engine step sends every request that got tokens one chunk (a speculative step can bring
+several tokens). The engine itself is an ``EngineCore`` (``specdec.entrypoints.engine_core``),
+reached one of two ways:
+
+* ``AsyncEngine(llm)``: an LLM built in this process, stepped in one worker thread; adds and
+  aborts are queued and applied by the loop task between steps (the tests use it to inject
+  faults into the LLM).
+* ``ProcessEngine(llm_kwargs)``: ``specdec serve``'s engine, built and stepped in its own
+  process; adds and aborts go down a pipe at once and its outputs are read by the event loop
+  (``loop.add_reader``), so no step waits for HTTP and no HTTP handler waits for a step. An
+  engine process that dies fails every request with a 500 and calls ``on_engine_death``.
 """
 
 import asyncio
 import itertools
+import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specdec.engine.sequence import Request, SamplingParams, Status
+from specdec.engine.sequence import SamplingParams
+from specdec.entrypoints.engine_core import CoreOutput, EngineCore, EngineInfo, run_engine_process
 
 
 class QueueFullError(RuntimeError):
     """The running batch and ``max_waiting`` more are taken: the server answers 503."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited: the server answers 500 and shuts down."""
 
 
 @dataclass
@@ -35,72 +49,52 @@ class RequestHandle:
     prompt_token_ids: list[int]
     params: SamplingParams
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: Request | None = None  # the engine's request, once added
 
 
-class AsyncEngine:
-    """Continuous batching over one single-rank ``LLM``; ``metrics`` (optional) sees each step.
+class _Frontend:
+    """Admission and dispatch shared by both engines. Admission: at most ``max_num_seqs +
+    max_waiting`` requests are in the server at once (submitted and not finished), so a burst
+    gets exactly the batch plus ``max_waiting`` admitted whatever the timing of the engine
+    loop; ``max_waiting=0``: no queue beyond the batch."""
 
-    Admission: at most ``max_num_seqs + max_waiting`` requests are in the server at once
-    (submitted and not finished), so a burst gets exactly the batch plus ``max_waiting``
-    admitted whatever the timing of the engine loop; ``max_waiting=0``: no queue beyond the
-    batch."""
-
-    def __init__(self, llm, *, max_waiting: int = 256, metrics=None):
+    def __init__(self, max_num_seqs: int, max_waiting: int, metrics):
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting!r}: must be an int >= 0")
-        self.llm = llm
+        self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}
-        self._to_add: list[RequestHandle] = []
-        self._to_abort: list[str] = []
-        self._wake = asyncio.Event()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-step")
-        self._task: asyncio.Task | None = None
         self._stopping = False
         self._stop_task: asyncio.Task | None = None
-
-    # ---- handler side --------------------------------------------------------------------
-    @property
-    def num_waiting(self) -> int:
-        return len(self._to_add) + len(self.llm.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.llm.scheduler.running)
 
     @property
     def capacity(self) -> int:
         """Requests admitted at once: the running batch plus ``max_waiting``."""
-        return self.llm.scheduler.max_num_seqs + self.max_waiting
+        return self.max_num_seqs + self.max_waiting
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request for the next step; QueueFullError when the batch and
-        ``max_waiting`` more are already taken."""
+        """Send a request to the engine; QueueFullError when the batch and ``max_waiting``
+        more are already taken."""
         if self._stopping:
             raise QueueFullError("the server is shutting down")
         if len(self._handles) >= self.capacity:
             raise QueueFullError(
                 f"{len(self._handles)} requests in the server: the batch "
-                f"(max_num_seqs={self.llm.scheduler.max_num_seqs}) and the queue "
+                f"(max_num_seqs={self.max_num_seqs}) and the queue "
                 f"(max_waiting={self.max_waiting}) are full; retry later")
         handle = RequestHandle(f"req-{next(self._ids)}", list(prompt_token_ids), params)
         self._handles[handle.request_id] = handle
-        self._to_add.append(handle)
-        self._wake.set()
+        self._send_add(handle)
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Drop a request (client gone) before the next step; its KV blocks are freed then."""
-        if request_id in self._handles:
-            self._to_abort.append(request_id)
-            self._wake.set()
-
-    # ---- the loop ------------------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="specdec-engine")
+        """Drop a request (client gone); the engine frees its KV blocks before its next step.
+        Its stream ends at once with finish_reason "abort"."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            handle.chunks.put_nowait(TokenChunk([], "abort"))
+            self._send_abort(request_id)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest
@@ -117,6 +111,65 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         for rid in list(self._handles):
             self.abort(rid)
+        await self._close()
+
+    def _dispatch(self, out: CoreOutput) -> None:
+        """An engine output: metrics, then one chunk per request it concerns."""
+        if self.metrics is not None and out.step is not None:
+            self.metrics.on_step(out.step)
+        for u in out.updates:
+            if u.stats is not None and self.metrics is not None:
+                self.metrics.on_finish(u.stats)
+            handle = self._handles.get(u.request_id)
+            if handle is None:  # aborted here already
+                continue
+            if u.stats is not None or u.error is not None:
+                del self._handles[u.request_id]
+            handle.chunks.put_nowait(TokenChunk(u.token_ids, u.finish_reason, u.error))
+
+    def _fail_all(self, message: str) -> None:
+        for handle in self._handles.values():
+            handle.chunks.put_nowait(TokenChunk([], error=message))
+        self._handles.clear()
+
+
+class AsyncEngine(_Frontend):
+    """An in-process single-rank ``LLM`` stepped by one worker thread; ``metrics`` (optional)
+    sees each step. The LLM is touched only by the loop task (between steps) and the worker."""
+
+    def __init__(self, llm, *, max_waiting: int = 256, metrics=None):
+        super().__init__(llm.scheduler.max_num_seqs, max_waiting, metrics)
+        self.llm = llm
+        self.core = EngineCore(llm)
+        self._to_add: list[RequestHandle] = []
+        self._to_abort: list[str] = []
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-step")
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._to_add) + len(self.llm.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.llm.scheduler.running)
+
+    def free_blocks(self) -> int:
+        return len(self.llm.allocator.free)
+
+    def _send_add(self, handle: RequestHandle) -> None:
+        self._to_add.append(handle)
+        self._wake.set()
+
+    def _send_abort(self, request_id: str) -> None:
+        self._to_abort.append(request_id)
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="specdec-engine")
+
+    async def _close(self) -> None:
         while self._to_abort and not self._task.done():
             await asyncio.sleep(0.01)
         self._task.cancel()
@@ -130,61 +183,118 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_queued()
-            if not self.llm.scheduler.has_unfinished():
+            if not self.core.has_work():
                 self._wake.clear()
                 if not (self._to_add or self._to_abort):
                     await self._wake.wait()
                 continue
-            try:
-                rec = await loop.run_in_executor(self._worker, self.llm.step)
-            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-                self._fail_running(f"engine error: {type(e).__name__}: {e}")
-                continue
-            if rec is not None:
-                self._dispatch(rec)
+            self._dispatch(await loop.run_in_executor(self._worker, self.core.step))
 
     def _apply_queued(self) -> None:
-        for rid in self._to_abort:
-            handle = self._handles.pop(rid, None)
-            if handle is None:  # finished meanwhile
-                continue
-            self._to_add = [h for h in self._to_add if h is not handle]
-            if self.llm.abort_request(rid) and self.metrics is not None:
-                self.metrics.on_finish(handle.request)
-            handle.chunks.put_nowait(TokenChunk([], "abort"))
+        updates = [self.core.abort(rid) for rid in self._to_abort]
         self._to_abort.clear()
-        for handle in self._to_add:
-            try:
-                handle.request = self.llm.add_request(handle.prompt_token_ids, handle.params,
-                                                      handle.request_id)
-            except (ValueError, TypeError) as e:  # checked by the handler; kept as a guard
-                self._handles.pop(handle.request_id)
-                handle.chunks.put_nowait(TokenChunk([], error=str(e)))
+        updates += [self.core.add(h.request_id, h.prompt_token_ids, h.params)
+                    for h in self._to_add if h.request_id in self._handles]
         self._to_add.clear()
+        self._dispatch(CoreOutput(None, [u for u in updates if u is not None]))
 
-    def _dispatch(self, rec) -> None:
-        if self.metrics is not None:
-            self.metrics.on_step(rec)
-        for rid, n in rec.new_tokens.items():
-            handle = self._handles.get(rid)
-            if not n or handle is None:
-                continue
-            req = handle.request
-            done = req.status is Status.FINISHED
-            handle.chunks.put_nowait(TokenChunk(req.output_token_ids[-n:],
-                                                req.finish_reason if done else None))
-            if done:
-                del self._handles[rid]
-                if self.metrics is not None:
-                    self.metrics.on_finish(req)
 
-    def _fail_running(self, message: str) -> None:
-        """After a failed step: ``LLM.step`` has finished the requests of that step with
-        reason "error" (blocks freed); tell their clients. The others go on."""
-        for rid, handle in list(self._handles.items()):
-            req = handle.request
-            if req is not None and req.status is Status.FINISHED:
-                del self._handles[rid]
-                if self.metrics is not None:
-                    self.metrics.on_finish(req)
-                handle.chunks.put_nowait(TokenChunk([], error=message))
+class ProcessEngine(_Frontend):
+    """The engine in its own process (``run_engine_process``), built from ``llm_kwargs``
+    (``specdec.flags.build_llm``'s arguments); ``info`` once ``start_process`` returned."""
+
+    def __init__(self, llm_kwargs: dict, *, max_waiting: int = 256, metrics=None):
+        super().__init__(llm_kwargs.get("max_num_seqs", 0), max_waiting, metrics)
+        self.llm_kwargs = llm_kwargs
+        self.info: EngineInfo | None = None
+        self.process = None
+        self.conn = None
+        self.exitcode: int | None = None  # set when the engine process died
+        self.on_engine_death = None  # called (no arguments) once the engine process died
+        self._gauges = (0, 0, 0)  # running, waiting, free blocks: from the last output
+
+    def start_process(self, timeout_s: float = 600.0) -> EngineInfo:
+        """Spawn the engine process and wait until its LLM is built; RuntimeError with the
+        engine's message when it cannot be."""
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_engine_process, args=(child, self.llm_kwargs),
+                                   name="specdec-engine", daemon=True)
+        self.process.start()
+        child.close()
+        if not self.conn.poll(timeout_s):
+            self.process.kill()
+            raise RuntimeError(f"the engine process did not start within {timeout_s:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the engine process exited with code {self.process.exitcode} "
+                               "before it was ready") from None
+        if isinstance(msg, tuple):  # ("error", message)
+            self.process.join()
+            raise RuntimeError(msg[1])
+        self.info = msg
+        self.max_num_seqs = msg.max_num_seqs
+        self._gauges = (0, 0, 0)
+        return msg
+
+    @property
+    def num_running(self) -> int:
+        return self._gauges[0]
+
+    @property
+    def num_waiting(self) -> int:
+        return self._gauges[1]
+
+    def free_blocks(self) -> int:
+        return self._gauges[2]
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+        if self.exitcode is not None:
+            raise EngineDeadError(f"the engine process exited with code {self.exitcode}")
+        return super().submit(prompt_token_ids, params)
+
+    def _send_add(self, handle: RequestHandle) -> None:
+        self._send(("add", handle.request_id, handle.prompt_token_ids, handle.params))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._engine_died()
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self.conn.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                out = self.conn.recv()
+                self._gauges = (out.running, out.waiting, out.free_blocks)
+                self._dispatch(out)
+        except (EOFError, ConnectionResetError, OSError):
+            self._engine_died()
+
+    def _engine_died(self) -> None:
+        if self.exitcode is not None:
+            return
+        asyncio.get_running_loop().remove_reader(self.conn.fileno())
+        self.process.join(5)
+        self.exitcode = self.process.exitcode if self.process.exitcode is not None else -1
+        self._fail_all(f"the engine process exited with code {self.exitcode}")
+        if self.on_engine_death is not None:
+            self.on_engine_death()
+
+    async def _close(self) -> None:
+        if self.exitcode is None:
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            self._send(("shutdown",))
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 30)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.conn.close()

@@ -1,4 +1,4 @@
-"""``specdec serve``: flags, building the engine and app, running uvicorn (SIGTERM drains).
+"""``specdec serve``: flags, the engine process and the app, running uvicorn (SIGTERM drains).
 
 fastapi/uvicorn/prometheus-client are imported only when the command runs (the ``serve`` extra).
 """
@@ -6,9 +6,10 @@ fastapi/uvicorn/prometheus-client are imported only when the command runs (the `
 import argparse
 import json
 import signal
+import sys
 
-from specdec.flags import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, build_llm,
-                           default_method, engine_kwargs, speculative_config)
+from specdec.flags import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, default_method,
+                           engine_kwargs, speculative_config)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
@@ -54,24 +55,34 @@ def engine_spec(args) -> dict | None:
     return speculative_config(method, k, not args.no_padded, args.speculative_config)
 
 
+def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab_size: int):
+    """What the handlers need of the model (``api_server.ServedModel``)."""
+    from specdec.entrypoints.api_server import ServedModel
+    from specdec.entrypoints.chat import load_chat_template
+    longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+    return ServedModel(name, tokenizer, load_chat_template(model_dir), max_model_len,
+                       vocab_size, longest)
+
+
+def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
+    """The app over an engine (AsyncEngine or ProcessEngine), with its metrics."""
+    from specdec.entrypoints.api_server import build_app
+    from specdec.entrypoints.metrics import ServerMetrics
+    engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
+                                    engine.free_blocks))
+    return build_app(engine, model, engine.metrics, shutdown_timeout_s, max_request_bytes)
+
+
 def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s: float = 10.0,
                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-    """An app serving an already-built single-rank ``LLM`` (the tests use it in-process)."""
+    """An app serving an already-built single-rank ``LLM`` in this process (the tests use it
+    in-process: its engine steps in a worker thread of this process)."""
     from specdec.engine.llm import DEFAULT_MODEL
-    from specdec.entrypoints.api_server import ServedModel, build_app
     from specdec.entrypoints.async_engine import AsyncEngine
-    from specdec.entrypoints.chat import load_chat_template
-    from specdec.entrypoints.metrics import ServerMetrics
-
-    engine = AsyncEngine(llm, max_waiting=max_waiting)
-    engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
-                                    lambda: len(llm.allocator.free)))
-    model_dir = llm.init_kwargs.get("model") or DEFAULT_MODEL
-    tok = llm.tokenizer
-    served = ServedModel(name, tok, load_chat_template(model_dir), llm.max_model_len,
-                         llm.target.config.vocab_size,
-                         max(map(len, tok.get_vocab()), default=1) if tok is not None else 1)
-    return build_app(engine, served, engine.metrics, shutdown_timeout_s, max_request_bytes)
+    model = served_model(name, llm.tokenizer, llm.init_kwargs.get("model") or DEFAULT_MODEL,
+                         llm.max_model_len, llm.target.config.vocab_size)
+    return app_over(AsyncEngine(llm, max_waiting=max_waiting), model, shutdown_timeout_s,
+                    max_request_bytes)
 
 
 def run_from_args(args) -> int:
@@ -80,19 +91,31 @@ def run_from_args(args) -> int:
     except ImportError:
         raise UsageError("specdec serve needs the serve extra: pip install 'specdec[serve]'") \
             from None
+    from specdec.entrypoints.async_engine import ProcessEngine
     for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "max_waiting" else 1):
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
     spec = engine_spec(args)
-    llm = build_llm(args.model, spec, seed=args.seed, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
+    engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,
+                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                **engine_kwargs(args)), max_waiting=args.max_waiting)
+    try:
+        info = engine.start_process()
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
     name = args.served_model_name or args.model or "specdec-default"
-    app = build_server_app(llm, name, args.max_waiting, args.shutdown_timeout,
-                           args.max_request_bytes)
+    app = app_over(engine, served_model(name, info.tokenizer, info.model_dir,
+                                        info.max_model_len, info.vocab_size),
+                   args.shutdown_timeout, args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
-          f"speculative_config={json.dumps(spec)}", flush=True)
+          f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid})",
+          flush=True)
     serve_until_signal(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    if engine.exitcode is not None:
+        print(f"specdec serve: the engine process exited with code {engine.exitcode}; "
+              "its requests got 500", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -116,9 +139,14 @@ def serve_until_signal(app, host: str, port: int, log_level: str, shutdown_timeo
             if first:  # in the main thread, which runs the event loop: schedule, don't block
                 asyncio.get_event_loop().call_soon_threadsafe(app.state.begin_shutdown)
 
+    def engine_died():  # fail fast: stop accepting, end the streams (already failed), exit 1
+        server.should_exit = True
+
+    app.state.engine.on_engine_death = engine_died
     received = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: received.append(s))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + UVICORN_GRACE_S)
-    Server(config).run()
+    server = Server(config)
+    server.run()

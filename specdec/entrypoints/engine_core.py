@@ -1,0 +1,161 @@
+"""The engine core: one single-rank ``LLM`` stepped in a loop, its results as plain messages.
+
+``EngineCore`` owns the LLM: it applies adds and aborts, steps, and returns a ``CoreOutput``
+per step (the ``StepRecord`` plus, per request that got tokens or ended, a ``RequestUpdate``).
+The API server runs it either in a worker thread of its own process (``AsyncEngine`` over an
+in-process LLM: the tests inject faults there) or in a separate process (``specdec serve``:
+``run_engine_process``, connected by a ``multiprocessing`` pipe), so the engine loop never
+waits for HTTP parsing, SSE writing or detokenization, and they never wait for a step.
+
+Messages to the engine process: ``("add", request_id, prompt_token_ids, SamplingParams)``,
+``("abort", request_id)``, ``("shutdown",)``. From it: one ``EngineInfo`` when ready (or
+``("error", message)`` when the LLM cannot be built), then ``CoreOutput`` messages.
+"""
+
+import signal
+from dataclasses import dataclass, field
+
+from specdec.engine.sequence import Request, SamplingParams, Status
+
+
+@dataclass
+class FinishStats:
+    """What the metrics count of a request that left the engine (``ServerMetrics.on_finish``)."""
+
+    num_prompt_tokens: int
+    finish_reason: str | None
+    num_drafted: list[int]
+    num_accepted: list[int]
+    num_steps_decoding: int
+
+    @classmethod
+    def of(cls, req: Request) -> "FinishStats":
+        return cls(req.num_prompt_tokens, req.finish_reason, list(req.num_drafted),
+                   list(req.num_accepted), req.num_steps_decoding)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step (or an add / abort) did to one request."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens this step emitted
+    finish_reason: str | None = None  # engine reason once finished: eos, stop, length, abort
+    error: str | None = None  # the engine failed this request (HTTP 500)
+    stats: FinishStats | None = None  # once the request left the engine
+
+
+@dataclass
+class CoreOutput:
+    """One step's result (``step`` None: only adds/aborts were applied) and the gauges."""
+
+    step: object | None  # StepRecord
+    updates: list[RequestUpdate] = field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+
+
+@dataclass
+class EngineInfo:
+    """What the API process needs of the engine it did not build."""
+
+    tokenizer: object  # tokenizers.Tokenizer or None
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+
+
+class EngineCore:
+    """Adds, aborts and steps over one single-rank LLM; every result is a message."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams) -> RequestUpdate | None:
+        """None once added; an error update when the engine refuses it."""
+        try:
+            self.requests[request_id] = self.llm.add_request(prompt_token_ids, params,
+                                                             request_id)
+        except (ValueError, TypeError) as e:  # checked by the handler; kept as a guard
+            return RequestUpdate(request_id, [], error=str(e))
+        return None
+
+    def abort(self, request_id: str) -> RequestUpdate | None:
+        """The request's ``abort`` update (with its stats), or None if it already ended."""
+        req = self.requests.pop(request_id, None)
+        if req is None or not self.llm.abort_request(request_id):
+            return None
+        return RequestUpdate(request_id, [], "abort", stats=FinishStats.of(req))
+
+    def has_work(self) -> bool:
+        return self.llm.scheduler.has_unfinished()
+
+    def gauges(self) -> tuple[int, int, int]:
+        """(running, waiting, free KV blocks)."""
+        s = self.llm.scheduler
+        return len(s.running), len(s.waiting), len(self.llm.allocator.free)
+
+    def step(self) -> CoreOutput:
+        """One engine step. A step that raises fails the requests it ran (``LLM.step`` has
+        finished them with reason "error"); the others go on."""
+        updates = []
+        try:
+            rec = self.llm.step()
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            rec, message = None, f"engine error: {type(e).__name__}: {e}"
+            for rid, req in list(self.requests.items()):
+                if req.status is Status.FINISHED:
+                    del self.requests[rid]
+                    updates.append(RequestUpdate(rid, [], error=message,
+                                                 stats=FinishStats.of(req)))
+        else:
+            for rid, n in (rec.new_tokens.items() if rec is not None else ()):
+                req = self.requests.get(rid)
+                if not n or req is None:
+                    continue
+                done = req.status is Status.FINISHED
+                updates.append(RequestUpdate(rid, req.output_token_ids[-n:],
+                                             req.finish_reason if done else None,
+                                             stats=FinishStats.of(req) if done else None))
+                if done:
+                    del self.requests[rid]
+        return CoreOutput(rec, updates, *self.gauges())
+
+
+def run_engine_process(conn, llm_kwargs: dict) -> None:
+    """The engine process's main: build the LLM, say ready, then apply messages and step
+    until ``("shutdown",)`` or the API process goes away (the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the API drains
+    from specdec.engine.llm import DEFAULT_MODEL
+    from specdec.flags import UsageError, build_llm
+    try:
+        llm = build_llm(**llm_kwargs)
+    except UsageError as e:
+        conn.send(("error", str(e)))
+        return
+    conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
+                         llm.max_model_len, llm.target.config.vocab_size,
+                         llm.scheduler.max_num_seqs))
+    core = EngineCore(llm)
+    try:
+        while True:
+            messages = [] if core.has_work() else [conn.recv()]  # idle: block until asked
+            while conn.poll():
+                messages.append(conn.recv())
+            updates = []
+            for m in messages:
+                if m[0] == "shutdown":
+                    return
+                update = core.add(*m[1:]) if m[0] == "add" else core.abort(m[1])
+                if update is not None:
+                    updates.append(update)
+            out = core.step() if core.has_work() else CoreOutput(None, [], *core.gauges())
+            out.updates[:0] = updates
+            if out.step is not None or out.updates:
+                conn.send(out)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the API process is gone
+        return
