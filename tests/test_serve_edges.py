@@ -264,25 +264,32 @@ def test_tokenize_detokenize_round_trip(server):
 
 
 # ---- 4: SIGTERM under load -------------------------------------------------------------------
+def open_streams(url: str, n: int) -> tuple[list[threading.Thread], list]:
+    """n streamed 120-token requests in threads, all running in the engine on return;
+    results[i] gets stream i's non-empty SSE lines once it ends."""
+    results = [None] * n
+
+    def stream(i):
+        body = dict(prompt=[5 + i, 6, 7], max_tokens=120, temperature=0, ignore_eos=True,
+                    stream=True)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            results[i] = [line for line in r.iter_lines() if line]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    while httpx.get(f"{url}/health").json()["running"] < n:
+        time.sleep(0.01)
+    return threads, results
+
+
 def test_sigterm_under_load_exits_0_and_ends_every_stream():
     """Streams still running when --shutdown-timeout ends get finish_reason "abort" and
     [DONE]; the process exits 0."""
     proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128",
                                     "--max-num-seqs", "8", "--shutdown-timeout", "0.5"])
     try:
-        results = [None] * 6
-
-        def stream(i):
-            body = dict(prompt=[5 + i, 6, 7], max_tokens=120, temperature=0, ignore_eos=True,
-                        stream=True)
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                results[i] = [line for line in r.iter_lines() if line]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        while httpx.get(f"{url}/health").json()["running"] < 6:
-            time.sleep(0.01)
+        threads, results = open_streams(url, 6)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
         for t in threads:
@@ -317,19 +324,7 @@ def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
                                     "--max-num-seqs", "4"])
     try:
         engine = engine_process(proc.pid)
-        results = [None] * 3
-
-        def stream(i):
-            body = dict(prompt=[5 + i, 6, 7], max_tokens=120, temperature=0, ignore_eos=True,
-                        stream=True)
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                results[i] = [line for line in r.iter_lines() if line]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        while httpx.get(f"{url}/health").json()["running"] < 3:
-            time.sleep(0.01)
+        threads, results = open_streams(url, 3)
         start = time.monotonic()
         os.kill(engine, signal.SIGKILL)
         for t in threads:
