@@ -1,0 +1,137 @@
+"""Gated DeltaNet linear attention (Qwen3.5 / Qwen3-Next ``linear_attn``), in torch.
+
+Per token (one request; heads independent; float32):
+
+    qkv  = silu(causal depthwise conv1d(in_proj_qkv(x)))        kernel ``conv_kernel``
+    q, k = l2norm(q), l2norm(k) (per head; q, k heads repeated to the Hv value heads);
+    q   *= Dk ** -0.5
+    beta = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    S    = S * exp(g);  S += k (x) beta * (v - k^T S);  o = q^T S        S: [Hv, Dk, Dv]
+    out  = out_proj(w * rmsnorm(o) * silu(in_proj_z(x)))
+
+The recurrence runs token by token (prefill and decode alike), vectorised over the requests
+of a step. With the paged cache (``kv`` given) the flat tokens are gathered into
+[requests, max_query_len] through the ``StateLayout`` of ``specdec.linear_state``: each
+request starts from its current state slot (zeros at position 0) and the states after its
+tokens go to the slots the layout names (speculative decoding's rollback); without ``kv``
+the batch [B, T] starts from zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.linear_state import LinearStateSpec
+from specdec.models.layers.linear import MergedLinear, save_merged_as_parts
+from specdec.models.layers.norm import GatedRMSNorm
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim. Example: [3, 4] -> [0.6, 0.8]."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, on_state=None) -> torch.Tensor:
+    """The gated delta rule over T tokens of B sequences, float32.
+
+    q, k [B, T, H, Dk] (normalised, q scaled), v [B, T, H, Dv], g, beta [B, T, H], state
+    [B, H, Dk, Dv] (the state before token 0; not modified). ``on_state(j, S)`` sees the
+    state after token j. -> o [B, T, H, Dv].
+
+    Example (B = T = H = Dk = Dv = 1): state 0, k = q = 1, v = 2, beta = 0.5, g = 0 ->
+    S = 0.5 * (2 - 0) = 1, o = 1.
+    """
+    outs = []
+    for j in range(q.shape[1]):
+        state = state * g[:, j].exp()[..., None, None]
+        k_j = k[:, j]
+        predicted = (state * k_j[..., None]).sum(-2)  # k^T S: [B, H, Dv]
+        delta = (v[:, j] - predicted) * beta[:, j][..., None]
+        state = state + k_j[..., None] * delta[..., None, :]
+        outs.append((state * q[:, j][..., None]).sum(-2))
+        if on_state is not None:
+            on_state(j, state)
+    return torch.stack(outs, 1)
+
+
+class GatedDeltaNet(nn.Module):
+    """HF names: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (one merged
+    matmul here), ``conv1d.weight [C, 1, kernel]``, ``dt_bias``, ``A_log`` [Hv], ``norm.weight``
+    [Dv], ``out_proj``. ``layer_idx``: the cache layer holding its state."""
+
+    def __init__(self, layer_idx: int, hidden_size: int, num_k_heads: int, num_v_heads: int,
+                 key_dim: int, value_dim: int, conv_kernel: int, eps: float):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads}: must be a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        self.layer_idx = layer_idx
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, key_dim, value_dim
+        self.conv_kernel = conv_kernel
+        self.conv_dim = 2 * num_k_heads * key_dim + num_v_heads * value_dim
+        self.in_proj = MergedLinear(hidden_size, {
+            "in_proj_qkv": self.conv_dim, "in_proj_z": num_v_heads * value_dim,
+            "in_proj_b": num_v_heads, "in_proj_a": num_v_heads}, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel,
+                                groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(value_dim, eps)
+        self.out_proj = nn.Linear(num_v_heads * value_dim, hidden_size, bias=False)
+        save_merged_as_parts(self)
+
+    def kv_cache_spec(self) -> LinearStateSpec:
+        return LinearStateSpec(self.conv_dim, self.conv_kernel, self.hv, self.dk, self.dv)
+
+    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
+        """x [B, T, H] (kv=None: each row a sequence from position 0) or [N, H] (kv given)
+        -> same shape."""
+        hv, dv = self.hv, self.dv
+        qkv, z, b, a = self.in_proj(x).split(
+            [self.conv_dim, hv * dv, hv, hv], dim=-1)
+        if kv is None:
+            o = self._mix(qkv, b, a, None, None, None)
+        else:
+            conv, ssm, lay = kv.linear_state(self.layer_idx, x.shape[0])
+            bt = lay.token_index
+            o = self._mix(qkv[bt], b[bt], a[bt], conv, ssm, lay)
+            o = o.flatten(0, 1)[lay.flat_to_bt]
+        o = self.norm(o.to(x.dtype), z.unflatten(-1, (hv, dv)))
+        return self.out_proj(o.flatten(-2))
+
+    def _mix(self, qkv, b, a, conv, ssm, lay) -> torch.Tensor:
+        """qkv [B, T, C], b/a [B, T, Hv] -> o [B, T, Hv, Dv] float32; reads and writes the
+        state slots when a layout is given, else starts from zeros."""
+        bsz, t, c = qkv.shape
+        km1 = self.conv_kernel - 1
+        if lay is None:
+            conv_in = qkv.new_zeros(bsz, km1, c)
+            state = qkv.new_zeros(bsz, self.hv, self.dk, self.dv, dtype=torch.float32)
+        else:
+            keep = ~lay.fresh
+            conv_in = (conv[lay.read] * keep[:, None, None]).to(qkv.dtype)
+            state = ssm[lay.read] * keep[:, None, None, None]
+        seq = torch.cat([conv_in, qkv], 1)  # [B, km1 + T, C]
+        if lay is not None:  # the window after token j: inputs j+1 .. j+km1 of seq
+            windows = seq.unfold(1, km1, 1)[:, 1:].transpose(-1, -2)  # [B, T, km1, C]
+            conv.index_copy_(0, lay.write.flatten(), windows.reshape(-1, km1, c).float())
+        mixed = F.silu(F.conv1d(seq.transpose(1, 2), self.conv1d.weight, groups=c))
+        mixed = mixed.transpose(1, 2).float()  # [B, T, C]
+        hk, dk = self.hk, self.dk
+        q, k, v = mixed.split([hk * dk, hk * dk, self.hv * self.dv], -1)
+        q, k = l2norm(q.unflatten(-1, (hk, dk))), l2norm(k.unflatten(-1, (hk, dk)))
+        if self.hv != hk:
+            q = q.repeat_interleave(self.hv // hk, dim=2)
+            k = k.repeat_interleave(self.hv // hk, dim=2)
+        q = q * dk ** -0.5
+        v = v.unflatten(-1, (self.hv, self.dv))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        on_state = None
+        if lay is not None:
+            def on_state(j, s):
+                ssm.index_copy_(0, lay.write[:, j], s)
+        return gated_delta_scan(q, k, v, g, beta, state, on_state)

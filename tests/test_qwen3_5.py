@@ -1,0 +1,144 @@
+"""Qwen3.5 (gated DeltaNet linear attention + gated full attention, zero-centred norms, partial
+rotary): specdec equals transformers on tiny random models transformers itself wrote
+(``hf_qwen3_5``) -- greedy tokens through ``LLM`` with the prefill chunked at several sizes
+(the linear layers' state slots carry the recurrence across chunks), logits of the dense and
+the paged path -- the cache spec says paged KV for full attention and state slots for linear
+attention, and what is not implemented is refused by name."""
+
+import hf_models as H
+import hf_qwen3_5 as Q
+import pytest
+import torch
+
+from specdec import LLM
+from specdec.attention import AttentionMetadata, KVCache, KVCacheSpec
+from specdec.linear_state import LinearStateSpec
+from specdec.models import load_model
+
+MAX_NEW = 32
+TOL = 1e-4
+_gen = torch.Generator().manual_seed(20240607)
+PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (5, 17, 40)]
+LOGIT_PROMPT = torch.randint(3, 500, (80,), generator=_gen).tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def q35_dir(tmp_path_factory):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = Q.BUILDERS[name](tmp_path_factory.mktemp(name) / "model")
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def q35_reference(q35_dir):
+    cache = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            path = q35_dir(name)
+            model = H.hf_model(path)
+            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
+                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("case,chunk", [("qwen3_5", 256), ("qwen3_5", 7), ("qwen3_5", 16),
+                                        ("qwen3_5_interval", 256)])
+def test_greedy_tokens_match_transformers(case, chunk, q35_dir, q35_reference):
+    """``chunk`` = max_num_batched_tokens: 7 and 16 split the 17- and 40-token prompts into
+    chunks that share steps with other requests' decodes."""
+    llm = LLM(model=str(q35_dir(case)), max_num_seqs=4, max_model_len=256,
+              max_num_batched_tokens=chunk)
+    got = [o.token_ids for o in llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)]
+    assert got == q35_reference(case)["tokens"]
+    assert max(s.num_tokens for s in llm.steps) <= chunk
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_interval"])
+def test_last_logits_match_transformers(case, q35_dir, q35_reference):
+    model = load_model(q35_dir(case))
+    ids = torch.tensor(LOGIT_PROMPT)
+    with torch.inference_mode():
+        hidden, _ = model(ids[None, :], torch.arange(len(ids))[None, :])
+        logits = model.compute_logits(hidden[0, -1])
+    diff = (logits - q35_reference(case)["logits"]).abs().max().item()
+    assert diff <= TOL, f"{case}: max |dlogit| {diff:.3g}"
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 80])
+def test_paged_prefill_in_chunks_matches_the_dense_path(chunk, q35_dir):
+    """One 80-token prompt fed in chunks through the paged cache (request row 0; each chunk
+    starts from the state slot the previous one wrote) equals the dense forward at every
+    position."""
+    model = load_model(q35_dir("qwen3_5"))
+    ids, n = torch.tensor(LOGIT_PROMPT), len(LOGIT_PROMPT)
+    cache = KVCache(model.kv_cache_spec(), 6, 16, torch.float32, "cpu", state_rows=2)
+    outs = []
+    with torch.inference_mode():
+        dense, _ = model(ids[None], torch.arange(n)[None])
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(lo, hi), block_table=torch.arange(6)[None].int(),
+                query_start_loc=torch.tensor([0, hi - lo], dtype=torch.int32),
+                seq_lens=torch.tensor([hi], dtype=torch.int32), max_seq_len=hi,
+                rows=torch.tensor([0], dtype=torch.int32))
+            out, _ = model(ids[lo:hi], torch.arange(lo, hi), kv=cache.bind(meta))
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs), dense[0], rtol=TOL, atol=TOL)
+
+
+def test_cache_spec_is_paged_kv_for_full_and_state_slots_for_linear_layers(q35_dir):
+    """Layers [linear, full, linear]: K and V of 2 heads x 16 per token for the full layer (256
+    bytes float32), per request slot (4 - 1) * 128 conv values + 4 x 16 x 16 state values
+    (5632 bytes) for each linear layer; the engine plans 1 + K slots per request row."""
+    from specdec.engine.config import EngineConfig
+
+    model = load_model(q35_dir("qwen3_5"))
+    specs = model.kv_cache_spec()
+    state = LinearStateSpec(conv_dim=128, conv_kernel=4, num_heads=4, key_dim=16,
+                            value_dim=16)
+    assert specs == [state, KVCacheSpec(2, 16), state]
+    assert state.bytes_per_slot() == 4 * (3 * 128 + 4 * 16 * 16) == 5632
+    assert sum(s.bytes_per_token(torch.float32) for s in specs) == 2 * 2 * 16 * 4
+    cfg = EngineConfig(256, 4, 256, 16, "float32", "cpu", 0, None, 1, False, 1, 600.0)
+    assert cfg.kv_cache_bytes(specs, state_slots=3) - cfg.kv_cache_bytes(specs) == \
+        (4 + 1) * 2 * 2 * 5632
+
+
+# ---- refusals ----------------------------------------------------------------------------
+def _edit(src, dst, edit):
+    path = H.copy_folder(src, dst)
+    cfg = H.read_config(path)
+    edit(cfg)
+    H.write_config(path, cfg)
+    return path
+
+
+@pytest.mark.parametrize("what,edit,match", [
+    ("Qwen3-Next", lambda c: c.update(architectures=["Qwen3NextForCausalLM"]),
+     "Qwen3NextForCausalLM.*not supported"),
+    ("ungated attention", lambda c: c.update(attn_output_gate=False), "attn_output_gate"),
+    ("own MTP embedding", lambda c: c.update(mtp_use_dedicated_embeddings=True),
+     "mtp_use_dedicated_embeddings"),
+    ("a DeltaNet shape", lambda c: c.pop("linear_key_head_dim"), "linear_key_head_dim"),
+    ("linear layers in a Llama", lambda c: [c.pop(k) for k in list(c) if k.startswith(
+        "linear_")] + [c.update(architectures=["LlamaForCausalLM"])], "linear_attention"),
+])
+def test_refuses_what_is_not_implemented_naming_it(what, edit, match, q35_dir, tmp_path):
+    path = _edit(q35_dir("qwen3_5"), tmp_path / "m", edit)
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
