@@ -35,8 +35,12 @@ def _deltanet_params(model, gen) -> None:
             p.copy_(0.5 * torch.randn(p.shape, generator=gen))
 
 
-def build_qwen3_5(path, **overrides) -> Path:
-    return H._build(path, "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", post=_deltanet_params,
+def build_qwen3_5(path, post=None, **overrides) -> Path:
+    def edit(model, gen):
+        _deltanet_params(model, gen)
+        if post is not None:
+            post(model, gen)
+    return H._build(path, "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", post=edit,
                     **{**QWEN3_5, **overrides})
 
 
@@ -84,3 +88,84 @@ def build_qwen3_5_mtp(path) -> Path:
 
 BUILDERS = {"qwen3_5": build_qwen3_5, "qwen3_5_interval": build_qwen3_5_interval,
             "qwen3_5_mtp": build_qwen3_5_mtp}
+
+
+# ---- a head that is sometimes right: an MTP layer predicting a near-cycle target -------------
+def _near_cycle(scale: float):
+    """``post`` making a near-cycle target: ``hf_models.cycle_weights``' embedding and lm_head
+    (the next token is ``cycle_next`` of the current one when the layers add nothing), final
+    norm weight 0 (scale 1), and every layer's output projections (``out_proj``, ``o_proj``,
+    ``down_proj``) scaled by ``scale``: the layers -- the DeltaNet state included -- move the
+    argmax off the cycle at some positions."""
+    def post(model, gen):
+        H.cycle_weights(model, gen)
+        model.model.norm.weight.zero_()
+        for name, p in model.model.layers.named_parameters():
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+                p.copy_(scale * H.INIT_RANGE * torch.randn(p.shape, generator=gen))
+    return post
+
+
+NEAR_CYCLE_SCALE = 0.005  # about half the positions leave the cycle
+
+
+def build_qwen3_5_mtp_cycle(path) -> Path:
+    """A near-cycle target (``_near_cycle``) whose MTP layer predicts the exact cycle: ``fc =
+    [I, 0]`` keeps the normed embedding of the next token, its layer adds nothing (o_proj and
+    down_proj zero), its norms are 0 (scale 1) and the lm_head is the target's, so a draft is
+    ``cycle_next`` of its input token -- right where the target stays on the cycle."""
+    path = build_qwen3_5(path, post=_near_cycle(NEAR_CYCLE_SCALE))
+    t = mtp_tensors(path)
+    h = H.read_config(path)["hidden_size"]
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "norm.weight")):
+            t[name] = torch.zeros_like(t[name])
+    t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    H.add_shard(path, t)
+    H.write_config(path, {**H.read_config(path), "mtp_num_hidden_layers": 1})
+    return path
+
+
+BUILDERS["qwen3_5_mtp_cycle"] = build_qwen3_5_mtp_cycle
+
+
+def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Draft logits [T, V] of the MTP layer of ``path`` for one sequence, assembled from
+    transformers' own ``Qwen3_5DecoderLayer`` (a full-attention one: gated attention, partial
+    rotary, zero-centred norms), its ``Qwen3_5RMSNorm`` and rotary, and the published MTP math:
+    ``lm_head(norm(layer(fc([norm_e(emb), norm_h(hidden)]))))``, a causal mask.
+    input_ids [T], hidden [T, H], positions [T]."""
+    import transformers
+    from safetensors import safe_open
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+
+    cfg = transformers.AutoConfig.from_pretrained(str(path))
+    cfg._attn_implementation = "eager"
+    t = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            t.update({k: f.get_tensor(k) for k in f.keys()
+                      if k.startswith("mtp.") or k in ("model.embed_tokens.weight",
+                                                        "lm_head.weight")})
+    layer = M.Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    prefix = "mtp.layers.0."
+    layer.load_state_dict({k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)},
+                          strict=True)
+
+    def norm(name):
+        n = M.Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n.weight.data.copy_(t[f"mtp.{name}.weight"])
+        return n
+
+    with torch.no_grad():
+        emb = t["model.embed_tokens.weight"][input_ids]
+        x = torch.cat([norm("pre_fc_norm_embedding")(emb), norm("pre_fc_norm_hidden")(hidden)],
+                      -1) @ t["mtp.fc.weight"].T
+        x = x[None]
+        rope = M.Qwen3_5TextRotaryEmbedding(cfg)(x, positions[None])
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x, position_embeddings=rope, attention_mask=mask,
+                    position_ids=positions[None])
+        return (norm("norm")(out[0]) @ t["lm_head.weight"].T).float()

@@ -142,3 +142,92 @@ def test_refuses_what_is_not_implemented_naming_it(what, edit, match, q35_dir, t
     path = _edit(q35_dir("qwen3_5"), tmp_path / "m", edit)
     with pytest.raises(ValueError, match=match):
         load_model(path)
+
+
+# ---- the MTP layer (mtp.* of the target folder) ------------------------------------------------
+def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(q35_dir):
+    """The target loader skips ``mtp.*``; the head reads only them (embedding and lm_head are
+    the target's) and equals the reference assembled from transformers' Qwen3_5DecoderLayer,
+    at every position of a 40-token sequence."""
+    from specdec.models.qwen3_5_mtp import load_qwen3_5_mtp
+
+    path = q35_dir("qwen3_5_mtp")
+    target = load_model(path)
+    head = load_qwen3_5_mtp(path, target)
+    ids = torch.tensor(PROMPTS[2])
+    pos = torch.arange(len(ids))
+    nxt = torch.cat([ids[1:], ids[:1]])
+    with torch.inference_mode():
+        hidden, _ = target(ids[None], pos[None])
+        out, nxt_hidden = head(nxt[None], pos[None], hidden)
+        got = head.compute_logits(out[0])
+    want = Q.hf_mtp_reference(path, nxt, hidden[0], pos)
+    assert (got - want).abs().max().item() <= TOL
+    assert nxt_hidden is out  # the normed output is also the next step's hidden
+    assert head.kv_cache_spec() == [KVCacheSpec(2, 16)]
+
+
+def test_mtp_refuses_more_than_one_layer(q35_dir, tmp_path):
+    path = _edit(q35_dir("qwen3_5_mtp"), tmp_path / "m",
+                 lambda c: c.update(mtp_num_hidden_layers=2))
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers=2"):
+        LLM(model=str(path), max_num_seqs=4, max_model_len=256,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.fixture(scope="session")
+def cycle_plain(q35_dir):
+    return [o.token_ids for o in LLM(model=str(q35_dir("qwen3_5_mtp_cycle")), max_num_seqs=4,
+                                     max_model_len=256).generate(PROMPTS, max_tokens=MAX_NEW,
+                                                                 ignore_eos=True)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_mtp_speculative_greedy_equals_plain(k, ragged, q35_dir, cycle_plain):
+    """A near-cycle target with an MTP layer that predicts the exact cycle: drafts are right
+    at some positions and wrong at others, so every step rolls the DeltaNet state back to a
+    different slot; the tokens are plain greedy's. The MTP layer is found in the target
+    folder (no speculative_config.model); the padded step runs with 0 host syncs."""
+    llm = LLM(model=str(q35_dir("qwen3_5_mtp_cycle")), max_num_seqs=4, max_model_len=256,
+              check_host_syncs=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                  "disable_padded_drafter_batch": ragged})
+    assert type(llm.runner.proposer.head).__name__ == "Qwen3_5MtpHead"
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == cycle_plain
+    accepted, drafted = (sum(sum(getattr(o, f)) for o in outs)
+                         for f in ("num_accepted", "num_drafted"))
+    assert 0 < accepted < drafted / 2 and drafted > 0
+    if not ragged:
+        assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
+
+
+def _row_state(llm, row: int) -> list[torch.Tensor]:
+    """Every linear layer's (conv, ssm) state at the row's current slot."""
+    state = llm.runner.kv.state
+    slot = row * state.num_slots + int(state.current[row])
+    return [t[slot] for i in sorted(state.ssm) for t in (state.conv[i], state.ssm[i])]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_request_whose_drafts_are_all_rejected_has_the_state_of_plain_decoding(k, q35_dir):
+    """A random MTP layer: no draft is ever accepted. After the same tokens, the request's
+    current slot holds the state plain decoding holds (conv window and recurrent state of
+    every linear layer) -- the rejected drafts' updates are gone -- though the slots after
+    the drafts were written. Equal up to float32 rounding (1e-5: the projections run over
+    1 + K rows instead of 1, a different GEMM); a missed rollback differs by O(1)."""
+    path = str(q35_dir("qwen3_5_mtp"))
+    plain = LLM(model=path, max_num_seqs=1, max_model_len=256)
+    want = plain.generate([PROMPTS[1]], max_tokens=12, ignore_eos=True)[0].token_ids
+    spec = LLM(model=path, max_num_seqs=1, max_model_len=256,
+               speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    out = spec.generate([PROMPTS[1]], max_tokens=12, ignore_eos=True)[0]
+    assert out.token_ids == want and sum(out.num_accepted) == 0 < sum(out.num_drafted)
+    assert int(spec.runner.kv.state.current[0]) == 0
+    for a, b in zip(_row_state(spec, 0), _row_state(plain, 0), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the drafts did update the other slots: a rollback, not a skipped write
+    s = spec.runner.kv.state
+    layer = min(s.ssm)
+    assert (s.ssm[layer][1] - s.ssm[layer][0]).abs().max() > 1e-3

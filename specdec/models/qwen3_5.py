@@ -84,21 +84,24 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def build_layer(config: ModelConfig, layer_idx: int, cache_idx: int | None = None
-                ) -> HybridDecoderLayer:
-    """Decoder layer ``layer_idx`` of ``config`` (its type from ``layer_types``), keeping its
-    cache in cache layer ``cache_idx`` (default ``layer_idx``; the MTP layer uses 0 of the
-    draft's own cache)."""
+def full_attention_layer(config: ModelConfig, cache_idx: int) -> HybridDecoderLayer:
+    """A gated-attention decoder layer of ``config``'s shape attending through cache layer
+    ``cache_idx`` (the MTP layer: 0 of the draft's own cache)."""
+    c = config
+    attn = GatedAttention(cache_idx, c.hidden_size, c.num_attention_heads,
+                          c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+    return HybridDecoderLayer(attn, c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+
+
+def build_layer(config: ModelConfig, layer_idx: int) -> HybridDecoderLayer:
+    """Decoder layer ``layer_idx`` of ``config``, its type from ``layer_types``."""
     c, e = config, config.extra
-    idx = layer_idx if cache_idx is None else cache_idx
-    if c.layer_types is not None and c.layer_types[layer_idx] == "linear_attention":
-        mixer = GatedDeltaNet(idx, c.hidden_size, e["linear_num_key_heads"],
-                              e["linear_num_value_heads"], e["linear_key_head_dim"],
-                              e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
-                              c.rms_norm_eps)
-    else:
-        mixer = GatedAttention(idx, c.hidden_size, c.num_attention_heads,
-                               c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+    if c.layer_types is None or c.layer_types[layer_idx] == "full_attention":
+        return full_attention_layer(config, layer_idx)
+    mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
+                          e["linear_num_value_heads"], e["linear_key_head_dim"],
+                          e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
+                          c.rms_norm_eps)
     return HybridDecoderLayer(mixer, c.hidden_size, c.intermediate_size, c.rms_norm_eps)
 
 

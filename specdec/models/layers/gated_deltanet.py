@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, qkv, b, a, conv, ssm, lay) -> torch.Tensor:
         """qkv [B, T, C], b/a [B, T, Hv] -> o [B, T, Hv, Dv] float32; reads and writes the
         state slots when a layout is given, else starts from zeros."""
-        bsz, t, c = qkv.shape
+        bsz, _, c = qkv.shape
         km1 = self.conv_kernel - 1
         if lay is None:
             conv_in = qkv.new_zeros(bsz, km1, c)
