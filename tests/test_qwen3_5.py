@@ -231,3 +231,35 @@ def test_a_request_whose_drafts_are_all_rejected_has_the_state_of_plain_decoding
     s = spec.runner.kv.state
     layer = min(s.ssm)
     assert (s.ssm[layer][1] - s.ssm[layer][0]).abs().max() > 1e-3
+
+
+# ---- captured steps ------------------------------------------------------------------------------
+SECOND = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (9, 3, 30, 12)]
+
+
+@pytest.mark.parametrize("backend", ["replay", "compile"])
+def test_captured_padded_step_equals_eager_without_recompiling(backend, q35_dir, cycle_plain):
+    """MTP K=2 with the target step and the padded draft step through ``backend`` (compile:
+    dynamo tracing with ``compile_backend="eager"``, as test_graphs: inductor's codegen is too
+    slow for a CPU test): plain greedy's tokens; once every bucket ran, a run of 4 new prompts
+    replays the captured target step 50+ times with no new dynamo graph."""
+    from torch._dynamo import utils as dynamo_utils
+
+    path = str(q35_dir("qwen3_5_mtp_cycle"))
+    llm = LLM(model=path, max_num_seqs=4, max_model_len=256, graph_backend=backend,
+              compile_backend="eager", check_host_syncs=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == cycle_plain
+    for n in (1, 2):  # warm up the buckets of 1 and 2 requests too (capture sizes 1, 2, 4)
+        llm.generate(PROMPTS[:n], max_tokens=4, ignore_eos=True)
+    plain = LLM(model=path, max_num_seqs=4, max_model_len=256)
+    want = [o.token_ids for o in plain.generate(SECOND, max_tokens=60, ignore_eos=True)]
+    target = llm.runner.target_graphs["greedy"]
+    graphs, calls = dynamo_utils.counters["stats"]["unique_graphs"], target.calls
+    outs = llm.generate(SECOND, max_tokens=60, ignore_eos=True)
+    assert [o.token_ids for o in outs] == want
+    assert 0 < sum(sum(o.num_accepted) for o in outs) < sum(sum(o.num_drafted) for o in outs)
+    assert target.calls - calls >= 50
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}

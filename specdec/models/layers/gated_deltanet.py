@@ -99,7 +99,7 @@ class GatedDeltaNet(nn.Module):
             bt = lay.token_index
             o = self._mix(qkv[bt], b[bt], a[bt], conv, ssm, lay)
             o = o.flatten(0, 1)[lay.flat_to_bt]
-        o = self.norm(o.to(x.dtype), z.unflatten(-1, (hv, dv)))
+        o = self.norm(o.to(x.dtype), z.reshape(*z.shape[:-1], hv, dv))
         return self.out_proj(o.flatten(-2))
 
     def _mix(self, qkv, b, a, conv, ssm, lay) -> torch.Tensor:
@@ -122,12 +122,13 @@ class GatedDeltaNet(nn.Module):
         mixed = mixed.transpose(1, 2).float()  # [B, T, C]
         hk, dk = self.hk, self.dk
         q, k, v = mixed.split([hk * dk, hk * dk, self.hv * self.dv], -1)
-        q, k = l2norm(q.unflatten(-1, (hk, dk))), l2norm(k.unflatten(-1, (hk, dk)))
+        lead = mixed.shape[:-1]
+        q, k = l2norm(q.reshape(*lead, hk, dk)), l2norm(k.reshape(*lead, hk, dk))
         if self.hv != hk:
             q = q.repeat_interleave(self.hv // hk, dim=2)
             k = k.repeat_interleave(self.hv // hk, dim=2)
         q = q * dk ** -0.5
-        v = v.unflatten(-1, (self.hv, self.dv))
+        v = v.reshape(*lead, self.hv, self.dv)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         on_state = None
