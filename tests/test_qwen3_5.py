@@ -263,3 +263,71 @@ def test_captured_padded_step_equals_eager_without_recompiling(backend, q35_dir,
     assert target.calls - calls >= 50
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
+
+
+# ---- extract_hidden_states on the hybrid model ---------------------------------------------------
+AUX = [0, 1, 2]  # the inputs of layers 0-2: embeddings, after a linear layer, after a full one
+
+
+def _extract_kwargs(path, out, **kw) -> dict:
+    return dict(model=str(path), max_num_seqs=4, max_model_len=256, **kw,
+                speculative_config={"method": "extract_hidden_states",
+                                    "num_speculative_tokens": 1,
+                                    "draft_model_config": {
+                                        "eagle_aux_hidden_state_layer_ids": AUX,
+                                        "output_dir": str(out)}})
+
+
+@pytest.fixture(scope="module")
+def extracted(q35_dir, tmp_path_factory):
+    """Files of an unchunked run and of a run with a 7-token budget (the 40-token prompt in 6
+    chunks, sharing steps with the other requests)."""
+    dirs = {}
+    for budget in (256, 7):
+        out = tmp_path_factory.mktemp(f"hidden{budget}")
+        llm = LLM(**_extract_kwargs(q35_dir("qwen3_5"), out, max_num_batched_tokens=budget))
+        llm.generate(PROMPTS, max_tokens=4, ignore_eos=True)
+        assert max(s.num_tokens for s in llm.steps) <= budget
+        dirs[budget] = out
+    return dirs
+
+
+def _files(out) -> list[dict]:
+    from safetensors.torch import load_file
+    assert sorted(p.name for p in out.iterdir()) == [f"{i}.safetensors"
+                                                     for i in range(len(PROMPTS))]
+    return [load_file(str(out / f"{i}.safetensors")) for i in range(len(PROMPTS))]
+
+
+def test_extract_files_equal_for_chunked_and_unchunked_prefill(extracted, q35_dir):
+    """Both runs' files hold [T, 3, H] states equal to each other and to the dense forward's
+    aux states (a chunked prefill carries the DeltaNet state across its chunks), up to float32
+    rounding (the projections run over other token groupings)."""
+    model = load_model(q35_dir("qwen3_5"))
+    for prompt, whole, chunked in zip(PROMPTS, _files(extracted[256]), _files(extracted[7])):
+        assert whole["token_ids"].tolist() == chunked["token_ids"].tolist() == prompt
+        assert chunked["hidden_states"].shape == (len(prompt), len(AUX), 64)
+        torch.testing.assert_close(chunked["hidden_states"], whole["hidden_states"],
+                                   rtol=TOL, atol=TOL)
+        with torch.inference_mode():
+            _, aux = model(torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                           aux_layer_ids=tuple(AUX))
+        torch.testing.assert_close(chunked["hidden_states"], aux[0], rtol=TOL, atol=TOL)
+
+
+def test_extract_dp2_with_an_idle_rank_equals_dp1(extracted, q35_dir, tmp_path):
+    """DP=2, one rank never gets a request (its dummy steps run the hybrid target on the
+    trash state row): no hang, the same collectives on both ranks, the files of DP=1."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    job = DPJob(_extract_kwargs(q35_dir("qwen3_5"), tmp_path), PROMPTS,
+                SamplingParams(max_tokens=4, ignore_eos=True), [[0, 1, 2], []])
+    run, = run_data_parallel([job], 2, timeout=240)
+    busy, idle = run.ranks
+    assert all(s.num_reqs == 0 for s in idle.steps) and len(idle.steps) == len(busy.steps)
+    assert idle.collectives == busy.collectives
+    for one, two in zip(_files(extracted[256]), _files(tmp_path)):
+        assert one["token_ids"].tolist() == two["token_ids"].tolist()
+        torch.testing.assert_close(two["hidden_states"], one["hidden_states"], rtol=1e-6,
+                                   atol=1e-6)
