@@ -87,7 +87,15 @@ class StateCache:
     def layout(self, meta, num_tokens: int) -> StateLayout:
         """The layout of one forward from its ``AttentionMetadata`` (device ops only):
         ``meta.rows`` [B] (None: every request on the trash row), ``meta.num_draft_tokens``
-        [B] (None: no drafts) and ``meta.max_query_len`` (None: the token count)."""
+        [B] (None: no drafts) and ``meta.max_query_len`` (None: the token count).
+
+        Example (rows 0, 1 + trash row 2, S = 3, current = [1, 0, 0]): request A on row 0
+        verifies [t, d1, d2] (seq_len 10), request B on row 1 is a fresh 2-token prefill, a
+        padding request holds 1 token: query_start_loc [0, 3, 5, 6], seq_lens [10, 2, 1],
+        drafts [2, 0, 0], max_query_len 3 -> token_index [[0, 1, 2], [3, 4, 5], [5, 5, 5]],
+        flat_to_bt [0, 1, 2, 3, 4, 6], read [1, 3, 6], fresh [F, T, T],
+        write [[0, 1, 2], [6, 3, 6], [6, 6, 6]] (6 = the trash row's slot 0).
+        """
         qsl = meta.query_start_loc.long()
         b = qsl.shape[0] - 1
         device = qsl.device
@@ -113,6 +121,10 @@ class StateCache:
     def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         """After verification: row r's current slot = (valid entries of sampled[r]) - 1, at
         least 0 (a discarded prefill chunk's state is its slot 0). rows [B], sampled [B, K+1]
-        int32 with -1 placeholders (valid entries form a prefix)."""
+        int32 with -1 placeholders (valid entries form a prefix).
+
+        Example: rows [0, 1, 2], sampled [[11, 12, -1], [21, -1, -1], [-1, -1, -1]] ->
+        current[:3] = [1, 0, 0].
+        """
         valid = (sampled >= 0).sum(1)
         self.current[rows.long()] = (valid - 1).clamp(min=0)

@@ -42,7 +42,8 @@ class GatedRMSNorm(nn.Module):
     """The gated DeltaNet's output norm: ``w * rmsnorm(x) * silu(z)`` (norm in float32, cast
     to x's dtype before the plain ``w`` scale, the gate in float32), x, z [..., dim].
 
-    Example: x = [3, 4], z = [0, 0], w = 1: silu(0) = 0 -> [0, 0].
+    Example: x = [3, 4], w = 1: z = [0, 0] -> [0, 0] (silu(0) = 0); z = [30, 30] ->
+    [0.8485, 1.1314] * 30.
     """
 
     def __init__(self, dim: int, eps: float):
