@@ -331,3 +331,61 @@ def test_extract_dp2_with_an_idle_rank_equals_dp1(extracted, q35_dir, tmp_path):
         assert one["token_ids"].tolist() == two["token_ids"].tolist()
         torch.testing.assert_close(two["hidden_states"], one["hidden_states"], rtol=1e-6,
                                    atol=1e-6)
+
+
+def test_rollback_matches_transformers_snapshot_and_restore(q35_dir):
+    """Verification steps [t, d1, d2] (K = 2) against transformers' own model and cache. The
+    reference snapshots its cache (deepcopy) before each step and, after greedy acceptance,
+    restores it and feeds the accepted tokens again; specdec feeds the 1 + K tokens once and
+    only moves the row's state slot (``KVCache.accept``). Drafts are right or wrong by a fixed
+    pattern (0, 1 or 2 accepted); the verification logits agree at every step."""
+    import copy
+
+    from transformers import DynamicCache
+
+    path = q35_dir("qwen3_5")
+    hf, model = H.hf_model(path), load_model(path)
+    prompt = PROMPTS[1]
+    greedy = H.hf_greedy(path, [prompt], 40, model=hf)[0]
+    cache = KVCache(model.kv_cache_spec(), 8, 16, torch.float32, "cpu", state_rows=2,
+                    state_slots=3)
+    ref_cache = DynamicCache(config=hf.config)
+    row, i32 = torch.tensor([0], dtype=torch.int32), torch.int32
+
+    def specdec_step(ids: list[int], start: int, drafts: int) -> torch.Tensor:
+        n = len(ids)
+        pos = torch.arange(start, start + n)
+        meta = AttentionMetadata(
+            slot_mapping=pos, query_start_loc=torch.tensor([0, n], dtype=i32),
+            seq_lens=torch.tensor([start + n], dtype=i32), block_table=torch.arange(8)[None].int(),
+            max_seq_len=start + n, rows=row, num_draft_tokens=torch.tensor([drafts], dtype=i32),
+            max_query_len=n)
+        hidden, _ = model(torch.tensor(ids), pos, kv=cache.bind(meta))
+        return model.compute_logits(hidden)
+
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt]), past_key_values=ref_cache, use_cache=True).logits[0]
+        got = specdec_step(prompt, 0, 0)
+        torch.testing.assert_close(got[-1], ref[-1], rtol=TOL, atol=TOL)
+        t, pos, done, accepted = int(got[-1].argmax()), len(prompt), 1, []
+        cache.accept(row, torch.tensor([[t, -1, -1]], dtype=i32))
+        for step in range(10):
+            right = greedy[done:done + 2]
+            drafts = [right[0] if step % 3 else 7, right[1] if step % 2 else 9]
+            snapshot = copy.deepcopy(ref_cache)
+            ref = hf(torch.tensor([[t] + drafts]), past_key_values=ref_cache,
+                     use_cache=True).logits[0]
+            got = specdec_step([t] + drafts, pos, 2)
+            torch.testing.assert_close(got, ref, rtol=TOL, atol=TOL)
+            argmax = got.argmax(-1).tolist()
+            a = 0
+            while a < 2 and drafts[a] == argmax[a]:
+                a += 1
+            new = drafts[:a] + [argmax[a]]
+            assert new == greedy[done:done + a + 1]
+            cache.accept(row, torch.tensor([new + [-1] * (2 - a)], dtype=i32))
+            ref_cache = snapshot  # restore, then feed what was accepted
+            hf(torch.tensor([[t] + drafts[:a]]), past_key_values=ref_cache, use_cache=True)
+            t, pos, done = new[-1], pos + 1 + a, done + a + 1
+            accepted.append(a)
+    assert set(accepted) == {0, 1, 2}
