@@ -31,8 +31,8 @@ class LinearStateSpec:
     ``conv_kernel - 1`` inputs of its causal conv (``conv_dim`` channels) and the recurrent
     state ``[num_heads, key_dim, value_dim]``. Nothing per token (``bytes_per_token`` 0).
 
-    E.g. Qwen3.5-9B's layers: conv_dim 8192, kernel 4, 32 heads of 128 x 128 ->
-    (3 * 8192 + 32 * 128 * 128) * 4 = 2.19 MB per slot."""
+    E.g. transformers' default Qwen3.5 text config (16 key / 32 value heads of 128, kernel 4):
+    conv_dim 8192 -> (3 * 8192 + 32 * 128 * 128) * 4 = 2.2 MB per slot per layer."""
 
     conv_dim: int
     conv_kernel: int
