@@ -1,5 +1,5 @@
-"""Tiny random Qwen3.5 (text) models built and saved by transformers (the reference specdec
-must match), with the MTP layer ``mtp.*`` of the published checkpoint added.
+"""Tiny random Qwen3.5 (text) and Qwen3-Next models built and saved by transformers (the
+reference specdec must match), with the MTP layer ``mtp.*`` of the published checkpoint added.
 
 ``build_qwen3_5(path)``: hidden 64, 3 layers ``[linear, full, linear]`` (``layer_types``),
 gated attention 4 heads / 2 kv heads of 16 (partial rotary 0.25 -> 4 channels), gated
@@ -86,8 +86,27 @@ def build_qwen3_5_mtp(path) -> Path:
     return path
 
 
+def _router(model, gen) -> None:
+    """Random router weights (transformers may leave them zero: ties in the top-k)."""
+    _deltanet_params(model, gen)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(H.INIT_RANGE * torch.randn(p.shape, generator=gen))
+
+
+def build_qwen3_next(path) -> Path:
+    """Qwen3-Next-80B-A3B shrunk: Qwen3.5's shapes with the fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` and, on layers 1-2 (``mlp_only_layers`` [0]), a MoE of 4 experts top-2
+    (moe_intermediate 32, ``norm_topk_prob``) plus a shared expert of 48 behind a sigmoid
+    gate."""
+    return H._build(path, "Qwen3NextConfig", "Qwen3NextForCausalLM", post=_router,
+                    **QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[0])
+
+
 BUILDERS = {"qwen3_5": build_qwen3_5, "qwen3_5_interval": build_qwen3_5_interval,
-            "qwen3_5_mtp": build_qwen3_5_mtp}
+            "qwen3_5_mtp": build_qwen3_5_mtp, "qwen3_next": build_qwen3_next}
 
 
 # ---- a head that is sometimes right: an MTP layer predicting a near-cycle target -------------

@@ -1,5 +1,6 @@
-"""Qwen3.5 (gated DeltaNet linear attention + gated full attention, zero-centred norms, partial
-rotary): specdec equals transformers on tiny random models transformers itself wrote
+"""Qwen3.5 and Qwen3-Next (gated DeltaNet linear attention + gated full attention, zero-centred
+norms, partial rotary; Qwen3-Next: fused DeltaNet projections, MoE with a gated shared expert):
+specdec equals transformers on tiny random models transformers itself wrote
 (``hf_qwen3_5``) -- greedy tokens through ``LLM`` with the prefill chunked at several sizes
 (the linear layers' state slots carry the recurrence across chunks), logits of the dense and
 the paged path -- the cache spec says paged KV for full attention and state slots for linear
@@ -56,7 +57,8 @@ def q35_reference(q35_dir):
 
 
 @pytest.mark.parametrize("case,chunk", [("qwen3_5", 256), ("qwen3_5", 7), ("qwen3_5", 16),
-                                        ("qwen3_5_interval", 256)])
+                                        ("qwen3_5_interval", 256), ("qwen3_next", 256),
+                                        ("qwen3_next", 7)])
 def test_greedy_tokens_match_transformers(case, chunk, q35_dir, q35_reference):
     """``chunk`` = max_num_batched_tokens: 7 and 16 split the 17- and 40-token prompts into
     chunks that share steps with other requests' decodes."""
@@ -67,7 +69,7 @@ def test_greedy_tokens_match_transformers(case, chunk, q35_dir, q35_reference):
     assert max(s.num_tokens for s in llm.steps) <= chunk
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_interval"])
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_interval", "qwen3_next"])
 def test_last_logits_match_transformers(case, q35_dir, q35_reference):
     model = load_model(q35_dir(case))
     ids = torch.tensor(LOGIT_PROMPT)
@@ -129,8 +131,10 @@ def _edit(src, dst, edit):
 
 
 @pytest.mark.parametrize("what,edit,match", [
-    ("Qwen3-Next", lambda c: c.update(architectures=["Qwen3NextForCausalLM"]),
-     "Qwen3NextForCausalLM.*not supported"),
+    ("the VL checkpoint", lambda c: c.update(architectures=["Qwen3_5ForConditionalGeneration"]),
+     "Qwen3_5ForConditionalGeneration.*not supported"),
+    ("Qwen3.5 tensors as Qwen3-Next", lambda c: c.update(architectures=[
+        "Qwen3NextForCausalLM"]), "missing tensors.*in_proj_qkvz"),
     ("ungated attention", lambda c: c.update(attn_output_gate=False), "attn_output_gate"),
     ("own MTP embedding", lambda c: c.update(mtp_use_dedicated_embeddings=True),
      "mtp_use_dedicated_embeddings"),

@@ -1,14 +1,18 @@
-"""Qwen3.5 (``Qwen3_5ForCausalLM``, text): a hybrid decoder whose layers are gated DeltaNet
-linear attention (``layers.gated_deltanet``) or gated full attention
-(``layers.gated_attention``), as ``layer_types`` says (else every
-``full_attention_interval``-th layer, default 4, is full attention), each followed by a dense
+"""Qwen3.5 (``Qwen3_5ForCausalLM``, text) and Qwen3-Next (``Qwen3NextForCausalLM``): a hybrid
+decoder whose layers are gated DeltaNet linear attention (``layers.gated_deltanet``) or gated
+full attention (``layers.gated_attention``), as ``layer_types`` says (else every
+``full_attention_interval``-th layer, default 4, is full attention), each followed by a
 SwiGLU MLP; every norm but the DeltaNet's output norm is zero-centred (``x * (1 + w)``);
 rotary covers ``partial_rotary_factor`` (default 0.25) of each head.
 
+Qwen3-Next differs in two places: the DeltaNet's input projections are fused per key-head
+group (``in_proj_qkvz``, ``in_proj_ba``), and the MLPs are softmax-routed MoEs with a gated
+shared expert (``layers.moe``) on the layers ``decoder_sparse_step`` / ``mlp_only_layers``
+pick.
+
 The cache: paged KV for the full-attention layers, per-request state slots for the linear
 ones (``kv_cache_spec`` says which). The MTP layer stored as ``mtp.*`` in the same folder is
-the draft head's (``qwen3_5_mtp``), skipped here. Qwen3-Next (fused ``in_proj_qkvz`` /
-``in_proj_ba`` and a MoE) is not implemented: its architecture is refused by the registry.
+the draft head's (``qwen3_5_mtp``; Qwen3.5 only), skipped here.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.layers.gated_attention import GatedAttention
 from specdec.models.layers.gated_deltanet import GatedDeltaNet
 from specdec.models.layers.mlp import MLP
+from specdec.models.layers.moe import MOE_CONFIG_KEYS, SHARED_EXPERT_KEY, MoEMLP, is_moe_layer
 from specdec.models.layers.norm import OffsetRMSNorm
 from specdec.models.layers.rotary import RotaryEmbedding
 from specdec.models.llama import LlamaForCausalLM
@@ -32,6 +37,7 @@ LINEAR_KEYS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim",
 # read by the MTP head (qwen3_5_mtp) or checked here
 QWEN3_5_KEYS = LINEAR_KEYS | {"attn_output_gate", "mtp_num_hidden_layers",
                               "mtp_use_dedicated_embeddings"}
+QWEN3_NEXT_KEYS = QWEN3_5_KEYS | MOE_CONFIG_KEYS | {SHARED_EXPERT_KEY}
 DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3.5 default when the config names none
 
 
@@ -60,8 +66,7 @@ class HybridDecoderLayer(nn.Module):
     """``h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``;
     the mixer is ``linear_attn`` (a GatedDeltaNet) or ``self_attn`` (a GatedAttention)."""
 
-    def __init__(self, mixer: nn.Module, hidden_size: int, intermediate_size: int,
-                 eps: float):
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()
         self.input_layernorm = OffsetRMSNorm(hidden_size, eps)
         if isinstance(mixer, GatedDeltaNet):
@@ -69,7 +74,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = mixer
         self.post_attention_layernorm = OffsetRMSNorm(hidden_size, eps)
-        self.mlp = MLP(hidden_size, intermediate_size)
+        self.mlp = mlp
 
     @property
     def mixer(self) -> nn.Module:
@@ -84,30 +89,40 @@ class HybridDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    c = config
+    return MoEMLP(c) if is_moe_layer(c, layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+
+
 def full_attention_layer(config: ModelConfig, cache_idx: int) -> HybridDecoderLayer:
-    """A gated-attention decoder layer of ``config``'s shape attending through cache layer
-    ``cache_idx`` (the MTP layer: 0 of the draft's own cache)."""
+    """A gated-attention decoder layer with a dense MLP, of ``config``'s shape, attending
+    through cache layer ``cache_idx`` (Qwen3.5's MTP layer: 0 of the draft's own cache)."""
     c = config
     attn = GatedAttention(cache_idx, c.hidden_size, c.num_attention_heads,
                           c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
-    return HybridDecoderLayer(attn, c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+    return HybridDecoderLayer(attn, MLP(c.hidden_size, c.intermediate_size), c.hidden_size,
+                              c.rms_norm_eps)
 
 
-def build_layer(config: ModelConfig, layer_idx: int) -> HybridDecoderLayer:
-    """Decoder layer ``layer_idx`` of ``config``, its type from ``layer_types``."""
+def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecoderLayer:
+    """Decoder layer ``layer_idx`` of ``config``, its type from ``layer_types``, its MLP a MoE
+    where ``is_moe_layer``; ``fused``: the DeltaNet's Qwen3-Next projections."""
     c, e = config, config.extra
     if c.layer_types is None or c.layer_types[layer_idx] == "full_attention":
-        return full_attention_layer(config, layer_idx)
-    mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
-                          e["linear_num_value_heads"], e["linear_key_head_dim"],
-                          e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
-                          c.rms_norm_eps)
-    return HybridDecoderLayer(mixer, c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+        mixer = GatedAttention(layer_idx, c.hidden_size, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+    else:
+        mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
+                              e["linear_num_value_heads"], e["linear_key_head_dim"],
+                              e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
+                              c.rms_norm_eps, fused=fused)
+    return HybridDecoderLayer(mixer, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     CONFIG_KEYS = QWEN3_5_KEYS
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*")
+    FUSED_PROJECTIONS = False  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next)
 
     def __init__(self, config: ModelConfig):
         check_config(config)
@@ -115,7 +130,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(build_layer(config, i)
+        self.model.layers = nn.ModuleList(build_layer(config, i, self.FUSED_PROJECTIONS)
                                           for i in range(config.num_hidden_layers))
         self.model.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -126,3 +141,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def kv_cache_spec(self) -> list:
         """Per layer: a ``KVCacheSpec`` (full attention, paged) or a ``LinearStateSpec``."""
         return [layer.mixer.kv_cache_spec() for layer in self.model.layers]
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    CONFIG_KEYS = QWEN3_NEXT_KEYS
+    FUSED_PROJECTIONS = True

@@ -58,12 +58,16 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 class GatedDeltaNet(nn.Module):
-    """HF names: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (one merged
-    matmul here), ``conv1d.weight [C, 1, kernel]``, ``dt_bias``, ``A_log`` [Hv], ``norm.weight``
-    [Dv], ``out_proj``. ``layer_idx``: the cache layer holding its state."""
+    """HF names: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5) or,
+    ``fused``, ``in_proj_qkvz`` and ``in_proj_ba`` (Qwen3-Next: per key head g the rows
+    ``[q_g (Dk), k_g (Dk), v (r Dv), z (r Dv)]`` and ``[b (r), a (r)]`` of its r = Hv / Hk value
+    heads); one merged matmul here either way. ``conv1d.weight [C, 1, kernel]`` (channels
+    [q | k | v]), ``dt_bias``, ``A_log`` [Hv], ``norm.weight`` [Dv], ``out_proj``.
+    ``layer_idx``: the cache layer holding its state."""
 
     def __init__(self, layer_idx: int, hidden_size: int, num_k_heads: int, num_v_heads: int,
-                 key_dim: int, value_dim: int, conv_kernel: int, eps: float):
+                 key_dim: int, value_dim: int, conv_kernel: int, eps: float,
+                 fused: bool = False):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads}: must be a multiple of "
@@ -72,9 +76,12 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, key_dim, value_dim
         self.conv_kernel = conv_kernel
         self.conv_dim = 2 * num_k_heads * key_dim + num_v_heads * value_dim
-        self.in_proj = MergedLinear(hidden_size, {
-            "in_proj_qkv": self.conv_dim, "in_proj_z": num_v_heads * value_dim,
-            "in_proj_b": num_v_heads, "in_proj_a": num_v_heads}, bias=False)
+        self.fused = fused
+        parts = ({"in_proj_qkvz": self.conv_dim + num_v_heads * value_dim,
+                  "in_proj_ba": 2 * num_v_heads} if fused else
+                 {"in_proj_qkv": self.conv_dim, "in_proj_z": num_v_heads * value_dim,
+                  "in_proj_b": num_v_heads, "in_proj_a": num_v_heads})
+        self.in_proj = MergedLinear(hidden_size, parts, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel,
                                 groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
@@ -90,8 +97,7 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] (kv=None: each row a sequence from position 0) or [N, H] (kv given)
         -> same shape."""
         hv, dv = self.hv, self.dv
-        qkv, z, b, a = self.in_proj(x).split(
-            [self.conv_dim, hv * dv, hv, hv], dim=-1)
+        qkv, z, b, a = self._projections(self.in_proj(x))
         if kv is None:
             o = self._mix(qkv, b, a, None, None, None)
         else:
@@ -101,6 +107,20 @@ class GatedDeltaNet(nn.Module):
             o = o.flatten(0, 1)[lay.flat_to_bt]
         o = self.norm(o.to(x.dtype), z.reshape(*z.shape[:-1], hv, dv))
         return self.out_proj(o.flatten(-2))
+
+    def _projections(self, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """in_proj's output [..., P] -> qkv [..., C] (channels [q | k | v]), z [..., Hv Dv],
+        b, a [..., Hv], from either checkpoint layout."""
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        if not self.fused:
+            return proj.split([self.conv_dim, hv * dv, hv, hv], dim=-1)
+        lead, r = proj.shape[:-1], hv // hk
+        qkvz, ba = proj.split([self.conv_dim + hv * dv, 2 * hv], dim=-1)
+        q, k, v, z = qkvz.reshape(*lead, hk, 2 * dk + 2 * r * dv).split(
+            [dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.reshape(*lead, hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([t.reshape(*lead, -1) for t in (q, k, v)], dim=-1)
+        return qkv, z.reshape(*lead, hv * dv), b.reshape(*lead, hv), a.reshape(*lead, hv)
 
     def _mix(self, qkv, b, a, conv, ssm, lay) -> torch.Tensor:
         """qkv [B, T, C], b/a [B, T, Hv] -> o [B, T, Hv, Dv] float32; reads and writes the
