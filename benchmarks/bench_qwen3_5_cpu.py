@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import hf_qwen3_5 as Q  # noqa: E402
+import hf_qwen3_5 as Q
 
-from specdec import LLM  # noqa: E402
-from specdec.linear_state import LinearStateSpec  # noqa: E402
-from specdec.models import load_model  # noqa: E402
+from specdec import LLM
+from specdec.linear_state import LinearStateSpec
+from specdec.models import load_model
 
 FOLDERS = {"qwen3_5_mtp": "random MTP layer (drafts ~never accepted: the overhead)",
            "qwen3_5_mtp_cycle": "MTP layer sometimes right (near-cycle target)"}
@@ -43,11 +43,11 @@ def cache_table(path: Path, dtype: torch.dtype) -> list[str]:
     linear = [s for s in specs if isinstance(s, LinearStateSpec)]
     kv = sum(s.bytes_per_token(dtype) for s in specs)
     slot = sum(s.bytes_per_slot() for s in linear)
-    lines = [f"cache ({dtype} KV, float32 state; {len(specs) - len(linear)} full + "
-             f"{len(linear)} linear layers):",
+    lines = [(f"cache ({dtype} KV, float32 state; {len(specs) - len(linear)} full + "
+              f"{len(linear)} linear layers):"),
              f"  {'KV bytes per token (full-attention layers)':<52}{kv:8d}",
-             f"  {'state bytes per request slot (linear layers)':<52}{slot:8d}"
-             f"  (= the KV of {slot / kv:.0f} tokens)"]
+             (f"  {'state bytes per request slot (linear layers)':<52}{slot:8d}"
+              f"  (= the KV of {slot / kv:.0f} tokens)")]
     for k in (0, 1, 3):
         lines.append(f"  {f'state bytes per request, K={k} ({1 + k} slots)':<52}"
                      f"{(1 + k) * slot:8d}")
@@ -83,7 +83,7 @@ def bench(path: Path, prompts: list, args) -> None:
         rate = f"{accepted / drafted:.2f}" if drafted else "-"
         alen = f"{statistics.mean(o.acceptance_length for o in outs):.2f}" if drafted else "-"
         same = [o.token_ids for o in outs] == [o.token_ids for o in first["plain"]]
-        print(f"  {name:<12}{ms:>10.2f}{plain_ms / ms:>9.2f}x{rate:>8}{alen:>12}{str(same):>10}")
+        print(f"  {name:<12}{ms:>10.2f}{plain_ms / ms:>9.2f}x{rate:>8}{alen:>12}{same!s:>10}")
 
 
 def main() -> None:

@@ -17,15 +17,15 @@ from pathlib import Path
 import hf_models as H
 import torch
 
-QWEN3_5 = dict(vocab_size=H.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-               linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
-               max_position_embeddings=256, tie_word_embeddings=False,
-               layer_types=["linear_attention", "full_attention", "linear_attention"],
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25},
-               bos_token_id=H.QWEN_BOS, eos_token_id=H.QWEN_EOS)
+QWEN3_5 = {"vocab_size": H.VOCAB, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": False,
+           "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.25},
+           "bos_token_id": H.QWEN_BOS, "eos_token_id": H.QWEN_EOS}
 
 
 def _deltanet_params(model, gen) -> None:
@@ -64,8 +64,8 @@ def mtp_tensors(path) -> dict[str, torch.Tensor]:
     shapes = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()
-                           if k.startswith(src)})
+            names = f.keys()
+            shapes.update({k: f.get_slice(k).get_shape() for k in names if k.startswith(src)})
     gen = torch.Generator().manual_seed(H.SEED + 11)
     h = cfg["hidden_size"]
     out = {}
@@ -94,15 +94,18 @@ def _router(model, gen) -> None:
             p.copy_(H.INIT_RANGE * torch.randn(p.shape, generator=gen))
 
 
-def build_qwen3_next(path) -> Path:
+QWEN3_NEXT_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [0]}
+
+
+def build_qwen3_next(path, **overrides) -> Path:
     """Qwen3-Next-80B-A3B shrunk: Qwen3.5's shapes with the fused ``in_proj_qkvz`` /
     ``in_proj_ba`` and, on layers 1-2 (``mlp_only_layers`` [0]), a MoE of 4 experts top-2
     (moe_intermediate 32, ``norm_topk_prob``) plus a shared expert of 48 behind a sigmoid
     gate."""
     return H._build(path, "Qwen3NextConfig", "Qwen3NextForCausalLM", post=_router,
-                    **QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=48, norm_topk_prob=True,
-                    decoder_sparse_step=1, mlp_only_layers=[0])
+                    **{**QWEN3_5, **QWEN3_NEXT_MOE, **overrides})
 
 
 BUILDERS = {"qwen3_5": build_qwen3_5, "qwen3_5_interval": build_qwen3_5_interval,
@@ -148,32 +151,57 @@ def build_qwen3_5_mtp_cycle(path) -> Path:
 BUILDERS["qwen3_5_mtp_cycle"] = build_qwen3_5_mtp_cycle
 
 
+def build_qwen3_next_mtp(path) -> Path:
+    """``qwen3_next`` with MoE on every layer (``mlp_only_layers`` []) and its MTP layer
+    ``mtp.*``, whose MLP is then a MoE too (vLLM's rule at layer index 0)."""
+    path = build_qwen3_next(path, mlp_only_layers=[])
+    H.add_shard(path, mtp_tensors(path))
+    return path
+
+
+BUILDERS["qwen3_next_mtp"] = build_qwen3_next_mtp
+
+
 def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """Draft logits [T, V] of the MTP layer of ``path`` for one sequence, assembled from
-    transformers' own ``Qwen3_5DecoderLayer`` (a full-attention one: gated attention, partial
-    rotary, zero-centred norms), its ``Qwen3_5RMSNorm`` and rotary, and the published MTP math:
+    transformers' own decoder layer (``Qwen3_5DecoderLayer`` / ``Qwen3NextDecoderLayer``, a
+    full-attention one: gated attention, partial rotary, zero-centred norms; Qwen3-Next's MoE
+    with its shared expert), its RMSNorm and rotary, and the published MTP math:
     ``lm_head(norm(layer(fc([norm_e(emb), norm_h(hidden)]))))``, a causal mask.
     input_ids [T], hidden [T, H], positions [T]."""
     import transformers
     from safetensors import safe_open
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
     cfg = transformers.AutoConfig.from_pretrained(str(path))
+    next_ = cfg.model_type == "qwen3_next"
+    M = modeling_qwen3_next if next_ else modeling_qwen3_5
+    prefix_ = "Qwen3Next" if next_ else "Qwen3_5"
     cfg._attn_implementation = "eager"
     t = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            t.update({k: f.get_tensor(k) for k in f.keys()
+            names = f.keys()
+            t.update({k: f.get_tensor(k) for k in names
                       if k.startswith("mtp.") or k in ("model.embed_tokens.weight",
                                                         "lm_head.weight")})
-    layer = M.Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    layer = getattr(M, f"{prefix_}DecoderLayer")(
+        cfg, cfg.layer_types.index("full_attention")).eval()
     prefix = "mtp.layers.0."
-    layer.load_state_dict({k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)},
-                          strict=True)
+    state = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+    experts = sorted({int(k.split(".")[2]) for k in state if k.startswith("mlp.experts.")})
+    if experts:  # transformers keeps the experts as [E, ...] tensors
+        state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+            [state.pop(f"mlp.experts.{e}.gate_proj.weight"),
+             state.pop(f"mlp.experts.{e}.up_proj.weight")]) for e in experts])
+        state["mlp.experts.down_proj"] = torch.stack(
+            [state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+    layer.load_state_dict(state, strict=True)
 
     def norm(name):
-        n = M.Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n = getattr(M, f"{prefix_}RMSNorm")(cfg.hidden_size, cfg.rms_norm_eps)
         n.weight.data.copy_(t[f"mtp.{name}.weight"])
         return n
 
@@ -182,9 +210,11 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
         x = torch.cat([norm("pre_fc_norm_embedding")(emb), norm("pre_fc_norm_hidden")(hidden)],
                       -1) @ t["mtp.fc.weight"].T
         x = x[None]
-        rope = M.Qwen3_5TextRotaryEmbedding(cfg)(x, positions[None])
+        rotary = getattr(M, "Qwen3NextRotaryEmbedding" if next_ else "Qwen3_5TextRotaryEmbedding")
+        rope = rotary(cfg)(x, positions[None])
         n = x.shape[1]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         out = layer(x, position_embeddings=rope, attention_mask=mask,
                     position_ids=positions[None])
+        out = out[0] if isinstance(out, tuple) else out
         return (norm("norm")(out[0]) @ t["lm_head.weight"].T).float()

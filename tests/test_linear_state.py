@@ -64,7 +64,9 @@ def test_scan_and_l2norm_worked_examples():
 def test_scan_equals_transformers_chunked_rule_and_its_final_state():
     """The token-by-token recurrence equals transformers' chunked gated delta rule (chunk 4,
     so 3 chunks over 10 tokens) from a random initial state, outputs and final state."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+    )
 
     g = torch.Generator().manual_seed(0)
     b, t, h, dk, dv = 2, 10, 3, 8, 4

@@ -149,13 +149,15 @@ def test_refuses_what_is_not_implemented_naming_it(what, edit, match, q35_dir, t
 
 
 # ---- the MTP layer (mtp.* of the target folder) ------------------------------------------------
-def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(q35_dir):
+@pytest.mark.parametrize("case", ["qwen3_5_mtp", "qwen3_next_mtp"])
+def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(case, q35_dir):
     """The target loader skips ``mtp.*``; the head reads only them (embedding and lm_head are
-    the target's) and equals the reference assembled from transformers' Qwen3_5DecoderLayer,
-    at every position of a 40-token sequence."""
+    the target's) and equals the reference assembled from transformers' decoder layer
+    (Qwen3-Next's: with its MoE), at every position of a 40-token sequence."""
+    from specdec.models.layers.moe import MoEMLP
     from specdec.models.qwen3_5_mtp import load_qwen3_5_mtp
 
-    path = q35_dir("qwen3_5_mtp")
+    path = q35_dir(case)
     target = load_model(path)
     head = load_qwen3_5_mtp(path, target)
     ids = torch.tensor(PROMPTS[2])
@@ -169,6 +171,21 @@ def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(q35_dir):
     assert (got - want).abs().max().item() <= TOL
     assert nxt_hidden is out  # the normed output is also the next step's hidden
     assert head.kv_cache_spec() == [KVCacheSpec(2, 16)]
+    assert isinstance(head.mtp.layers[0].mlp, MoEMLP) == (case == "qwen3_next_mtp")
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_qwen3_next_mtp_speculative_greedy_equals_plain(ragged, q35_dir):
+    """Qwen3-Next's MTP layer (a MoE) found in the target folder; K=2."""
+    path = str(q35_dir("qwen3_next_mtp"))
+    want = [o.token_ids for o in LLM(model=path, max_num_seqs=4, max_model_len=256).generate(
+        PROMPTS, max_tokens=16, ignore_eos=True)]
+    llm = LLM(model=path, max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                  "disable_padded_drafter_batch": ragged})
+    assert type(llm.runner.proposer.head).__name__ == "Qwen3_5MtpHead"
+    outs = llm.generate(PROMPTS, max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in outs] == want and sum(sum(o.num_drafted) for o in outs) > 0
 
 
 def test_mtp_refuses_more_than_one_layer(q35_dir, tmp_path):

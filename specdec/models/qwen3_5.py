@@ -12,7 +12,7 @@ pick.
 
 The cache: paged KV for the full-attention layers, per-request state slots for the linear
 ones (``kv_cache_spec`` says which). The MTP layer stored as ``mtp.*`` in the same folder is
-the draft head's (``qwen3_5_mtp``; Qwen3.5 only), skipped here.
+the draft head's (``qwen3_5_mtp``), skipped here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from specdec.models.config import ModelConfig
 from specdec.models.layers.gated_attention import GatedAttention
 from specdec.models.layers.gated_deltanet import GatedDeltaNet
 from specdec.models.layers.mlp import MLP
-from specdec.models.layers.moe import MOE_CONFIG_KEYS, SHARED_EXPERT_KEY, MoEMLP, is_moe_layer
+from specdec.models.layers.moe import (
+    MOE_CONFIG_KEYS,
+    SHARED_EXPERT_KEY,
+    MoEMLP,
+    is_moe_layer,
+)
 from specdec.models.layers.norm import OffsetRMSNorm
 from specdec.models.layers.rotary import RotaryEmbedding
 from specdec.models.llama import LlamaForCausalLM
@@ -94,14 +99,16 @@ def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     return MoEMLP(c) if is_moe_layer(c, layer_idx) else MLP(c.hidden_size, c.intermediate_size)
 
 
-def full_attention_layer(config: ModelConfig, cache_idx: int) -> HybridDecoderLayer:
-    """A gated-attention decoder layer with a dense MLP, of ``config``'s shape, attending
-    through cache layer ``cache_idx`` (Qwen3.5's MTP layer: 0 of the draft's own cache)."""
+def full_attention_layer(config: ModelConfig, layer_idx: int,
+                         cache_idx: int | None = None) -> HybridDecoderLayer:
+    """A gated-attention decoder layer of ``config``'s shape, its MLP a MoE where
+    ``is_moe_layer(config, layer_idx)``, attending through cache layer ``cache_idx`` (default
+    ``layer_idx``; the MTP layer ``mtp.layers.0``: index 0, layer 0 of the draft's cache)."""
     c = config
-    attn = GatedAttention(cache_idx, c.hidden_size, c.num_attention_heads,
-                          c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
-    return HybridDecoderLayer(attn, MLP(c.hidden_size, c.intermediate_size), c.hidden_size,
-                              c.rms_norm_eps)
+    attn = GatedAttention(layer_idx if cache_idx is None else cache_idx, c.hidden_size,
+                          c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          c.rms_norm_eps)
+    return HybridDecoderLayer(attn, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
 
 
 def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecoderLayer:
@@ -109,13 +116,11 @@ def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecod
     where ``is_moe_layer``; ``fused``: the DeltaNet's Qwen3-Next projections."""
     c, e = config, config.extra
     if c.layer_types is None or c.layer_types[layer_idx] == "full_attention":
-        mixer = GatedAttention(layer_idx, c.hidden_size, c.num_attention_heads,
-                               c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
-    else:
-        mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
-                              e["linear_num_value_heads"], e["linear_key_head_dim"],
-                              e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
-                              c.rms_norm_eps, fused=fused)
+        return full_attention_layer(config, layer_idx)
+    mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
+                          e["linear_num_value_heads"], e["linear_key_head_dim"],
+                          e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
+                          c.rms_norm_eps, fused=fused)
     return HybridDecoderLayer(mixer, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
 
 

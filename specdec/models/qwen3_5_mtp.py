@@ -1,9 +1,10 @@
-"""Qwen3.5's MTP layer as a draft head (method ``mtp``).
+"""Qwen3.5's and Qwen3-Next's MTP layer as a draft head (method ``mtp``).
 
 Stored in the target folder as ``mtp.*``: ``mtp.fc [H, 2H]``, ``mtp.pre_fc_norm_embedding``,
 ``mtp.pre_fc_norm_hidden``, ``mtp.norm`` (zero-centred norms) and one full-attention decoder
-layer ``mtp.layers.0.*`` (gated attention + MLP, as a full layer of the target); the
-embedding and the lm_head are the target's. One step (vLLM's ``qwen3_5_mtp.py``):
+layer ``mtp.layers.0.*`` (gated attention + an MLP, a MoE where the target's rule makes layer
+index 0 one, as vLLM builds it); the embedding and the lm_head are the target's. One step
+(vLLM's ``qwen3_5_mtp.py`` / ``qwen3_next_mtp.py``):
 
     x    = fc([pre_fc_norm_embedding(embed(input_ids)), pre_fc_norm_hidden(hidden)])
     out  = mtp.norm(layer(x))        (both the logits input and the next step's hidden)
@@ -21,9 +22,15 @@ from torch import nn
 from specdec.models.config import ModelConfig
 from specdec.models.heads import DraftHead
 from specdec.models.layers.norm import OffsetRMSNorm
-from specdec.models.qwen3_5 import QWEN3_5_KEYS, full_attention_layer, rotary
+from specdec.models.qwen3_5 import (
+    QWEN3_5_KEYS,
+    QWEN3_NEXT_KEYS,
+    full_attention_layer,
+    rotary,
+)
 
-ARCH = "Qwen3_5ForCausalLM"
+# the architectures holding this layout, with the config keys their family reads
+ARCHS = {"Qwen3_5ForCausalLM": QWEN3_5_KEYS, "Qwen3NextForCausalLM": QWEN3_NEXT_KEYS}
 PREFIX = "mtp."
 
 
@@ -32,17 +39,19 @@ class Qwen3_5MtpHead(DraftHead):
 
     def __init__(self, config: ModelConfig, target):
         super().__init__(config, target)
-        n = config.extra.get("mtp_num_hidden_layers", 1)
-        if config.architectures[0] != ARCH or n != 1:
+        n = config.extra.get("mtp_num_hidden_layers",
+                             config.extra.get("num_nextn_predict_layers", 1))
+        if config.architectures[0] not in ARCHS or n != 1:
             raise ValueError(f"Qwen3_5MtpHead config: architectures={config.architectures}, "
-                             f"mtp_num_hidden_layers={n!r}; need ['{ARCH}'] and 1")
+                             f"mtp_num_hidden_layers={n!r}; need one of {sorted(ARCHS)} "
+                             "and 1")
         self.rotary = rotary(config)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.mtp = nn.Module()
         self.mtp.fc = nn.Linear(2 * h, h, bias=False)
         self.mtp.pre_fc_norm_embedding = OffsetRMSNorm(h, eps)
         self.mtp.pre_fc_norm_hidden = OffsetRMSNorm(h, eps)
-        self.mtp.layers = nn.ModuleList([full_attention_layer(config, cache_idx=0)])
+        self.mtp.layers = nn.ModuleList([full_attention_layer(config, 0)])
         self.mtp.norm = OffsetRMSNorm(h, eps)
 
     @classmethod
@@ -62,13 +71,14 @@ class Qwen3_5MtpHead(DraftHead):
 
 def load_qwen3_5_mtp(path, target, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu") -> Qwen3_5MtpHead:
-    """The MTP layer (``mtp.*``) of a Qwen3.5 folder, sharing ``target``'s embedding and
+    """The MTP layer (``mtp.*``) of a Qwen3.5 / Qwen3-Next folder, sharing ``target``'s embedding and
     lm_head; every ``mtp.*`` tensor must be present with its shape (ValueError naming them)."""
     from specdec.models import checkpoint
     from specdec.models.heads import _read_tensors
 
     def build() -> Qwen3_5MtpHead:
-        config = ModelConfig.from_folder(path, QWEN3_5_KEYS)
+        arch = (checkpoint.load_config(path).get("architectures") or [None])[0]
+        config = ModelConfig.from_folder(path, ARCHS.get(arch, QWEN3_5_KEYS))
         tensors = _read_tensors(path, Qwen3_5MtpHead.skips)
         head = Qwen3_5MtpHead(config, target)
         head.load_tensors(tensors, path)
