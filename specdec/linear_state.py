@@ -54,13 +54,19 @@ class StateLayout(NamedTuple):
     layer: token_index [B, T] int64 (flat token of request r's j-th token; clamped),
     flat_to_bt [N] int64 (index into B * T of each flat token), read [B] int64 (flat slot the
     request starts from), fresh [B] bool (starts at position 0: zero state), write [B, T]
-    int64 (flat slot the state after token j goes to; the trash slot when none)."""
+    int64 (flat slot the state after token j goes to; the trash slot when none), valid [B, T]
+    bool (j is one of the request's tokens), last_write [B] int64 (write at its last token),
+    num_slots (S, host int: a request writes per-token states for at most its first S
+    tokens)."""
 
     token_index: torch.Tensor
     flat_to_bt: torch.Tensor
     read: torch.Tensor
     fresh: torch.Tensor
     write: torch.Tensor
+    valid: torch.Tensor
+    last_write: torch.Tensor
+    num_slots: int
 
 
 class StateCache:
@@ -94,7 +100,8 @@ class StateCache:
         padding request holds 1 token: query_start_loc [0, 3, 5, 6], seq_lens [10, 2, 1],
         drafts [2, 0, 0], max_query_len 3 -> token_index [[0, 1, 2], [3, 4, 5], [5, 5, 5]],
         flat_to_bt [0, 1, 2, 3, 4, 6], read [1, 3, 6], fresh [F, T, T],
-        write [[0, 1, 2], [6, 3, 6], [6, 6, 6]] (6 = the trash row's slot 0).
+        write [[0, 1, 2], [6, 3, 6], [6, 6, 6]] (6 = the trash row's slot 0),
+        valid [[T, T, T], [T, T, F], [T, F, F]], last_write [2, 3, 6].
         """
         qsl = meta.query_start_loc.long()
         b = qsl.shape[0] - 1
@@ -113,10 +120,13 @@ class StateCache:
         read = rows * self.num_slots + self.current[rows]
         fresh = meta.seq_lens.long() == lens  # nothing computed before this step
         slot = j - (lens - 1 - drafts)[:, None]  # [B, T]
-        keep = (slot >= 0) & (j < lens[:, None]) & (slot < self.num_slots)
+        valid = j < lens[:, None]
+        keep = (slot >= 0) & valid & (slot < self.num_slots)
         trash = self.trash_row * self.num_slots
         write = torch.where(keep, rows[:, None] * self.num_slots + slot.clamp(min=0), trash)
-        return StateLayout(token_index, flat_to_bt, read, fresh, write)
+        last_write = write.gather(1, (lens - 1).clamp(min=0)[:, None])[:, 0]
+        return StateLayout(token_index, flat_to_bt, read, fresh, write, valid, last_write,
+                           self.num_slots)
 
     def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         """After verification: row r's current slot = (valid entries of sampled[r]) - 1, at

@@ -1,11 +1,13 @@
 """The state-slot layout of ``specdec.linear_state`` and the gated delta rule: the docstrings'
 worked examples, and the recurrence against transformers' chunked form."""
 
+import pytest
 import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.linear_state import LinearStateSpec, StateCache
-from specdec.models.layers.gated_deltanet import gated_delta_scan, l2norm
+from specdec.models.layers.gated_deltanet import (gated_delta_chunked, gated_delta_scan,
+                                                  l2norm)
 
 SPEC = LinearStateSpec(conv_dim=4, conv_kernel=4, num_heads=1, key_dim=2, value_dim=2)
 
@@ -29,6 +31,8 @@ def test_layout_worked_example():
     assert lay.read.tolist() == [1, 3, 6]
     assert lay.fresh.tolist() == [False, True, True]
     assert lay.write.tolist() == [[0, 1, 2], [6, 3, 6], [6, 6, 6]]
+    assert lay.valid.tolist() == [[True] * 3, [True, True, False], [True, False, False]]
+    assert lay.last_write.tolist() == [2, 3, 6] and lay.num_slots == 3
 
 
 def test_layout_without_rows_puts_every_request_on_the_trash_row():
@@ -56,9 +60,9 @@ def test_state_bytes_per_slot():
 def test_scan_and_l2norm_worked_examples():
     torch.testing.assert_close(l2norm(torch.tensor([3.0, 4.0]), eps=0.0), torch.tensor([0.6, 0.8]))
     one = torch.ones(1, 1, 1, 1)
-    o = gated_delta_scan(one, one, 2 * one, torch.zeros(1, 1, 1), torch.full((1, 1, 1), 0.5),
-                         torch.zeros(1, 1, 1, 1))
-    assert o.tolist() == [[[[1.0]]]]
+    o, state = gated_delta_scan(one, one, 2 * one, torch.zeros(1, 1, 1),
+                                torch.full((1, 1, 1), 0.5), torch.zeros(1, 1, 1, 1))
+    assert o.tolist() == [[[[1.0]]]] and state.tolist() == [[[[1.0]]]]
 
 
 def test_scan_equals_transformers_chunked_rule_and_its_final_state():
@@ -76,10 +80,31 @@ def test_scan_equals_transformers_chunked_rule_and_its_final_state():
     beta = torch.rand(b, t, h, generator=g)
     state = torch.randn(b, h, dk, dv, generator=g)
     seen = []
-    o = gated_delta_scan(q * dk ** -0.5, k, v, decay, beta, state,
-                         lambda j, s: seen.append(s))
+    o, last = gated_delta_scan(q * dk ** -0.5, k, v, decay, beta, state,
+                               lambda j, s: seen.append(s))
     want, final = torch_chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=4,
                                                initial_state=state, output_final_state=True)
     torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(seen[-1], final, rtol=1e-5, atol=1e-5)
-    assert len(seen) == t
+    torch.testing.assert_close(last, final, rtol=1e-5, atol=1e-5)
+    assert len(seen) == t and seen[-1] is last
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
+def test_chunked_form_equals_the_token_by_token_rule(chunk):
+    """``gated_delta_chunked`` (chunks of 1, 3, 4 tokens and one of 64 over 10 tokens, the
+    last chunk partial) equals the recurrence, outputs and final state; a token with
+    beta = g = 0 (a padding position) leaves the state as it is."""
+    g = torch.Generator().manual_seed(1)
+    b, t, h, dk, dv = 2, 10, 3, 8, 4
+    q, k = (l2norm(torch.randn(b, t, h, dk, generator=g)) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=g)
+    decay, beta = -torch.rand(b, t, h, generator=g), torch.rand(b, t, h, generator=g)
+    decay[1, 6:], beta[1, 6:] = 0.0, 0.0  # request 1 has 6 tokens
+    state = torch.randn(b, h, dk, dv, generator=g)
+    want, want_state = gated_delta_scan(q, k, v, decay, beta, state)
+    got, got_state = gated_delta_chunked(q, k, v, decay, beta, state, chunk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    after_six = gated_delta_scan(q[1:, :6], k[1:, :6], v[1:, :6], decay[1:, :6],
+                                 beta[1:, :6], state[1:])[1]
+    torch.testing.assert_close(got_state[1:], after_six, rtol=1e-5, atol=1e-5)

@@ -84,7 +84,8 @@ def test_last_logits_match_transformers(case, q35_dir, q35_reference):
 def test_paged_prefill_in_chunks_matches_the_dense_path(chunk, q35_dir):
     """One 80-token prompt fed in chunks through the paged cache (request row 0; each chunk
     starts from the state slot the previous one wrote) equals the dense forward at every
-    position."""
+    position, up to float32 rounding: the dense path runs the DeltaNet in chunks of 64, the
+    paged one its first token one by one and the rest in chunks of what is left."""
     model = load_model(q35_dir("qwen3_5"))
     ids, n = torch.tensor(LOGIT_PROMPT), len(LOGIT_PROMPT)
     cache = KVCache(model.kv_cache_spec(), 6, 16, torch.float32, "cpu", state_rows=2)
@@ -100,7 +101,7 @@ def test_paged_prefill_in_chunks_matches_the_dense_path(chunk, q35_dir):
                 rows=torch.tensor([0], dtype=torch.int32))
             out, _ = model(ids[lo:hi], torch.arange(lo, hi), kv=cache.bind(meta))
             outs.append(out)
-    torch.testing.assert_close(torch.cat(outs), dense[0], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(torch.cat(outs), dense[0], rtol=5 * TOL, atol=5 * TOL)
 
 
 def test_cache_spec_is_paged_kv_for_full_and_state_slots_for_linear_layers(q35_dir):
@@ -323,17 +324,18 @@ def _files(out) -> list[dict]:
 def test_extract_files_equal_for_chunked_and_unchunked_prefill(extracted, q35_dir):
     """Both runs' files hold [T, 3, H] states equal to each other and to the dense forward's
     aux states (a chunked prefill carries the DeltaNet state across its chunks), up to float32
-    rounding (the projections run over other token groupings)."""
+    rounding: the residual stream reaches ~90 here, so 1e-3 absolute is ~1e-5 of it (the
+    projections run over other token groupings, the DeltaNet one by one or in chunks)."""
     model = load_model(q35_dir("qwen3_5"))
     for prompt, whole, chunked in zip(PROMPTS, _files(extracted[256]), _files(extracted[7])):
         assert whole["token_ids"].tolist() == chunked["token_ids"].tolist() == prompt
         assert chunked["hidden_states"].shape == (len(prompt), len(AUX), 64)
         torch.testing.assert_close(chunked["hidden_states"], whole["hidden_states"],
-                                   rtol=TOL, atol=TOL)
+                                   rtol=TOL, atol=10 * TOL)
         with torch.inference_mode():
             _, aux = model(torch.tensor([prompt]), torch.arange(len(prompt))[None],
                            aux_layer_ids=tuple(AUX))
-        torch.testing.assert_close(chunked["hidden_states"], aux[0], rtol=TOL, atol=TOL)
+        torch.testing.assert_close(chunked["hidden_states"], aux[0], rtol=TOL, atol=10 * TOL)
 
 
 def test_extract_dp2_with_an_idle_rank_equals_dp1(extracted, q35_dir, tmp_path):

@@ -9,12 +9,14 @@ Per token (one request; heads independent; float32):
     S    = S * exp(g);  S += k (x) beta * (v - k^T S);  o = q^T S        S: [Hv, Dk, Dv]
     out  = out_proj(w * rmsnorm(o) * silu(in_proj_z(x)))
 
-The recurrence runs token by token (prefill and decode alike), vectorised over the requests
-of a step. With the paged cache (``kv`` given) the flat tokens are gathered into
-[requests, max_query_len] through the ``StateLayout`` of ``specdec.linear_state``: each
-request starts from its current state slot (zeros at position 0) and the states after its
-tokens go to the slots the layout names (speculative decoding's rollback); without ``kv``
-the batch [B, T] starts from zeros.
+With the paged cache (``kv`` given) the flat tokens are gathered into [requests,
+max_query_len] through the ``StateLayout`` of ``specdec.linear_state``: each request starts
+from its current state slot (zeros at position 0). Its first S = 1 + K tokens run token by
+token (``gated_delta_scan``, vectorised over the requests), each state going to the slot the
+layout names (speculative decoding's rollback: a decode step is only these); the rest of a
+prefill chunk runs in chunks of ``CHUNK`` tokens (``gated_delta_chunked``) and its final state
+goes to the request's last slot. Padding positions get beta = 0 and g = 0, so they leave the
+state as it is. Without ``kv`` the batch [B, T] starts from zeros and runs in chunks.
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+CHUNK = 64  # tokens per chunk of the chunked form
+
+
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor, on_state=None) -> torch.Tensor:
-    """The gated delta rule over T tokens of B sequences, float32.
+                     beta: torch.Tensor, state: torch.Tensor, on_state=None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens of B sequences, token by token, float32.
 
     q, k [B, T, H, Dk] (normalised, q scaled), v [B, T, H, Dv], g, beta [B, T, H], state
     [B, H, Dk, Dv] (the state before token 0; not modified). ``on_state(j, S)`` sees the
-    state after token j. -> o [B, T, H, Dv].
+    state after token j. -> (o [B, T, H, Dv], the state after the last token).
 
     Example (B = T = H = Dk = Dv = 1): state 0, k = q = 1, v = 2, beta = 0.5, g = 0 ->
     S = 0.5 * (2 - 0) = 1, o = 1.
@@ -54,7 +60,40 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         outs.append((state * q[:, j][..., None]).sum(-2))
         if on_state is not None:
             on_state(j, state)
-    return torch.stack(outs, 1)
+    return torch.stack(outs, 1), state
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_delta_scan`` (same arguments, no per-token states) a chunk of C tokens at a
+    time. Within a chunk, with c_i the cumulative sum of g up to token i, S0 the state before
+    it, and the rows of K, Q, V its tokens' vectors, the per-token updates
+    u_i = beta_i (v_i - k_i . S before token i) solve the unit lower-triangular system
+
+        (I + A) U = beta V - beta e^c K S0,   A[i, j] = beta_i e^(c_i - c_j) k_i . k_j  (j < i)
+
+    and then o = e^c Q S0 + (Q K^T * e^(c_i - c_j), j <= i) U, and the state after the chunk is
+    e^(c_C) S0 + (e^(c_C - c) K)^T U. -> (o [B, T, H, Dv], the state after the last token).
+    """
+    outs = []
+    for lo in range(0, q.shape[1], chunk):
+        qc, kc, vc = (x[:, lo:lo + chunk].transpose(1, 2) for x in (q, k, v))  # [B, H, C, D]
+        gc, bc = (x[:, lo:lo + chunk].transpose(1, 2) for x in (g, beta))  # [B, H, C]
+        c = gc.cumsum(-1)
+        n = c.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        a = bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay  # its strict lower part
+        rhs = torch.cat([bc[..., None] * vc, (bc * c.exp())[..., None] * kc], -1)
+        solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        u = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state
+        outs.append((c.exp()[..., None] * qc @ state
+                     + (qc @ kc.transpose(-1, -2) * decay) @ u).transpose(1, 2))
+        last = c[..., -1:]
+        state = last.exp()[..., None] * state + \
+            ((last - c).exp()[..., None] * kc).transpose(-1, -2) @ u
+    return torch.cat(outs, 1), state
 
 
 class GatedDeltaNet(nn.Module):
@@ -151,8 +190,20 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(*lead, self.hv, self.dv)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        on_state = None
-        if lay is not None:
-            def on_state(j, s):
-                ssm.index_copy_(0, lay.write[:, j], s)
-        return gated_delta_scan(q, k, v, g, beta, state, on_state)
+        if lay is None:
+            return gated_delta_chunked(q, k, v, g, beta, state)[0]
+        valid = lay.valid[..., None]  # padding positions keep the state as it is
+        beta, g = beta * valid, g * valid
+        s = lay.num_slots  # the tokens whose states may fill a slot: one by one
+
+        def on_state(j, st):
+            ssm.index_copy_(0, lay.write[:, j], st)
+
+        head = (q[:, :s], k[:, :s], v[:, :s], g[:, :s], beta[:, :s])
+        o, state = gated_delta_scan(*head, state, on_state)
+        if q.shape[1] <= s:
+            return o
+        rest, state = gated_delta_chunked(q[:, s:], k[:, s:], v[:, s:], g[:, s:],
+                                          beta[:, s:], state)
+        ssm.index_copy_(0, lay.last_write, state)
+        return torch.cat([o, rest], 1)
