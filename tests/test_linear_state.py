@@ -6,8 +6,11 @@ import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.linear_state import LinearStateSpec, StateCache
-from specdec.models.layers.gated_deltanet import (gated_delta_chunked, gated_delta_scan,
-                                                  l2norm)
+from specdec.models.layers.gated_deltanet import (
+    gated_delta_chunked,
+    gated_delta_scan,
+    l2norm,
+)
 
 SPEC = LinearStateSpec(conv_dim=4, conv_kernel=4, num_heads=1, key_dim=2, value_dim=2)
 
