@@ -412,3 +412,21 @@ def test_rollback_matches_transformers_snapshot_and_restore(q35_dir):
             t, pos, done = new[-1], pos + 1 + a, done + a + 1
             accepted.append(a)
     assert set(accepted) == {0, 1, 2}
+
+
+def test_sampled_speculative_decoding_is_the_same_padded_and_ragged(q35_dir):
+    """Rejection sampling (T 0.8, seeded: counter-based random numbers) on the hybrid target:
+    padded and ragged drafting give the same tokens and acceptance, with drafts accepted and
+    rejected. (The state slots follow ``sampled`` exactly as under greedy verification, which
+    the greedy tests check against plain decoding.)"""
+    path = str(q35_dir("qwen3_5_mtp_cycle"))
+    runs = []
+    for ragged in (False, True):
+        llm = LLM(model=path, max_num_seqs=4, max_model_len=256,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                      "disable_padded_drafter_batch": ragged})
+        outs = llm.generate(PROMPTS, max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+        runs.append([(o.token_ids, o.num_accepted) for o in outs])
+    assert runs[0] == runs[1]
+    accepted = sum(sum(acc) for _, acc in runs[0])
+    assert 0 < accepted < 2 * sum(len(ids) for ids, _ in runs[0]) / 3
