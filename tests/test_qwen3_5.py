@@ -430,3 +430,24 @@ def test_sampled_speculative_decoding_is_the_same_padded_and_ragged(q35_dir):
     assert runs[0] == runs[1]
     accepted = sum(sum(acc) for _, acc in runs[0])
     assert 0 < accepted < 2 * sum(len(ids) for ids, _ in runs[0]) / 3
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_prefill_chunks_share_steps_with_verifying_requests(ragged, q35_dir):
+    """A 16-token budget with K = 3: prefill chunks of the 40- and 70-token prompts run in the
+    same steps as requests verifying drafts (the DeltaNet takes each row's first 1 + K tokens
+    one by one, a chunk's rest in the chunked form); tokens equal plain greedy's."""
+    path = str(q35_dir("qwen3_5_mtp_cycle"))
+    prompts = PROMPTS + [torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(3)
+                                       ).tolist()]
+    want = [o.token_ids for o in LLM(model=path, max_num_seqs=4, max_model_len=256).generate(
+        prompts, max_tokens=24, ignore_eos=True)]
+    llm = LLM(model=path, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                  "disable_padded_drafter_batch": ragged})
+    outs = llm.generate(prompts, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in outs] == want
+    assert sum(sum(o.num_accepted) for o in outs) > 0
+    mixed = [s for s in llm.steps if s.num_reqs > 1 and s.num_tokens not in (
+        s.num_reqs, s.num_reqs * 4)]
+    assert len(mixed) >= 3
