@@ -5,6 +5,8 @@ Slot of a token at position ``pos`` of request ``r``:
 ``block_table[r, pos // block_size] * block_size + pos % block_size``; slot ``-1`` means
 "do not write" (padding rows, positions past ``max_model_len``). Writes to ``-1`` go to one
 trash slot at the end of the flat cache, so no boolean masking (and no host sync) is needed.
+Linear-attention layers (``LinearStateSpec``) keep no pages: their per-request state slots
+live in a ``specdec.linear_state.StateCache`` the same ``KVCache`` holds.
 """
 
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import kernels, platform
+from specdec.linear_state import LinearStateSpec, StateCache, StateLayout
 
 
 @dataclass
@@ -23,6 +26,11 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length incl. this step's tokens
     block_table: torch.Tensor  # [B, max_blocks] int32
     max_seq_len: int  # host upper bound on seq_lens (shapes the gather; never read from device)
+    # linear-attention state (specdec.linear_state); None: every request on the trash row,
+    # no drafts, the token count as the bound
+    rows: torch.Tensor | None = None  # [B] int32, each request's state row
+    num_draft_tokens: torch.Tensor | None = None  # [B] int32, drafts among its tokens (last)
+    max_query_len: int | None = None  # host upper bound on tokens per request
 
     @classmethod
     def dummy(cls, num_tokens: int, device) -> "AttentionMetadata":
@@ -66,22 +74,28 @@ class KVCacheSpec:
 class KVCache:
     """K/V tensors of one model, one pair per layer as its ``KVCacheSpec`` says:
     ``k[i], v[i]`` are [num_blocks * block_size + 1 (trash), Hkv_i, D_i]; for a latent spec
-    (``value_dim`` set) ``v[i]`` is the view ``k[i][..., :value_dim]`` (nothing allocated)."""
+    (``value_dim`` set) ``v[i]`` is the view ``k[i][..., :value_dim]`` (nothing allocated).
+    A ``LinearStateSpec`` layer gets empty K/V and ``state_slots`` slots for each of
+    ``state_rows`` request rows (the last one the trash row) in ``self.state``."""
 
-    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, specs: list[KVCacheSpec | LinearStateSpec], num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device | str,
+                 state_rows: int = 1, state_slots: int = 1):
         num_slots = num_blocks * block_size + 1
         self.specs = list(specs)
-        self.k = [torch.zeros((num_slots, s.num_kv_heads, s.head_dim), dtype=dtype,
-                              device=device) for s in specs]
-        self.v = [k[..., :s.value_dim] if s.value_dim is not None else torch.zeros_like(k)
-                  for s, k in zip(specs, self.k)]
+        paged = [s for s in specs if isinstance(s, KVCacheSpec)]
+        self.k = [torch.zeros((num_slots, s.num_kv_heads, s.head_dim) if isinstance(
+            s, KVCacheSpec) else (0,), dtype=dtype, device=device) for s in specs]
+        self.v = [k[..., :s.value_dim] if getattr(s, "value_dim", None) is not None
+                  else torch.zeros_like(k) for s, k in zip(specs, self.k)]
+        self.state = (StateCache(specs, state_rows, state_slots, device)
+                      if len(paged) < len(specs) else None)
         self.block_size = block_size
         self.trash_slot = num_slots - 1
         # a window or a latent row needs a Triton path not yet run on a GPU: the torch formulas
         # (plan included: every layer shares it) until platform.unverified_gpu_paths() is on
         self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
-                                    for s in specs) and not platform.unverified_gpu_paths())
+                                    for s in paged) and not platform.unverified_gpu_paths())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,6 +103,12 @@ class KVCache:
 
     def bind(self, meta: AttentionMetadata) -> "PagedKV":
         return PagedKV(self, meta)
+
+    def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
+        """After verification: each row's linear-attention state continues from its last
+        accepted token (``StateCache.accept``); nothing to do without linear layers."""
+        if self.state is not None:
+            self.state.accept(rows, sampled)
 
 
 class PagedKV:
@@ -105,6 +125,19 @@ class PagedKV:
         self.meta = meta
         self._write_slots: torch.Tensor | None = None
         self._plan = None
+        self._state_layout: StateLayout | None = None
+
+    def linear_state(self, layer_idx: int, num_tokens: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, StateLayout]:
+        """A linear-attention layer's (conv [R*S, kernel-1, C], ssm [R*S, Hv, Dk, Dv]) state
+        tensors and this forward's layout (built by the first layer that asks)."""
+        state = self.cache.state
+        if state is None or layer_idx not in state.ssm:
+            raise ValueError(f"layer {layer_idx} has no linear-attention state (its spec is "
+                             "not a LinearStateSpec)")
+        if self._state_layout is None:
+            self._state_layout = state.layout(self.meta, num_tokens)
+        return state.conv[layer_idx], state.ssm[layer_idx], self._state_layout
 
     def _plan_once(self, num_tokens: int):
         """The per-forward plan (and write slots), built by the first layer that attends."""

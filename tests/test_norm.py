@@ -51,3 +51,18 @@ def test_matches_hf_rmsnorm_formula():
     h, normed = norm_torch.add_rms_norm(x, res, w[0], 1e-6)
     hf = w[0] * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(normed, hf, rtol=1e-14, atol=1e-14)
+
+
+def test_offset_and_gated_rms_norm_worked_examples():
+    """Qwen3.5's norms: ``x * (1 + w)`` (zero-centred weight) and ``w * norm(x) * silu(z)``."""
+    from specdec.models.layers.norm import GatedRMSNorm, OffsetRMSNorm
+
+    x = torch.tensor([3.0, 4.0])
+    offset = OffsetRMSNorm(2, eps=0.0)
+    with torch.no_grad():
+        offset.weight.copy_(torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(offset(x), torch.tensor([0.8485, 2.2627]), atol=1e-4, rtol=0)
+    gated = GatedRMSNorm(2, eps=0.0)
+    assert gated(x, torch.zeros(2)).tolist() == [0.0, 0.0]
+    torch.testing.assert_close(gated(x, torch.full((2,), 30.0)),
+                               torch.tensor([0.8485, 1.1314]) * 30, atol=1e-3, rtol=0)

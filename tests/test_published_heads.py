@@ -230,8 +230,9 @@ def test_mtp_without_model_uses_the_sibling_folder_unless_the_target_holds_mtp_l
     H.set_tensors(bare, {k: None for k in json.loads(
         (bare / "model.safetensors.index.json").read_text())["weight_map"]
         if k.startswith(H.MTP_PREFIX)})
-    with pytest.raises(ValueError, match=r"no config.json.*not a MiMoForCausalLM or "
-                                         r"DeepseekV3ForCausalLM checkpoint holding its MTP"):
+    with pytest.raises(ValueError, match=r"no config.json.*not a MiMoForCausalLM, "
+                                         r"DeepseekV3ForCausalLM, Qwen3_5ForCausalLM or "
+                                         r"Qwen3NextForCausalLM checkpoint holding its MTP"):
         spec_llm(bare, "mtp", None)
     shutil.copytree(mimo, root / "bare" / "mtp")  # a head folder beside the target
     head = spec_llm(bare, "mtp", None).runner.proposer.head

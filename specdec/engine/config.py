@@ -16,6 +16,7 @@ import torch
 from specdec import platform
 from specdec.checks import check_bool, check_int
 from specdec.attention import KVCacheSpec
+from specdec.linear_state import LinearStateSpec
 from specdec.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -82,16 +83,19 @@ class EngineConfig:
     def num_kv_blocks(self) -> int:
         return self.max_num_seqs * -(-self.max_model_len // self.block_size)
 
-    def kv_cache_bytes(self, specs: list[KVCacheSpec]) -> int:
-        """The KV caches of these layers (target + draft) and the token table this config
+    def kv_cache_bytes(self, specs: list[KVCacheSpec | LinearStateSpec], state_slots: int = 1) -> int:
+        """The KV caches of these layers (target + draft), the linear-attention state slots
+        (``state_slots`` per request row, plus a trash row) and the token table this config
         allocates."""
         slots = self.num_kv_blocks * self.block_size
         table = self.max_num_seqs * (self.max_model_len + 1) * 4
-        return slots * sum(s.bytes_per_token(self.dtype) for s in specs) + table
+        state = (self.max_num_seqs + 1) * state_slots * sum(
+            s.bytes_per_slot() for s in specs if isinstance(s, LinearStateSpec))
+        return slots * sum(s.bytes_per_token(self.dtype) for s in specs) + state + table
 
-    def check_memory(self, specs: list[KVCacheSpec]) -> None:
+    def check_memory(self, specs: list[KVCacheSpec | LinearStateSpec], state_slots: int = 1) -> None:
         """The caches of every rank on this host must fit the device's free memory."""
-        need = self.kv_cache_bytes(specs)
+        need = self.kv_cache_bytes(specs, state_slots)
         ranks = self.data_parallel_size if self.device.type == "cpu" else 1
         free = free_memory(self.device)
         if need * ranks > free:

@@ -100,7 +100,8 @@ class LLM:
                                      dtype=cfg.dtype, device=cfg.device)
             if self.spec.method == "extract_hidden_states":
                 check_output_dir(self.spec)
-        cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()))
+        cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()),
+                         state_slots=1 + k)
         self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
                                              graph_backend, self.device)
         if check_host_syncs is None:

@@ -59,6 +59,8 @@ class StepBatch:
     inputs: StepInputs  # [Np] tokens, [Bp] requests
     max_seq_len: int  # host bound on seq_lens (eager attention)
     graph_seq_len: int  # the captured step's bound: max_model_len (uniform) or graph_seq_len()
+    max_query_len: int  # host bound on tokens per request (linear attention); graphs: 1 + K
+    #                     (uniform) or Np (mixed)
     variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
 
 
@@ -77,7 +79,9 @@ class ModelRunner:
         self.aux_layer_ids = aux_layer_ids
         self.dp = dp
         self.device = device
-        self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device)
+        # linear-attention layers: 1 + K state slots per request row, plus the trash row
+        self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device,
+                          state_rows=max_num_seqs + 1, state_slots=1 + num_speculative_tokens)
         # one row per request slot, plus a trash row of zeros for padding rows (their backup
         # token is 0, a valid id)
         self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,
@@ -199,15 +203,17 @@ class ModelRunner:
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
+                         int(np.diff(qsl[:bp + 1]).max()),
                          sampling_variant([s.request.params for s in scheduled]))
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                      block_table, logits_indices, max_seq_len: int):
+                      block_table, logits_indices, rows, num_draft_tokens, max_seq_len: int,
+                      max_query_len: int):
         """Target forward over [Np] tokens -> (logits [Bp, K+1, V] float32, hidden [Np, H],
         aux [Np, A, H] or None)."""
         attn = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_table,
-                                 max_seq_len)
+                                 max_seq_len, rows, num_draft_tokens, max_query_len)
         hidden, aux = self.target(input_ids, positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
         logits = self.target.compute_logits(hidden[logits_indices.flatten()])
@@ -217,14 +223,16 @@ class ModelRunner:
     def target_step(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                     block_table, logits_indices, draft_token_ids, num_draft_tokens,
                     discard_mask, rows, temperature, top_p, rng_key, *, max_seq_len: int,
-                    variant: str) -> tuple[torch.Tensor, ...]:
+                    max_query_len: int, variant: str) -> tuple[torch.Tensor, ...]:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         forward, verification (greedy, or rejection sampling with counter-based random numbers,
-        with or without the top-p sort: ``variant``), token-table update. -> (sampled [Bp, K+1]
+        with or without the top-p sort: ``variant``), token-table update, each row's
+        linear-attention state slot moved to its last accepted token. -> (sampled [Bp, K+1]
         int32, hidden [Np, H][, aux [Np, A, H]])."""
         logits, hidden, aux = self.target_logits(input_ids, positions, slot_mapping,
                                                  query_start_loc, seq_lens, block_table,
-                                                 logits_indices, max_seq_len)
+                                                 logits_indices, rows, num_draft_tokens,
+                                                 max_seq_len, max_query_len)
         if variant == "greedy":
             sampled = greedy_verify(logits, draft_token_ids, num_draft_tokens)
         else:
@@ -232,6 +240,7 @@ class ModelRunner:
             sampled = rejection_sample(logits, draft_token_ids, num_draft_tokens, temperature,
                                        rng_key, counters, top_p if variant == "top_p" else None)
         sampled = self._finish_sampled(sampled, discard_mask, rows, seq_lens, num_draft_tokens)
+        self.kv.accept(rows, sampled)
         return (sampled, hidden) + ((aux,) if aux is not None else ())
 
     @torch.inference_mode()
@@ -244,11 +253,13 @@ class ModelRunner:
         self.last_step_captured = plan.capturable and (batch.variant == "greedy"
                                                        or self.capture_sampled)
         if self.last_step_captured:
-            out = self.target_graph((plan.num_tokens_padded, plan.num_reqs_padded), *step_args,
-                                    max_seq_len=batch.graph_seq_len, variant=batch.variant)
+            np_, bp = plan.num_tokens_padded, plan.num_reqs_padded
+            out = self.target_graph(
+                (np_, bp), *step_args, max_seq_len=batch.graph_seq_len, variant=batch.variant,
+                max_query_len=1 + self.num_speculative_tokens if plan.uniform_decode else np_)
         else:
             out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
-                                   variant=batch.variant)
+                                   max_query_len=batch.max_query_len, variant=batch.variant)
         sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
         self.last_draft_seconds = 0.0
         b = plan.num_reqs

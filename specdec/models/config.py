@@ -23,7 +23,11 @@ QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry bias
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+               "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
+               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next"}
+# hybrid models: layer_types may say linear_attention (default schedule: every
+# full_attention_interval-th layer full, the others linear)
+LINEAR_ATTENTION_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 # bookkeeping, generation defaults and training-only knobs: they never change a forward
 IGNORED_KEYS = frozenset({
@@ -36,7 +40,7 @@ IGNORED_KEYS = frozenset({
 })
 # read by _attention_layout (the sliding-window spellings)
 LAYOUT_KEYS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
-                         "layer_types"})
+                         "layer_types", "full_attention_interval"})
 # what draft-head folders add (read by specdec.models.heads)
 HEAD_KEYS = frozenset({
     "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
@@ -45,7 +49,7 @@ HEAD_KEYS = frozenset({
 })
 # keys read here (fields) with the values they may take when not implemented
 REFUSED_VALUES = {"hidden_act": ("silu",), "mlp_bias": (False,)}
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclass
@@ -56,7 +60,8 @@ class ModelConfig:
     ``rope_scaling``: the normalised rotary parameters beyond ``rope_theta`` (transformers-5
     form: ``rope_type`` and its keys, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``),
     None for the default rope. ``layer_types[i]`` is ``full_attention`` or
-    ``sliding_attention`` (then layer i sees ``sliding_window`` keys); None = all full.
+    ``sliding_attention`` (then layer i sees ``sliding_window`` keys) or, for a hybrid
+    architecture (``LINEAR_ATTENTION_ARCHS``), ``linear_attention``; None = all full.
     ``extra`` keeps the family's and a draft head's own keys (``num_experts``,
     ``draft_vocab_size``, ...) so they round-trip through ``to_hf_dict``.
     """
@@ -116,6 +121,11 @@ class ModelConfig:
                     not set(self.layer_types) <= set(LAYER_TYPES):
                 raise ValueError(f"config layer_types={self.layer_types!r}: need one of "
                                  f"{LAYER_TYPES} per layer ({self.num_hidden_layers})")
+            if "linear_attention" in self.layer_types and \
+                    self.architectures[0] not in LINEAR_ATTENTION_ARCHS:
+                raise ValueError(f"config layer_types has linear_attention layers: only "
+                                 f"{list(LINEAR_ATTENTION_ARCHS)} implement them, not "
+                                 f"{self.architectures}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("config layer_types has sliding_attention layers but "
                                  "sliding_window is null")
@@ -237,6 +247,13 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
     ``layer_types``; Qwen2/3 (transformers 4) slide only with ``use_sliding_window``, on layers
     >= ``max_window_layers``; Mistral slides on every layer when ``sliding_window`` is set."""
     window = d.get("sliding_window")
+    if archs[0] in LINEAR_ATTENTION_ARCHS and d.get("layer_types") is None:
+        every = d.get("full_attention_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"config full_attention_interval={every!r}: must be an int >= 1")
+        return {"sliding_window": window, "layer_types": [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(d["num_hidden_layers"])]}
     if d.get("layer_types") is not None:
         types = list(d["layer_types"])
     elif "use_sliding_window" in d:  # the Qwen spelling: a window only when switched on
@@ -247,7 +264,7 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
                  for i in range(d["num_hidden_layers"])]
     else:
         types = None
-    if types is not None and "sliding_attention" not in types:
+    if types is not None and set(types) <= {"full_attention"}:
         return {"sliding_window": None, "layer_types": None}
     return {"sliding_window": window, "layer_types": types}
 

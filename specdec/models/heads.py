@@ -87,6 +87,8 @@ from specdec.models.registry import ARCHITECTURES
 
 MTP_ARCH = "MiMoForCausalLM"
 DEEPSEEK_ARCH = "DeepseekV3ForCausalLM"  # its MTP layer: models/deepseek_mtp.py
+QWEN3_5_ARCH = "Qwen3_5ForCausalLM"  # its MTP layer (mtp.*): models/qwen3_5_mtp.py
+QWEN3_NEXT_ARCH = "Qwen3NextForCausalLM"  # the same layout
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # config keys that make a LlamaForCausalLM-architecture head folder an EAGLE-3 head
@@ -486,14 +488,20 @@ def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = t
 
     ``path`` may be a head folder of its own, a MiMo target folder holding
     ``model.mtp_layers.*`` (the target's tensors there are skipped unread), or a DeepSeek-V3
-    folder holding its MTP layer ``model.layers.L.*`` (``deepseek_mtp.load_deepseek_mtp``). ``aux_layer_ids``:
+    folder holding its MTP layer ``model.layers.L.*`` (``deepseek_mtp.load_deepseek_mtp``), or a
+    Qwen3.5 / Qwen3-Next folder holding ``mtp.*`` (``qwen3_5_mtp.load_qwen3_5_mtp``).
+    ``aux_layer_ids``:
     an EAGLE-3 head's aux layers when its config names none (the speculative config's
     ``draft_model_config``); else vLLM's default. Every tensor the head needs must be present
     with its shape, and every other one known to be skipped: ValueError naming them.
     """
-    if (checkpoint.load_config(path).get("architectures") or [None])[0] == DEEPSEEK_ARCH:
+    arch = (checkpoint.load_config(path).get("architectures") or [None])[0]
+    if arch == DEEPSEEK_ARCH:
         from specdec.models.deepseek_mtp import load_deepseek_mtp  # (it imports this module)
         return load_deepseek_mtp(path, target, dtype, device)
+    if arch in (QWEN3_5_ARCH, QWEN3_NEXT_ARCH):
+        from specdec.models.qwen3_5_mtp import load_qwen3_5_mtp  # (it imports this module)
+        return load_qwen3_5_mtp(path, target, dtype, device)
 
     def build() -> DraftHead:
         d = checkpoint.load_config(path)

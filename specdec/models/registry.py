@@ -19,6 +19,7 @@ from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from specdec.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,6 +30,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # hybrid: gated DeltaNet + gated attention
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # the same, fused projections, MoE
 }
 
 

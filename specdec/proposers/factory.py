@@ -7,7 +7,14 @@ from safetensors import SafetensorError
 
 from specdec.config import SpeculativeConfig
 from specdec.models import checkpoint
-from specdec.models.heads import DEEPSEEK_ARCH, MTP_ARCH, DraftHead, load_head
+from specdec.models.heads import (
+    DEEPSEEK_ARCH,
+    MTP_ARCH,
+    QWEN3_5_ARCH,
+    QWEN3_NEXT_ARCH,
+    DraftHead,
+    load_head,
+)
 from specdec.proposers.registry import get_proposer_class
 
 
@@ -24,8 +31,9 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
-        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH} or "
-                 f"{DEEPSEEK_ARCH} checkpoint holding its MTP layer"
+        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH}, "
+                 f"{DEEPSEEK_ARCH}, {QWEN3_5_ARCH} or {QWEN3_NEXT_ARCH} checkpoint holding "
+                 "its MTP layer"
                  if spec.method == "mtp" and spec.model is None else "")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
                          f"(a {spec.method} head folder is needed{where})")
@@ -34,8 +42,8 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
 
 def holds_mtp_layers(path: str | Path) -> bool:
     """Whether ``path`` is a target checkpoint holding its own MTP layers: MiMo
-    (``model.mtp_layers.*``) or DeepSeek-V3 (``model.layers.L.eh_proj``, L = its layer count);
-    names from the files' headers."""
+    (``model.mtp_layers.*``), DeepSeek-V3 (``model.layers.L.eh_proj``, L = its layer count) or
+    Qwen3.5 / Qwen3-Next (``mtp.fc``); names from the files' headers."""
     path = Path(path)
     try:
         config = checkpoint.load_config(path)
@@ -45,6 +53,8 @@ def holds_mtp_layers(path: str | Path) -> bool:
         if arch == DEEPSEEK_ARCH:
             return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in \
                 _tensor_names(path)
+        if arch in (QWEN3_5_ARCH, QWEN3_NEXT_ARCH):
+            return "mtp.fc.weight" in _tensor_names(path)
         return False
     except (ValueError, OSError, RuntimeError, SafetensorError):
         return False  # unreadable: the head loader names the problem if this folder is used

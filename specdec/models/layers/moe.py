@@ -21,7 +21,9 @@ are kept; weights are their unbiased ``p`` (divided by their sum + 1e-20 when
 topk_group=1, k=2, p + bias = [.9, .1, .6, .6]: group sums [1.0, 1.2] -> experts 2, 3 win
 although expert 0 scores highest. Then ``out_t = sum_e p_e * expert_e(x_t)`` over the kept e,
 plus ``shared_experts(x_t)`` (an MLP of width ``n_shared_experts * I``) when
-``n_shared_experts`` > 0 (always run, on each rank's own tokens).
+``n_shared_experts`` > 0, or (Qwen3-Next) ``sigmoid(shared_expert_gate(x_t)) *
+shared_expert(x_t)`` (an MLP of width ``shared_expert_intermediate_size``, a gate [1, H]) when
+that is > 0 (either always run, on each rank's own tokens).
 
 Dispatch, vLLM's naive DP+EP path: every rank all-gathers the ``[N, H]`` hidden of every rank
 (same N on every rank: the DP token-count sync is what makes this legal), computes its local
@@ -58,6 +60,8 @@ MOE_CONFIG_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_pe
 # DeepSeek-V2/V3's names (read by MoEMLP when present)
 DEEPSEEK_MOE_KEYS = frozenset({"n_routed_experts", "n_shared_experts", "n_group", "topk_group",
                                "topk_method", "routed_scaling_factor"})
+# Qwen3-Next's gated shared expert (read by MoEMLP when present)
+SHARED_EXPERT_KEY = "shared_expert_intermediate_size"
 SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "noaux_tc")
 
@@ -109,6 +113,12 @@ class MoEMLP(nn.Module):
             raise ValueError(f"n_shared_experts={shared!r}: must be an int >= 0")
         if shared:
             self.shared_experts = MLP(h, shared * inter)
+        gated = extra.get(SHARED_EXPERT_KEY) or 0
+        if not isinstance(gated, int) or gated < 0:
+            raise ValueError(f"{SHARED_EXPERT_KEY}={gated!r}: must be an int >= 0")
+        if gated:
+            self.shared_expert = MLP(h, gated)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dp = DPContext()
         self.sp_size = 1
         if dp is not None:
@@ -219,6 +229,8 @@ class MoEMLP(nn.Module):
         out = out.reshape(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

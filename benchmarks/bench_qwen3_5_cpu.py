@@ -1,0 +1,115 @@
+"""CPU ms per generated token of the tiny Qwen3.5 (gated DeltaNet + gated attention,
+tests/hf_qwen3_5.py) with its MTP layer: plain greedy vs ``mtp`` K=1, 2, 3; and what the hybrid
+cache keeps: state bytes per request (1 + K slots of conv window + recurrent state per linear
+layer) vs KV bytes per token (the full-attention layers).
+
+Every configuration is one ``LLM`` built up front, warmed up once (not timed), then the
+repeats run round-robin over the configurations and the median is reported. ms/token = wall
+time of one ``generate`` of all prompts / tokens generated. The random MTP layer is ~never
+accepted (the overhead); the near-cycle folder's MTP layer is right where the target stays on
+its cycle (some positions). accept = accepted / drafted.
+
+    python -m benchmarks.bench_qwen3_5_cpu [--prompts 4] [--max-tokens 32] [--repeats 5]
+        [--threads 1]
+
+Needs transformers (the folders are written by transformers' Qwen3_5ForCausalLM, as the tests
+build them).
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import hf_qwen3_5 as Q
+
+from specdec import LLM
+from specdec.linear_state import LinearStateSpec
+from specdec.models import load_model
+
+FOLDERS = {"qwen3_5_mtp": "random MTP layer (drafts ~never accepted: the overhead)",
+           "qwen3_5_mtp_cycle": "MTP layer sometimes right (near-cycle target)"}
+
+
+def cache_table(path: Path, dtype: torch.dtype) -> list[str]:
+    """KV bytes per token of the full layers vs state bytes per request of the linear ones."""
+    specs = load_model(path).kv_cache_spec()
+    linear = [s for s in specs if isinstance(s, LinearStateSpec)]
+    kv = sum(s.bytes_per_token(dtype) for s in specs)
+    slot = sum(s.bytes_per_slot() for s in linear)
+    lines = [(f"cache ({dtype} KV, float32 state; {len(specs) - len(linear)} full + "
+              f"{len(linear)} linear layers):"),
+             f"  {'KV bytes per token (full-attention layers)':<52}{kv:8d}",
+             (f"  {'state bytes per request slot (linear layers)':<52}{slot:8d}"
+              f"  (= the KV of {slot / kv:.0f} tokens)")]
+    for k in (0, 1, 3):
+        lines.append(f"  {f'state bytes per request, K={k} ({1 + k} slots)':<52}"
+                     f"{(1 + k) * slot:8d}")
+    return lines
+
+
+def bench(path: Path, prompts: list, args) -> None:
+    configs = {"plain": None}
+    for k in (1, 2, 3):
+        configs[f"mtp K={k}"] = {"method": "mtp", "num_speculative_tokens": k}
+    llms = {name: LLM(model=str(path), max_num_seqs=len(prompts), max_model_len=256,
+                      speculative_config=spec) for name, spec in configs.items()}
+
+    def run(llm):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, max_tokens=args.max_tokens, ignore_eos=True)
+        return time.perf_counter() - t0, outs
+
+    first = {name: run(llm)[1] for name, llm in llms.items()}  # warm-up, not timed
+    times = {name: [] for name in llms}
+    for _ in range(args.repeats):  # round-robin: the configurations side by side
+        for name, llm in llms.items():
+            times[name].append(run(llm)[0])
+    tokens = sum(len(o.token_ids) for o in first["plain"])
+    plain_ms = statistics.median(times["plain"]) / tokens * 1e3
+    print(f"  {'config':<12}{'ms/token':>10}{'vs plain':>10}{'accept':>8}{'accept len':>12}"
+          f"{'== plain':>10}")
+    for name in llms:
+        outs = first[name]
+        ms = statistics.median(times[name]) / tokens * 1e3
+        drafted = sum(sum(o.num_drafted) for o in outs)
+        accepted = sum(sum(o.num_accepted) for o in outs)
+        rate = f"{accepted / drafted:.2f}" if drafted else "-"
+        alen = f"{statistics.mean(o.acceptance_length for o in outs):.2f}" if drafted else "-"
+        same = [o.token_ids for o in outs] == [o.token_ids for o in first["plain"]]
+        print(f"  {name:<12}{ms:>10.2f}{plain_ms / ms:>9.2f}x{rate:>8}{alen:>12}{same!s:>10}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
+               for n in [5, 17, 40, 29, 11, 63, 8, 50][:args.prompts]]
+    print(f"tiny Qwen3.5 + MTP (hidden 64, layers [linear, full, linear]), CPU, "
+          f"{torch.get_num_threads()} thread(s), {len(prompts)} prompts x {args.max_tokens} "
+          f"tokens, greedy, median of {args.repeats} (warm-up excluded)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for folder, label in FOLDERS.items():
+            path = Q.BUILDERS[folder](Path(tmp) / folder / "model")
+            print(f"\n{label} ({folder}):")
+            bench(path, prompts, args)
+        print()
+        for dtype in (torch.float32, torch.bfloat16):
+            print("\n".join(cache_table(path, dtype)))
+
+
+if __name__ == "__main__":
+    main()

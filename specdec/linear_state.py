@@ -1,0 +1,140 @@
+"""Recurrent state of linear-attention layers (gated DeltaNet), kept per request in slots that
+speculative decoding can roll back without a copy.
+
+Each request row owns ``S = 1 + K`` slots per layer (plus one trash row for padding
+requests). A step that feeds request r ``n`` tokens of which the last ``d`` are drafts writes
+the state after its token ``j`` into slot ``j - (n - 1 - d)`` when that is >= 0: a decode
+(``n = 1 + d``) fills slots 0..d, a prefill chunk (``d = 0``) only slot 0 with its final
+state; every other token writes to the trash row. After verification the row's *current*
+slot becomes ``valid_count - 1`` (0 for a discarded prefill chunk) -- the state after the last
+accepted token -- computed on the device from the sampled ids, so no host sync. The next step
+reads that slot; a request whose step starts at position 0 starts from zeros instead.
+
+Example (K = 2): step 1 verifies [t, d1, d2] and writes slots 0, 1, 2; d1 is accepted and d2
+rejected -> sampled [d1, x, -1], valid 2 -> current slot 1 (state after t, d1); step 2 reads
+slot 1 and overwrites slots 0..2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from specdec import kernels
+
+
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """What one gated-DeltaNet layer keeps per request slot (float32): the last
+    ``conv_kernel - 1`` inputs of its causal conv (``conv_dim`` channels) and the recurrent
+    state ``[num_heads, key_dim, value_dim]``. Nothing per token (``bytes_per_token`` 0).
+
+    E.g. transformers' default Qwen3.5 text config (16 key / 32 value heads of 128, kernel 4):
+    conv_dim 8192 -> (3 * 8192 + 32 * 128 * 128) * 4 = 2.2 MB per slot per layer."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 0
+
+    def bytes_per_slot(self) -> int:
+        values = (self.conv_kernel - 1) * self.conv_dim + \
+            self.num_heads * self.key_dim * self.value_dim
+        return 4 * values
+
+
+class StateLayout(NamedTuple):
+    """One forward's map between the flat tokens and per-request rows, shared by every linear
+    layer: token_index [B, T] int64 (flat token of request r's j-th token; clamped),
+    flat_to_bt [N] int64 (index into B * T of each flat token), read [B] int64 (flat slot the
+    request starts from), fresh [B] bool (starts at position 0: zero state), write [B, T]
+    int64 (flat slot the state after token j goes to; the trash slot when none), valid [B, T]
+    bool (j is one of the request's tokens), last_write [B] int64 (write at its last token),
+    num_slots (S, host int: a request writes per-token states for at most its first S
+    tokens)."""
+
+    token_index: torch.Tensor
+    flat_to_bt: torch.Tensor
+    read: torch.Tensor
+    fresh: torch.Tensor
+    write: torch.Tensor
+    valid: torch.Tensor
+    last_write: torch.Tensor
+    num_slots: int
+
+
+class StateCache:
+    """Per-layer state tensors for the ``LinearStateSpec`` layers of a model.
+
+    ``conv[i]`` [rows * S, conv_kernel - 1, conv_dim] and ``ssm[i]`` [rows * S, Hv, Dk, Dv]
+    float32 (flat slot = row * S + slot); the last row is the trash row.
+    ``current`` [rows] int64: each row's slot to start the next step from."""
+
+    def __init__(self, specs: list, num_rows: int, num_slots: int, device):
+        self.num_rows, self.num_slots = num_rows, num_slots
+        n = num_rows * num_slots
+        self.conv, self.ssm = {}, {}
+        for i, s in enumerate(specs):
+            if isinstance(s, LinearStateSpec):
+                self.conv[i] = torch.zeros(n, s.conv_kernel - 1, s.conv_dim, device=device)
+                self.ssm[i] = torch.zeros(n, s.num_heads, s.key_dim, s.value_dim, device=device)
+        self.current = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    @property
+    def trash_row(self) -> int:
+        return self.num_rows - 1
+
+    def layout(self, meta, num_tokens: int) -> StateLayout:
+        """The layout of one forward from its ``AttentionMetadata`` (device ops only):
+        ``meta.rows`` [B] (None: every request on the trash row), ``meta.num_draft_tokens``
+        [B] (None: no drafts) and ``meta.max_query_len`` (None: the token count).
+
+        Example (rows 0, 1 + trash row 2, S = 3, current = [1, 0, 0]): request A on row 0
+        verifies [t, d1, d2] (seq_len 10), request B on row 1 is a fresh 2-token prefill, a
+        padding request holds 1 token: query_start_loc [0, 3, 5, 6], seq_lens [10, 2, 1],
+        drafts [2, 0, 0], max_query_len 3 -> token_index [[0, 1, 2], [3, 4, 5], [5, 5, 5]],
+        flat_to_bt [0, 1, 2, 3, 4, 6], read [1, 3, 6], fresh [F, T, T],
+        write [[0, 1, 2], [6, 3, 6], [6, 6, 6]] (6 = the trash row's slot 0),
+        valid [[T, T, T], [T, T, F], [T, F, F]], last_write [2, 3, 6].
+        """
+        qsl = meta.query_start_loc.long()
+        b = qsl.shape[0] - 1
+        device = qsl.device
+        t = meta.max_query_len or num_tokens
+        starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
+        j = torch.arange(t, device=device)
+        token_index = (starts[:, None] + j).clamp(max=num_tokens - 1)
+        req = kernels.token_requests(meta.query_start_loc, num_tokens)
+        local = (torch.arange(num_tokens, device=device) - starts[req]).clamp(0, t - 1)
+        flat_to_bt = req * t + local
+        rows = (torch.full((b,), self.trash_row, dtype=torch.int64, device=device)
+                if meta.rows is None else meta.rows.long())
+        drafts = (torch.zeros(b, dtype=torch.int64, device=device)
+                  if meta.num_draft_tokens is None else meta.num_draft_tokens.long())
+        read = rows * self.num_slots + self.current[rows]
+        fresh = meta.seq_lens.long() == lens  # nothing computed before this step
+        slot = j - (lens - 1 - drafts)[:, None]  # [B, T]
+        valid = j < lens[:, None]
+        keep = (slot >= 0) & valid & (slot < self.num_slots)
+        trash = self.trash_row * self.num_slots
+        write = torch.where(keep, rows[:, None] * self.num_slots + slot.clamp(min=0), trash)
+        last_write = write.gather(1, (lens - 1).clamp(min=0)[:, None])[:, 0]
+        return StateLayout(token_index, flat_to_bt, read, fresh, write, valid, last_write,
+                           self.num_slots)
+
+    def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
+        """After verification: row r's current slot = (valid entries of sampled[r]) - 1, at
+        least 0 (a discarded prefill chunk's state is its slot 0). rows [B], sampled [B, K+1]
+        int32 with -1 placeholders (valid entries form a prefix).
+
+        Example: rows [0, 1, 2], sampled [[11, 12, -1], [21, -1, -1], [-1, -1, -1]] ->
+        current[:3] = [1, 0, 0].
+        """
+        valid = (sampled >= 0).sum(1)
+        self.current[rows.long()] = (valid - 1).clamp(min=0)

@@ -1,0 +1,153 @@
+"""Qwen3.5 (``Qwen3_5ForCausalLM``, text) and Qwen3-Next (``Qwen3NextForCausalLM``): a hybrid
+decoder whose layers are gated DeltaNet linear attention (``layers.gated_deltanet``) or gated
+full attention (``layers.gated_attention``), as ``layer_types`` says (else every
+``full_attention_interval``-th layer, default 4, is full attention), each followed by a
+SwiGLU MLP; every norm but the DeltaNet's output norm is zero-centred (``x * (1 + w)``);
+rotary covers ``partial_rotary_factor`` (default 0.25) of each head.
+
+Qwen3-Next differs in two places: the DeltaNet's input projections are fused per key-head
+group (``in_proj_qkvz``, ``in_proj_ba``), and the MLPs are softmax-routed MoEs with a gated
+shared expert (``layers.moe``) on the layers ``decoder_sparse_step`` / ``mlp_only_layers``
+pick.
+
+The cache: paged KV for the full-attention layers, per-request state slots for the linear
+ones (``kv_cache_spec`` says which). The MTP layer stored as ``mtp.*`` in the same folder is
+the draft head's (``qwen3_5_mtp``), skipped here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from specdec.models.config import ModelConfig
+from specdec.models.layers.gated_attention import GatedAttention
+from specdec.models.layers.gated_deltanet import GatedDeltaNet
+from specdec.models.layers.mlp import MLP
+from specdec.models.layers.moe import (
+    MOE_CONFIG_KEYS,
+    SHARED_EXPERT_KEY,
+    MoEMLP,
+    is_moe_layer,
+)
+from specdec.models.layers.norm import OffsetRMSNorm
+from specdec.models.layers.rotary import RotaryEmbedding
+from specdec.models.llama import LlamaForCausalLM
+
+LINEAR_KEYS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_num_key_heads",
+                         "linear_num_value_heads"})
+# read by the MTP head (qwen3_5_mtp) or checked here
+QWEN3_5_KEYS = LINEAR_KEYS | {"attn_output_gate", "mtp_num_hidden_layers",
+                              "mtp_use_dedicated_embeddings"}
+QWEN3_NEXT_KEYS = QWEN3_5_KEYS | MOE_CONFIG_KEYS | {SHARED_EXPERT_KEY}
+DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3.5 default when the config names none
+
+
+def check_config(config: ModelConfig) -> None:
+    """Refuse what this model does not implement, naming the key."""
+    e = config.extra
+    for key in sorted(LINEAR_KEYS):
+        value = e.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config {key}={value!r}: must be a positive int")
+    if e.get("attn_output_gate", True) is not True:
+        raise ValueError(f"config attn_output_gate={e['attn_output_gate']!r}: only true (the "
+                         "gated attention) is implemented")
+    if e.get("mtp_use_dedicated_embeddings", False) is not False:
+        raise ValueError("config mtp_use_dedicated_embeddings=True: only the MTP layer "
+                         "sharing the target's embedding is implemented")
+
+
+def rotary(config: ModelConfig) -> RotaryEmbedding:
+    """The rope of the first ``partial_rotary_factor`` (default 0.25) channels of a head."""
+    rope = {"partial_rotary_factor": DEFAULT_PARTIAL_ROTARY, **config.rope}
+    return RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
+
+
+class HybridDecoderLayer(nn.Module):
+    """``h = x + mixer(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``;
+    the mixer is ``linear_attn`` (a GatedDeltaNet) or ``self_attn`` (a GatedAttention)."""
+
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.input_layernorm = OffsetRMSNorm(hidden_size, eps)
+        if isinstance(mixer, GatedDeltaNet):
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.post_attention_layernorm = OffsetRMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+    def forward(self, x: torch.Tensor, rope, kv=None) -> torch.Tensor:
+        normed = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            h = x + self.linear_attn(normed, kv)
+        else:
+            h = x + self.self_attn(normed, rope, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    c = config
+    return MoEMLP(c) if is_moe_layer(c, layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+
+
+def full_attention_layer(config: ModelConfig, layer_idx: int,
+                         cache_idx: int | None = None) -> HybridDecoderLayer:
+    """A gated-attention decoder layer of ``config``'s shape, its MLP a MoE where
+    ``is_moe_layer(config, layer_idx)``, attending through cache layer ``cache_idx`` (default
+    ``layer_idx``; the MTP layer ``mtp.layers.0``: index 0, layer 0 of the draft's cache)."""
+    c = config
+    attn = GatedAttention(layer_idx if cache_idx is None else cache_idx, c.hidden_size,
+                          c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          c.rms_norm_eps)
+    return HybridDecoderLayer(attn, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
+
+
+def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecoderLayer:
+    """Decoder layer ``layer_idx`` of ``config``, its type from ``layer_types``, its MLP a MoE
+    where ``is_moe_layer``; ``fused``: the DeltaNet's Qwen3-Next projections."""
+    c, e = config, config.extra
+    if c.layer_types is None or c.layer_types[layer_idx] == "full_attention":
+        return full_attention_layer(config, layer_idx)
+    mixer = GatedDeltaNet(layer_idx, c.hidden_size, e["linear_num_key_heads"],
+                          e["linear_num_value_heads"], e["linear_key_head_dim"],
+                          e["linear_value_head_dim"], e["linear_conv_kernel_dim"],
+                          c.rms_norm_eps, fused=fused)
+    return HybridDecoderLayer(mixer, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    CONFIG_KEYS = QWEN3_5_KEYS
+    IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*")
+    FUSED_PROJECTIONS = False  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next)
+
+    def __init__(self, config: ModelConfig):
+        check_config(config)
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(build_layer(config, i, self.FUSED_PROJECTIONS)
+                                          for i in range(config.num_hidden_layers))
+        self.model.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = rotary(config)
+
+    def kv_cache_spec(self) -> list:
+        """Per layer: a ``KVCacheSpec`` (full attention, paged) or a ``LinearStateSpec``."""
+        return [layer.mixer.kv_cache_spec() for layer in self.model.layers]
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    CONFIG_KEYS = QWEN3_NEXT_KEYS
+    FUSED_PROJECTIONS = True
