@@ -277,7 +277,7 @@ def test_captured_padded_step_equals_eager_without_recompiling(backend, q35_dir,
         llm.generate(PROMPTS[:n], max_tokens=4, ignore_eos=True)
     plain = LLM(model=path, max_num_seqs=4, max_model_len=256)
     want = [o.token_ids for o in plain.generate(SECOND, max_tokens=60, ignore_eos=True)]
-    target = llm.runner.target_graphs["greedy"]
+    target = llm.runner.target_graph
     graphs, calls = dynamo_utils.counters["stats"]["unique_graphs"], target.calls
     outs = llm.generate(SECOND, max_tokens=60, ignore_eos=True)
     assert [o.token_ids for o in outs] == want
@@ -432,17 +432,19 @@ def test_sampled_speculative_decoding_is_the_same_padded_and_ragged(q35_dir):
     assert 0 < accepted < 2 * sum(len(ids) for ids, _ in runs[0]) / 3
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_prefill_chunks_share_steps_with_verifying_requests(ragged, q35_dir):
+@pytest.mark.parametrize("ragged,backend", [(False, None), (True, None), (False, "replay")])
+def test_prefill_chunks_share_steps_with_verifying_requests(ragged, backend, q35_dir):
     """A 16-token budget with K = 3: prefill chunks of the 40- and 70-token prompts run in the
     same steps as requests verifying drafts (the DeltaNet takes each row's first 1 + K tokens
-    one by one, a chunk's rest in the chunked form); tokens equal plain greedy's."""
+    one by one, a chunk's rest in the chunked form); tokens equal plain greedy's. Through
+    ``replay`` those mixed steps are captured too (max_query_len = Np in their graphs)."""
     path = str(q35_dir("qwen3_5_mtp_cycle"))
     prompts = PROMPTS + [torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(3)
                                        ).tolist()]
     want = [o.token_ids for o in LLM(model=path, max_num_seqs=4, max_model_len=256).generate(
         prompts, max_tokens=24, ignore_eos=True)]
     llm = LLM(model=path, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16,
+              graph_backend=backend,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3,
                                   "disable_padded_drafter_batch": ragged})
     outs = llm.generate(prompts, max_tokens=24, ignore_eos=True)
@@ -451,3 +453,4 @@ def test_prefill_chunks_share_steps_with_verifying_requests(ragged, q35_dir):
     mixed = [s for s in llm.steps if s.num_reqs > 1 and s.num_tokens not in (
         s.num_reqs, s.num_reqs * 4)]
     assert len(mixed) >= 3
+    assert all(s.captured for s in mixed) == (backend == "replay")
