@@ -74,12 +74,11 @@ class ModelRunner:
         self.token_table[max_num_seqs] = 0
         self.seed = seed  # keys the random numbers of requests without a seed of their own
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
-        # MoE layers (target and draft head) exchange tokens over the DP group; SP shards
-        sp = padder.tp_size if padder.sequence_parallel else 1
+        # MoE layers (target and draft head) exchange tokens over the DP group
         cross_rank = False
         for model in (target, getattr(proposer, "head", None)):
             if model is not None:
-                attach_parallel(model, dp, sp)
+                attach_parallel(model, dp)
                 cross_rank |= dp.size > 1 and has_cross_rank_layers(model)
         if cross_rank and graph_backend != "eager":
             raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
