@@ -20,11 +20,13 @@ import torch
 
 from specdec import platform
 from specdec.attention import AttentionMetadata, KVCache
+from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
+from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import StepGraph
 from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
@@ -56,7 +58,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
-                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0):
+                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0,
+                 tp: TPContext | None = None):
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -65,6 +68,7 @@ class ModelRunner:
         self.block_size = block_size
         self.aux_layer_ids = aux_layer_ids
         self.dp = dp
+        self.tp = tp or TPContext()
         self.device = device
         self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device)
         # one row per request slot, plus a trash row of zeros for padding rows (their backup
@@ -84,11 +88,14 @@ class ModelRunner:
             raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
                              f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
                              "collectives cannot run inside a captured or compiled step")
+        check_tp_backend(self.tp, graph_backend)
         k = num_speculative_tokens
         self.planner = StepPlanner(padder, dp, k, allow_capture=graph_backend != "eager")
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
-        self.buffers = StepBuffers(max_tokens, max_reqs, k,
-                                   -(-max_model_len // block_size), device)
+        self.buffers = StepBuffers(max_tokens, max_reqs, k, -(-max_model_len // block_size),
+                                   device, header=header_words(dp.size))
+        # TP: the driver's step inputs reach its peers through one broadcast per step
+        self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
         # sampled steps in a CUDA graph have not yet run on a GPU: opt-in there (replay and the
         # compiling backends capture them always)
         self.capture_sampled = graph_backend != "cuda_graph" or platform.unverified_gpu_paths()
@@ -116,6 +123,7 @@ class ModelRunner:
     def write_prompt(self, row: int, token_ids: list[int]) -> None:
         self.token_table[row].fill_(-1)
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
+        self.broadcast.note_prompt(row, token_ids)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes.
@@ -258,6 +266,40 @@ class ModelRunner:
         self.token_table[rows, cols] = torch.where(sampled >= 0, sampled, old)
         return sampled
 
+    # ---- tensor parallelism: the driver's steps on its TP peers ------------------------------
+    def send_step(self, batch: StepBatch) -> None:
+        """Driver: the prepared step's host buffers to the TP peers (no-op without TP)."""
+        self.broadcast.send(STEP, batch.plan, batch.max_seq_len, batch.variant)
+
+    def send_dummy(self, plan: StepPlan) -> None:
+        self.broadcast.send(DUMMY, plan)
+
+    def send_stop(self) -> None:
+        self.broadcast.send(STOP)
+
+    def serve(self, guard=None) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """TP peer: run the driver's steps until it sends STOP; -> the collectives of each
+        step (the last entry: the STOP's). ``guard()``: a context manager around each
+        execute (the engine's host-sync check)."""
+        logs = []
+        while True:
+            start = len(self.dp.collectives)
+            kind, plan, max_seq_len, variant = self.broadcast.receive()
+            if kind == DUMMY:
+                self.dummy_run(plan)
+            elif kind == STEP:
+                batch = StepBatch(plan, self.buffers.view(plan.num_tokens_padded,
+                                                          plan.num_reqs_padded),
+                                  max_seq_len, variant)
+                if guard is None:
+                    self.execute(batch)
+                else:
+                    with guard():
+                        self.execute(batch)
+            logs.append(self.dp.collectives[start:])
+            if kind == STOP:
+                return logs
+
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
         """An idle DP rank's step: the same forwards (so the same collectives) as a busy rank."""
@@ -267,3 +309,18 @@ class ModelRunner:
         self.target(zeros, zeros, kv=self.kv.bind(attn), aux_layer_ids=self.aux_layer_ids)
         if self.proposer is not None:
             self.proposer.dummy_run(plan)
+
+
+def check_tp_backend(tp: TPContext, graph_backend: str) -> None:
+    """TP steps run eager or ``replay`` (CPU, gloo). torch.compile cannot trace the gloo
+    collectives of a step; NCCL inside a CUDA graph has not run here (one GPU at most):
+    opt-in with ``specdec.platform.unverified_gpu_paths()``."""
+    if tp.size == 1 or graph_backend in ("eager", "replay"):
+        return
+    if graph_backend == "cuda_graph" and platform.unverified_gpu_paths():
+        return
+    raise ValueError(
+        f"graph_backend={graph_backend!r} with tensor_parallel_size={tp.size}: allowed "
+        "'eager' or 'replay' ('cuda_graph' needs SPECDEC_UNVERIFIED_GPU_PATHS=1: NCCL "
+        "collectives inside a captured graph have not run on a multi-GPU machine here; the "
+        "compiling backends cannot trace the step's host-side gloo collectives)")

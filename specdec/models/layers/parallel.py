@@ -232,3 +232,11 @@ def shard_from(model: nn.Module, tp: TPContext) -> nn.Module:
             dest.copy_(src)
     return model
 
+
+def check_shardable(model: nn.Module, tp_size: int) -> None:
+    """Raise what ``shard_model`` would for ``tp_size`` ranks, on a meta-device copy of
+    ``model``'s family (nothing allocated, ``model`` untouched)."""
+    if tp_size == 1:
+        return
+    with torch.device("meta"):
+        shard_model(type(model)(model.config), TPContext(0, tp_size))
