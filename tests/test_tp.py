@@ -69,6 +69,7 @@ DENSE = {  # the embedded default model and its trained heads
     "dense-plain": dict(ENGINE),
     "dense-mtp": dict(ENGINE, speculative_config=spec("mtp", 2)),
     "dense-mtp-ragged": dict(ENGINE, speculative_config=spec("mtp", 2, False)),
+    "dense-mtp-sampled": dict(ENGINE, speculative_config=spec("mtp", 2)),
     "dense-eagle3": dict(ENGINE, speculative_config=spec("eagle3", 3)),
     "dense-eagle3-ragged": dict(ENGINE, speculative_config=spec("eagle3", 2, False)),
     "dense-eagle3-sp": dict(ENGINE, speculative_config=spec("eagle3", 3),
@@ -79,22 +80,44 @@ DENSE = {  # the embedded default model and its trained heads
 }
 
 
+def qwen3_jobs(qwen3):
+    path, target = qwen3
+    torch.manual_seed(3)
+    mtp = build_head("mtp", target).eval()
+    base = dict(model=str(path), **ENGINE)
+    return {"qwen3-plain": base,
+            "qwen3-mtp-sp": dict(base, draft_head=mtp, speculative_config=spec("mtp", 2),
+                                 sequence_parallel=True)}
+
+
+SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7)
+SAMPLED_JOBS = ("dense-mtp-sampled",)  # rejection sampling: same random numbers on each rank
+
+
 def outcome(outputs) -> list[tuple]:
     return [(o.token_ids, o.num_accepted, o.num_decode_steps) for o in outputs]
 
 
 @pytest.fixture(scope="module")
-def tp_runs(minimax):
+def qwen3(tmp_path_factory):
+    path = hf_models.build_qwen3(tmp_path_factory.mktemp("qwen3") / "m")
+    return path, load_model(path, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tp_runs(minimax, qwen3):
     """{job: (DPRun at TP=2, outcome at TP=1)}."""
-    jobs = {**DENSE, **moe_jobs(minimax)}
-    runs = run_data_parallel([DPJob(dict(kw, tensor_parallel_size=2), PROMPTS, PARAMS)
-                              for kw in jobs.values()], 1, tp_size=2, timeout=TIMEOUT)
-    ref = {name: outcome(LLM(**kw).generate(PROMPTS, PARAMS)) for name, kw in jobs.items()}
+    jobs = {**DENSE, **moe_jobs(minimax), **qwen3_jobs(qwen3)}
+    params = {name: SAMPLED if name in SAMPLED_JOBS else PARAMS for name in jobs}
+    runs = run_data_parallel([DPJob(dict(kw, tensor_parallel_size=2), PROMPTS, params[name])
+                              for name, kw in jobs.items()], 1, tp_size=2, timeout=TIMEOUT)
+    ref = {name: outcome(LLM(**kw).generate(PROMPTS, params[name]))
+           for name, kw in jobs.items()}
     return {name: (run, ref[name]) for name, run in zip(jobs, runs)}
 
 
 @pytest.mark.parametrize("name", [*DENSE, "moe-plain-sp", "moe-mtp", "moe-mtp-sp",
-                                  "moe-eagle3-ragged"])
+                                  "moe-eagle3-ragged", "qwen3-plain", "qwen3-mtp-sp"])
 def test_tp2_equals_tp1_token_for_token(tp_runs, name):
     """Tokens, and the drafts' acceptance at each position (so the drafts too, in effect)."""
     run, ref = tp_runs[name]

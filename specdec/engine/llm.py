@@ -108,7 +108,9 @@ class LLM:
         self.launcher = dp is None and tp is None and (data_parallel_size > 1
                                                        or tensor_parallel_size > 1)
         self.tp = tp or TPContext()
-        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, cfg.device,
+        # a launcher checks on a host copy; only the ranks put weights on the accelerator
+        load_on = torch.device("cpu") if self.launcher else cfg.device
+        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, load_on,
                                                tp=self.tp)
         cfg.check_model(target.config)
         self.max_model_len = max_model_len = cfg.max_model_len
@@ -124,7 +126,7 @@ class LLM:
                 # share the target's sharded embedding and lm_head
                 draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
-                                     dtype=cfg.dtype, device=cfg.device)
+                                     dtype=cfg.dtype, device=load_on)
             if self.spec.method == "extract_hidden_states":
                 check_output_dir(self.spec)
         cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()))
