@@ -163,6 +163,8 @@ class LLM:
             graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed,
             tp=self.tp)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
+        if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
+            dist.barrier(group=self.tp.group)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0
