@@ -16,7 +16,9 @@ from helpers import moe_target, tiny_target
 
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.distributed import TPContext, init_grid
+from specdec.models.config import ModelConfig
 from specdec.models.layers.parallel import shard_from, shard_model
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.registry import load_model
 
 TIMEOUT = 180
@@ -171,3 +173,19 @@ def test_in_memory_model_is_sliced_like_the_checkpoint():
     assert torch.equal(b.qkv_proj.weight[:2 * d], a.qkv_proj.weight[2 * d:4 * d])
     assert torch.equal(b.o_proj.weight, a.o_proj.weight[:, 2 * d:])
     assert part.model.layers[0].mlp.experts["0"].down_proj.weight.shape == (32, 12)
+
+
+@pytest.mark.parametrize("kv_heads,k_rows", [(2, (0, 8, 16)), (1, (0, 0, 8))])
+def test_slices_of_the_docstring_example(kv_heads, k_rows):
+    """T=2, rank 1, Hq=4, D=8, H=32: q rows 16..32, o_proj columns 16..32; k rows per KV
+    heads (one KV head: replicated, rows 0..8 on both ranks)."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=kv_heads)
+    with torch.device("meta"):
+        slices = shard_model(LlamaForCausalLM(cfg), TPContext(1, 2))
+    attn = "model.layers.0.self_attn."
+    assert slices[attn + "q_proj.weight"] == (0, 16, 32)
+    assert slices[attn + "k_proj.weight"] == slices[attn + "v_proj.weight"] == k_rows
+    assert slices[attn + "o_proj.weight"] == (1, 16, 32)
+    assert slices["model.layers.0.mlp.down_proj.weight"] == (1, 32, 64)
+    assert slices["lm_head.weight"] == slices["model.embed_tokens.weight"] == (0, 48, 96)

@@ -29,6 +29,7 @@ from specdec.models.layers.attention import Attention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import MOE_CONFIG_KEYS, MoEMLP, is_moe_layer
 from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.parallel import shard_model
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -175,7 +176,6 @@ class LlamaForCausalLM(nn.Module):
                 path, lambda: ModelConfig.from_folder(path, cls.CONFIG_KEYS))
         slices = None
         if tp is not None and tp.size > 1:
-            from specdec.models.layers.parallel import shard_model
             with torch.device("meta"):
                 model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
             slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp))
