@@ -180,33 +180,6 @@ def test_extract_hidden_states_files_equal_dp1(dp_runs):
         torch.testing.assert_close(b["hidden_states"], a["hidden_states"], rtol=1e-9, atol=1e-10)
 
 
-@pytest.fixture(scope="module")
-def sp_run(target, tmp_path_factory):
-    """DP=2, TP=4 with SP, extract_hidden_states: rank 0 gets one 6-token prompt, rank 1
-    nothing."""
-    prompt = [[4, 8, 15, 16, 23, 42]]
-    kw = llm_kwargs("extract_hidden_states", target, tmp_path_factory.mktemp("sp"),
-                    tensor_parallel_size=4, sequence_parallel=True)
-    job = DPJob(kw, prompt, SamplingParams(max_tokens=4), [[0], []])
-    run, = run_data_parallel([job], 2, timeout=TIMEOUT)
-    return run, prompt
-
-
-def test_seed000_sp_pads_six_tokens_to_eight_on_the_idle_rank_too(sp_run, target):
-    """Upstream: 6 tokens entered the DP sync unpadded; the idle rank's MoE forward then
-    failed SP's reduce_scatter (6 % TP=4). Here both ranks run 8 tokens as 4 shards of 2."""
-    run, prompt = sp_run
-    idle, busy = run.ranks[1], run.ranks[0]
-    assert idle.steps[0].num_reqs == 0 and busy.steps[0].num_tokens == 6
-    for r in run.ranks:
-        first = r.collectives[0]
-        assert first[0] == ("all_reduce", (3, 2))
-        assert first[1] == ("moe_all_gather", (4, 2, 32))  # 8 tokens: TP=4 shards of 2
-        assert all(shape[0] % 4 == 0 for step in r.collectives for op, shape in step
-                   if op.startswith("moe_"))
-    assert [o.token_ids for o in run.outputs] == [dense_greedy(target, prompt[0], 4, 64)]
-
-
 def test_llm_data_parallel_size_generates_in_prompt_order(target):
     kw = llm_kwargs("mtp", target)
     llm = LLM(**kw, data_parallel_size=2)

@@ -1,12 +1,14 @@
-"""Data-parallel engine: N rank processes, one ``LLM`` each, one process group.
+"""Data- and tensor-parallel engine: N x T rank processes, one ``LLM`` each, one process group.
 
-``run_data_parallel(jobs, N)`` spawns N processes (start method ``spawn``) that join a process
-group through a file store (gloo on CPU; ``cpu:gloo,cuda:nccl`` / ``cpu:gloo,npu:hccl`` on an
-accelerator, so the packed DP metadata stays on a CPU group). For each job, every rank builds
-``LLM(**job.llm_kwargs, dp=DPContext(rank, N, group))`` from the same arguments (same seed),
-takes its share of the prompts (round-robin by index unless ``job.assignment`` says otherwise),
-and calls ``step()`` until it returns None -- every rank idle. A rank with nothing scheduled
-while others work runs ``dummy_run`` inside ``step()``, so all ranks issue the same collectives.
+``run_data_parallel(jobs, N, tp_size=T)`` spawns N*T processes (start method ``spawn``) that join
+a process group through a file store and build the DP x TP grid (``specdec.distributed``: gloo
+on CPU; ``cpu:gloo,cuda:nccl`` / ``cpu:gloo,npu:hccl`` on an accelerator, so the packed DP
+metadata and the step broadcast stay on a CPU group). For each job, every rank builds
+``LLM(**job.llm_kwargs, dp=..., tp=...)`` from the same arguments (same seed); TP rank 0 of each
+DP replica takes the replica's share of the prompts (round-robin by index unless
+``job.assignment`` says otherwise) and calls ``step()`` until it returns None -- every DP rank
+idle -- while its TP peers ``serve()`` its steps. A DP rank with nothing scheduled while others
+work runs ``dummy_run`` inside ``step()``, so all ranks issue the same collectives.
 
 Results (outputs, StepRecords, the (op, shape) collectives of each step) come back through a
 multiprocessing queue, never through the DP group. A rank that raises (a ValueError or
@@ -31,18 +33,17 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec.distributed import Grid, TPContext, backend_for, init_grid
 from specdec.dp import DPContext
 from specdec.engine.llm import LLM, RequestOutput, StepRecord
 from specdec.engine.sequence import SamplingParams
 
-BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
 DEATH_GRACE_S = 3.0  # how long a rank's failure waits for a peer's death to show
 
 
@@ -56,16 +57,17 @@ class DPJob:
 
 @dataclass
 class RankResult:
-    rank: int
-    outputs: dict[int, RequestOutput]  # prompt index -> output
-    steps: list[StepRecord]  # every step that ran (the final None step excluded)
+    rank: int  # world rank: dp_rank * tp_size + tp_rank
+    outputs: dict[int, RequestOutput]  # prompt index -> output (TP peers: none)
+    steps: list[StepRecord]  # every step that ran (the final None step excluded; peers: none)
     collectives: list[list[tuple[str, tuple[int, ...]]]]  # per step, incl. the final one
 
 
 @dataclass
 class DPRun:
     outputs: list[RequestOutput]  # in prompt order
-    ranks: list[RankResult] = field(default_factory=list)  # by rank
+    ranks: list[RankResult] = field(default_factory=list)  # TP rank 0 of each DP rank, by DP rank
+    tp_peers: list[RankResult] = field(default_factory=list)  # TP ranks > 0, by world rank
 
 
 def round_robin(num_prompts: int, dp_size: int) -> list[list[int]]:
@@ -80,15 +82,20 @@ def check_assignment(assignment: list[list[int]], num_prompts: int, dp_size: int
                          f"together hold each prompt index 0..{num_prompts - 1} once")
 
 
-def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0) -> list[DPRun]:
-    """Run each job on ``dp_size`` ranks (one spawn for all jobs); one DPRun per job."""
-    if not isinstance(dp_size, int) or dp_size < 2:
-        raise ValueError(f"data_parallel_size={dp_size!r}: the DP engine needs an int >= 2")
+def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0,
+                      tp_size: int = 1) -> list[DPRun]:
+    """Run each job on ``dp_size`` x ``tp_size`` ranks (one spawn for all jobs); one DPRun per
+    job."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size!r}: must be an int >= 1")
+    if not isinstance(dp_size, int) or dp_size < (2 if tp_size == 1 else 1):
+        raise ValueError(f"data_parallel_size={dp_size!r}: the DP engine needs an int >= 2 "
+                         "(>= 1 with tensor_parallel_size > 1)")
     for job in jobs:
-        device = torch.device(job.llm_kwargs.get("device", "cpu")).type
-        if device not in BACKENDS:
-            raise ValueError(f"device={device!r} has no data-parallel backend; allowed: "
-                             f"{sorted(BACKENDS)}")
+        backend_for(torch.device(job.llm_kwargs.get("device", "cpu")).type)
+        if job.llm_kwargs.get("tensor_parallel_size", 1) != tp_size:
+            raise ValueError(f"tensor_parallel_size={job.llm_kwargs.get('tensor_parallel_size')}"
+                             f" in a job of a tp_size={tp_size} launch")
     jobs = [replace(job, assignment=round_robin(len(job.prompts), dp_size))
             if job.assignment is None else job for job in jobs]
     for job in jobs:
@@ -97,13 +104,15 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="specdec-dp-") as tmp:
         store = str(Path(tmp) / "store")
+        world = dp_size * tp_size
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(rank, dp_size, store, jobs, timeout, results, os.getpid()))
-                 for rank in range(dp_size)]
+                             args=(rank, dp_size, tp_size, store, jobs, timeout, results,
+                                   os.getpid()))
+                 for rank in range(world)]
         for p in procs:
             p.start()
         try:
-            got = _collect(procs, results, len(jobs) * dp_size, timeout)
+            got = _collect(procs, results, len(jobs) * world, timeout)
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -112,9 +121,10 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
                     p.join()
     runs = []
     for j, job in enumerate(jobs):
-        ranks = [got[j, r] for r in range(dp_size)]
+        ranks = [got[j, d * tp_size] for d in range(dp_size)]
         outs = {i: o for rr in ranks for i, o in rr.outputs.items()}
-        runs.append(DPRun([outs[i] for i in range(len(job.prompts))], ranks))
+        runs.append(DPRun([outs[i] for i in range(len(job.prompts))], ranks,
+                          [got[j, r] for r in range(world) if r % tp_size]))
     return runs
 
 
@@ -177,31 +187,35 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="specdec-parent-watch").start()
 
 
-def _rank_main(rank: int, size: int, store: str, jobs: list[DPJob], timeout: float,
-               results, parent_pid: int) -> None:
+def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, jobs: list[DPJob],
+               timeout: float, results, parent_pid: int) -> None:
     _exit_with_parent(parent_pid)
     try:
         torch.set_num_threads(1)
         device = torch.device(jobs[0].llm_kwargs.get("device", "cpu")).type
-        dist.init_process_group(BACKENDS[device], init_method=f"file://{store}", rank=rank,
-                                world_size=size, timeout=timedelta(seconds=timeout))
+        grid = init_grid(dp_size, tp_size, rank, device_type=device,
+                         init_method=f"file://{store}", timeout=timeout)
         for j, job in enumerate(jobs):
-            results.put(("ok", j, rank, _run_job(job, rank, size, device)))
+            results.put(("ok", j, rank, _run_job(job, rank, grid, device)))
         dist.destroy_process_group()
     except BaseException as e:
         user_error = e if type(e) in (ValueError, TypeError) else None
         results.put(("error", rank, user_error, traceback.format_exc()))
 
 
-def _run_job(job: DPJob, rank: int, size: int, device: str) -> RankResult:
+def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
     kwargs = dict(job.llm_kwargs)
     if device != "cpu":  # one accelerator per rank
         count = getattr(torch, device).device_count()
         kwargs["device"] = f"{device}:{rank % count}"
-    dp = DPContext(rank, size, dist.group.WORLD)
-    llm = LLM(**kwargs, dp=dp)
+    dp = DPContext(grid.dp.rank, grid.dp.size, grid.dp.group)  # a fresh log per job
+    tp = TPContext(grid.tp.rank, grid.tp.size, grid.tp.group,
+                   kwargs.get("sequence_parallel", False), dp.record)
+    llm = LLM(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
+    if tp.rank > 0:
+        return RankResult(rank, {}, [], llm.serve())
     reqs = {i: llm.add_request(job.prompts[i], job.params, request_id=str(i))
-            for i in job.assignment[rank]}
+            for i in job.assignment[dp.rank]}
     collectives = []
     while True:
         start = len(dp.collectives)

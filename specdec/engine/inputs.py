@@ -14,7 +14,9 @@ import torch
 
 from specdec.checks import check_token_ids
 from specdec.config import SpeculativeConfig
+from specdec.distributed import TPContext
 from specdec.models import checkpoint
+from specdec.models.layers.parallel import shard_from
 from specdec.models.registry import load_model
 
 TARGET_METHODS = ("forward", "compute_logits", "kv_cache_spec")
@@ -39,18 +41,23 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     return SpeculativeConfig.from_dict(copy.deepcopy(value))
 
 
-def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.device):
+def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.device,
+                tp: TPContext | None = None):
     """-> (target, tokenizer, model folder or None): ``target`` if given, else loaded from
-    ``model`` (default: the embedded model) with the folder's tokenizer.json."""
+    ``model`` (default: the embedded model) with the folder's tokenizer.json. ``tp`` (size >
+    1): this rank's shard (a folder: only its slices are read; ``target``: sliced from it)."""
+    sharded = tp is not None and tp.size > 1
     if model is not None and not isinstance(model, (str, Path)):
         raise TypeError(f"model={model!r}: must be a folder path (str or Path) or None")
     if target is not None:
         if not all(callable(getattr(target, m, None)) for m in TARGET_METHODS):
             raise TypeError(f"target={target!r}: must be a target model (with "
                             f"{', '.join(TARGET_METHODS)}; see specdec.models) or None")
+        if sharded:
+            target = shard_from(target, tp)
     else:
         model = Path(model) if model is not None else DEFAULT_MODEL
-        target = load_model(model, dtype=dtype, device=device)
+        target = load_model(model, dtype=dtype, device=device, tp=tp if sharded else None)
         if tokenizer is None:
             tokenizer = checkpoint.load_tokenizer(model)
     if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))

@@ -6,18 +6,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from specdec.checks import check_bool
+from specdec.distributed import TPContext, env_rank, init_grid
 from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
-from specdec.engine.runner import ModelRunner
+from specdec.engine.runner import ModelRunner, check_tp_backend
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.graphs import resolve_backend
+from specdec.models.heads import SharedWeights
+from specdec.models.layers.parallel import check_shardable
 from specdec.padding import BatchPadder, largest_step
 from specdec.proposers.extract_hidden_states import check_output_dir
 from specdec.proposers.factory import build_proposer, load_checked_head
@@ -66,12 +70,13 @@ class LLM:
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
                  data_parallel_size: int = 1, data_parallel_timeout: float = 600.0,
+                 tp: TPContext | None = None,
                  target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str = "inductor",
                  check_host_syncs: bool | None = None):
-        # what each DP rank is built from (specdec.engine.dp_engine)
+        # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
-            "self", "dp", "data_parallel_size", "data_parallel_timeout")}
+            "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
         cfg = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
                            dtype, device, seed, capture_sizes, tensor_parallel_size,
                            sequence_parallel, data_parallel_size, data_parallel_timeout)
@@ -80,12 +85,34 @@ class LLM:
                              "data_parallel_size > 1 (launch the ranks), not both")
         if dp is not None and not isinstance(dp, DPContext):
             raise TypeError(f"dp={dp!r}: must be a DPContext or None")
+        if tp is not None and (not isinstance(tp, TPContext) or tp.size != tensor_parallel_size):
+            raise ValueError(f"tp={tp!r}: must be a TPContext of size tensor_parallel_size="
+                             f"{tensor_parallel_size} or None")
+        # a rank of a torchrun launch (RANK/WORLD_SIZE = data x tensor parallel ranks)
+        ranks, env = data_parallel_size * tensor_parallel_size, env_rank()
+        self.torchrun = dp is None and tp is None and ranks > 1 and env is not None \
+            and env[1] == ranks
+        if self.torchrun:
+            grid = init_grid(data_parallel_size, tensor_parallel_size, env[0],
+                             device_type=cfg.device.type, timeout=data_parallel_timeout,
+                             sequence_parallel=sequence_parallel)
+            dp, tp = grid.dp, grid.tp
+            if cfg.device.type != "cpu":  # one accelerator per local rank
+                count = getattr(torch, cfg.device.type).device_count()
+                cfg.device = torch.device(cfg.device.type, env[2] % count)
         self.config = cfg
         self.data_parallel_size = data_parallel_size
         self.device = cfg.device
         # everything below is checked here, on the parent too, before any DP rank starts
         self.spec = parse_speculative_config(speculative_config)
-        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, cfg.device)
+        # launched here: every rank (spawned by generate) builds its own engine
+        self.launcher = dp is None and tp is None and (data_parallel_size > 1
+                                                       or tensor_parallel_size > 1)
+        self.tp = tp or TPContext()
+        # a launcher checks on a host copy; only the ranks put weights on the accelerator
+        load_on = torch.device("cpu") if self.launcher else cfg.device
+        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, load_on,
+                                               tp=self.tp)
         cfg.check_model(target.config)
         self.max_model_len = max_model_len = cfg.max_model_len
         k = self.spec.num_speculative_tokens if self.spec else 0
@@ -96,8 +123,11 @@ class LLM:
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         head = None
         if self.spec is not None:
+            if draft_head is not None and self.tp.size > 1:  # heads are replicated; they
+                # share the target's sharded embedding and lm_head
+                draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
-                                     dtype=cfg.dtype, device=cfg.device)
+                                     dtype=cfg.dtype, device=load_on)
             if self.spec.method == "extract_hidden_states":
                 check_output_dir(self.spec)
         cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()),
@@ -107,9 +137,13 @@ class LLM:
         if check_host_syncs is None:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
-        if data_parallel_size > 1:
-            return  # generate() launches the ranks; each builds its own engine
+        if self.launcher:  # generate() launches the ranks; each builds its own engine
+            check_shardable(target, tensor_parallel_size)  # refused here, before any rank
+            check_tp_backend(TPContext(0, tensor_parallel_size), self.graph_backend)
+            return
         self.dp = dp or DPContext()
+        if self.tp.record is None:
+            self.tp.record = self.dp.record
         self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
         num_blocks = cfg.num_kv_blocks
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -128,8 +162,11 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
             padder=self.padder, dp=self.dp, device=self.device, dtype=cfg.dtype,
-            graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed)
+            graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed,
+            tp=self.tp)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
+        if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
+            dist.barrier(group=self.tp.group)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0
@@ -168,9 +205,24 @@ class LLM:
         return self.scheduler.abort_by_id(request_id) is not None
 
     def _check_single_rank(self, name: str) -> None:
-        if self.data_parallel_size > 1:
-            raise RuntimeError(f"LLM.{name}() runs one rank's engine; with data_parallel_size="
-                               f"{self.data_parallel_size} use generate()")
+        if self.launcher:
+            sizes = ", ".join(f"{k}={v}" for k, v in (
+                ("data_parallel_size", self.data_parallel_size),
+                ("tensor_parallel_size", self.config.tensor_parallel_size)) if v > 1)
+            raise RuntimeError(f"LLM.{name}() runs one rank's engine; with {sizes} use "
+                               "generate()")
+        if self.tp.rank > 0:
+            raise RuntimeError(f"LLM.{name}(): this process is TP rank {self.tp.rank}, which "
+                               "runs its TP rank 0's steps: call serve()")
+
+    def serve(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """A TP peer (rank > 0): run the driver's steps until every DP rank is idle; -> the
+        collectives of each step."""
+        if self.tp.rank == 0:
+            raise RuntimeError("LLM.serve() runs on TP ranks > 0; TP rank 0 calls step()")
+        if not self.check_host_syncs:
+            return self.runner.serve()
+        return self.runner.serve(forbid_host_sync if self.padded else count_host_syncs)
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
@@ -199,8 +251,10 @@ class LLM:
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
         plan = self.runner.plan(scheduled)  # the step's one DP all-reduce
         if plan.all_idle:
+            self.runner.send_stop()  # TP peers return from serve()
             return None
         if not scheduled:  # idle DP rank: same forwards and collectives, nothing to emit
+            self.runner.send_dummy(plan)
             self.runner.dummy_run(plan)
             rec = StepRecord(0, 0, time.perf_counter() - start, 0.0,
                              0 if self.check_host_syncs else None,
@@ -208,6 +262,7 @@ class LLM:
             self.steps.append(rec)
             return rec
         batch = self.runner.prepare(scheduled, plan)
+        self.runner.send_step(batch)  # the one TP broadcast of the step's host inputs
         syncs = None
         if self.check_host_syncs:  # proof machinery, only when asked (tests, a flag)
             with (forbid_host_sync() if self.padded else count_host_syncs()) as counter:
@@ -300,7 +355,9 @@ class LLM:
         for params in per_prompt:
             params.check_vocab(self.vocab_size)
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        if self.data_parallel_size > 1:  # N ranks, prompts split round-robin, prompt order back
+        if self.torchrun:
+            return self._generate_on_ranks(ids, per_prompt)
+        if self.launcher:  # N ranks, prompts split round-robin, prompt order back
             from specdec.engine.dp_engine import DPJob, run_data_parallel
             groups: dict[int, list[int]] = {}  # one DP job per distinct SamplingParams
             for i, params in enumerate(per_prompt):
@@ -309,7 +366,8 @@ class LLM:
             jobs = [DPJob(self.init_kwargs, [prompts[i] for i in idx], per_prompt[first])
                     for first, idx in groups.items()]
             runs = run_data_parallel(jobs, self.data_parallel_size,
-                                     timeout=self.config.data_parallel_timeout)
+                                     timeout=self.config.data_parallel_timeout,
+                                     tp_size=self.config.tensor_parallel_size)
             outputs = [None] * len(prompts)
             for idx, run in zip(groups.values(), runs):
                 for i, out in zip(idx, run.outputs):
@@ -324,6 +382,24 @@ class LLM:
                 self.scheduler.abort(r, "abort")
             raise
         return [self._output(r) for r in reqs]
+
+    def _generate_on_ranks(self, ids: list[list[int]], per_prompt: list[SamplingParams]
+                           ) -> list[RequestOutput]:
+        """Under torchrun: DP rank d runs prompts d, d+D, ... (TP rank 0 steps, its peers
+        serve); every rank returns every output, in prompt order (one all_gather_object)."""
+        mine = {}
+        if self.tp.rank == 0:
+            reqs = {i: self._queue(ids[i], per_prompt[i], str(i))
+                    for i in range(self.dp.rank, len(ids), self.dp.size)}
+            while self.step() is not None:
+                pass
+            mine = {i: self._output(r) for i, r in reqs.items()}
+        else:
+            self.serve()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        merged = {i: out for part in everyone for i, out in part.items()}
+        return [merged[i] for i in range(len(ids))]
 
     @staticmethod
     def _sampling_params(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:

@@ -23,11 +23,13 @@ import torch
 
 from specdec import platform
 from specdec.attention import AttentionMetadata, KVCache
+from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, rejection_sample
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
+from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import StepGraph
 from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
@@ -69,7 +71,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
-                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0):
+                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0,
+                 tp: TPContext | None = None):
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -78,6 +81,7 @@ class ModelRunner:
         self.block_size = block_size
         self.aux_layer_ids = aux_layer_ids
         self.dp = dp
+        self.tp = tp or TPContext()
         self.device = device
         # linear-attention layers: 1 + K state slots per request row, plus the trash row
         self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device,
@@ -89,17 +93,17 @@ class ModelRunner:
         self.token_table[max_num_seqs] = 0
         self.seed = seed  # keys the random numbers of requests without a seed of their own
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
-        # MoE layers (target and draft head) exchange tokens over the DP group; SP shards
-        sp = padder.tp_size if padder.sequence_parallel else 1
+        # MoE layers (target and draft head) exchange tokens over the DP group
         cross_rank = False
         for model in (target, getattr(proposer, "head", None)):
             if model is not None:
-                attach_parallel(model, dp, sp)
+                attach_parallel(model, dp)
                 cross_rank |= dp.size > 1 and has_cross_rank_layers(model)
         if cross_rank and graph_backend != "eager":
             raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
                              f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
                              "collectives cannot run inside a captured or compiled step")
+        check_tp_backend(self.tp, graph_backend)
         k = num_speculative_tokens
         # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
         # capturing backends (a CUDA graph of them has not yet run on a GPU: opt-in there); the
@@ -109,8 +113,10 @@ class ModelRunner:
                                        graph_backend == "cuda_graph"
                                        and platform.unverified_gpu_paths()))
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
-        self.buffers = StepBuffers(max_tokens, max_reqs, k,
-                                   -(-max_model_len // block_size), device)
+        self.buffers = StepBuffers(max_tokens, max_reqs, k, -(-max_model_len // block_size),
+                                   device, header=header_words(dp.size))
+        # TP: the driver's step inputs reach its peers through one broadcast per step
+        self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
         # sampled steps in a CUDA graph have not yet run on a GPU: opt-in there (replay and the
         # compiling backends capture them always)
         self.capture_sampled = graph_backend != "cuda_graph" or platform.unverified_gpu_paths()
@@ -137,6 +143,7 @@ class ModelRunner:
     def write_prompt(self, row: int, token_ids: list[int]) -> None:
         self.token_table[row].fill_(-1)
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
+        self.broadcast.note_prompt(row, token_ids)
 
     def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes.
@@ -293,6 +300,41 @@ class ModelRunner:
         self.token_table[rows, cols] = torch.where(sampled >= 0, sampled, old)
         return sampled
 
+    # ---- tensor parallelism: the driver's steps on its TP peers ------------------------------
+    def send_step(self, batch: StepBatch) -> None:
+        """Driver: the prepared step's host buffers to the TP peers (no-op without TP)."""
+        self.broadcast.send(STEP, batch.plan, (batch.max_seq_len, batch.graph_seq_len,
+                                               batch.max_query_len), batch.variant)
+
+    def send_dummy(self, plan: StepPlan) -> None:
+        self.broadcast.send(DUMMY, plan)
+
+    def send_stop(self) -> None:
+        self.broadcast.send(STOP)
+
+    def serve(self, guard=None) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """TP peer: run the driver's steps until it sends STOP; -> the collectives of each
+        step (the last entry: the STOP's). ``guard()``: a context manager around each
+        execute (the engine's host-sync check)."""
+        logs = []
+        while True:
+            start = len(self.dp.collectives)
+            kind, plan, lens, variant = self.broadcast.receive()
+            if kind == DUMMY:
+                self.dummy_run(plan)
+            elif kind == STEP:
+                batch = StepBatch(plan, self.buffers.view(plan.num_tokens_padded,
+                                                          plan.num_reqs_padded),
+                                  *lens, variant)
+                if guard is None:
+                    self.execute(batch)
+                else:
+                    with guard():
+                        self.execute(batch)
+            logs.append(self.dp.collectives[start:])
+            if kind == STOP:
+                return logs
+
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
         """An idle DP rank's step: the same forwards (so the same collectives) as a busy rank."""
@@ -302,3 +344,18 @@ class ModelRunner:
         self.target(zeros, zeros, kv=self.kv.bind(attn), aux_layer_ids=self.aux_layer_ids)
         if self.proposer is not None:
             self.proposer.dummy_run(plan)
+
+
+def check_tp_backend(tp: TPContext, graph_backend: str) -> None:
+    """TP steps run eager or ``replay`` (CPU, gloo). torch.compile cannot trace the gloo
+    collectives of a step; NCCL inside a CUDA graph has not run here (one GPU at most):
+    opt-in with ``specdec.platform.unverified_gpu_paths()``."""
+    if tp.size == 1 or graph_backend in ("eager", "replay"):
+        return
+    if graph_backend == "cuda_graph" and platform.unverified_gpu_paths():
+        return
+    raise ValueError(
+        f"graph_backend={graph_backend!r} with tensor_parallel_size={tp.size}: allowed "
+        "'eager' or 'replay' ('cuda_graph' needs SPECDEC_UNVERIFIED_GPU_PATHS=1: NCCL "
+        "collectives inside a captured graph have not run on a multi-GPU machine here; the "
+        "compiling backends cannot trace the step's host-side gloo collectives)")

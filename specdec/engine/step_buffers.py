@@ -2,7 +2,8 @@
 
 Every field is a view into one flat tensor per dtype, on the device and (pinned on CUDA) on
 the host; ``fill`` writes the host twin with numpy and copies each flat tensor once, so a step
-costs three host->device copies however many fields it has. ``view(num_tokens, num_reqs)``
+costs three host->device copies however many fields it has. The host twins are views of one
+byte buffer (``wire``). ``view(num_tokens, num_reqs)``
 gives the leading ``[Np]`` / ``[Bp]`` slices the padded step runs on; a captured graph of
 bucket Bp reads exactly those addresses.
 """
@@ -50,8 +51,11 @@ def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
 
 
 class StepBuffers:
+    """``header``: int64 words placed before the fields in ``wire``, the one host byte buffer
+    that holds every flat host tensor (tensor parallelism broadcasts it whole, once a step)."""
+
     def __init__(self, max_tokens: int, max_reqs: int, k: int, max_blocks: int,
-                 device: torch.device):
+                 device: torch.device, header: int = 0):
         layout = _layout(max_tokens, max_reqs, k, max_blocks)
         sizes: dict[torch.dtype, int] = {}
         offsets = {}
@@ -59,7 +63,14 @@ class StepBuffers:
             offsets[name] = sizes.get(dtype, 0)
             sizes[dtype] = offsets[name] + int(np.prod(shape))
         pin = device.type == "cuda"
-        self.flat_host = {d: torch.zeros(s, dtype=d, pin_memory=pin) for d, s in sizes.items()}
+        starts, nbytes = {}, 8 * header
+        for d, s in sizes.items():  # each flat tensor 8-byte aligned in the wire
+            starts[d] = nbytes
+            nbytes += -(-s * d.itemsize // 8) * 8
+        self.wire = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.header = self.wire[:8 * header].view(torch.int64)
+        self.flat_host = {d: self.wire[starts[d]:starts[d] + s * d.itemsize].view(d)
+                          for d, s in sizes.items()}
         self.flat_device = {d: torch.zeros(s, dtype=d, device=device) for d, s in sizes.items()}
         self.host: dict[str, np.ndarray] = {}
         self.device: dict[str, torch.Tensor] = {}

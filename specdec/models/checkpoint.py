@@ -133,8 +133,11 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+Shard = Callable[[str], "tuple[int, int, int] | None"]  # name -> (dim, start, stop) or None
+
+
 def iter_tensors(path: str | Path, *, skip: Callable[[str], bool] | None = None,
-                 shape_only: Callable[[str], bool] | None = None
+                 shape_only: Callable[[str], bool] | None = None, shard: Shard | None = None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's (name, tensor) pairs as stored (dtype, shape), file by file in
     ``weight_files`` order, with only the file being read open. Tensors are views of their
@@ -144,12 +147,14 @@ def iter_tensors(path: str | Path, *, skip: Callable[[str], bool] | None = None,
     reduction per tensor), and the index and the tensor when the index and the files disagree
     on where a tensor is (listed for another file, or held by none). ``skip(name)``: left out
     (in a safetensors file, never read); ``shape_only(name)``: a meta tensor of its stored shape
-    and dtype (never read or checked)."""
+    and dtype (never read or checked); ``shard(name)``: ``(dim, start, stop)`` reads only
+    that slice along dim 0 or 1 (a tensor-parallel rank's part; a safetensors file reads no
+    other byte of it), None the whole tensor."""
     files, index, weight_map = _layout(path)
     absent = []
     for file in files:
         absent += yield from _file_tensors(file, index, weight_map, skip or _never,
-                                           shape_only or _never)
+                                           shape_only or _never, shard or _whole)
     if absent:
         raise ValueError(f"{index}: its weight_map lists tensors {sorted(absent)}, "
                          "which none of its files holds")
@@ -159,8 +164,22 @@ def _never(name: str) -> bool:
     return False
 
 
+def _whole(name: str) -> None:
+    return None
+
+
+def _slice_key(shape, part: tuple[int, int, int], file: Path, name: str) -> tuple:
+    """The index of ``part`` = (dim, start, stop); ValueError naming the tensor when the slice
+    does not fit its stored shape."""
+    dim, start, stop = part
+    if dim not in (0, 1) or dim >= len(shape) or not 0 <= start < stop <= shape[dim]:
+        raise ValueError(f"{file}: tensor {name!r} of shape {tuple(shape)} has no slice "
+                         f"[{start}:{stop}] along dim {dim} (a tensor-parallel shard)")
+    return (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+
+
 def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], skip,
-                  shape_only) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
+                  shape_only, shard) -> Generator[tuple[str, torch.Tensor], None, list[str]]:
     """One file's (name, tensor) pairs, checked for NaN/inf and against the index: ValueError
     for a tensor it puts elsewhere; returns those it puts here that the file lacks."""
     if file.suffix == ".safetensors":
@@ -179,7 +198,13 @@ def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], s
                     yield name, torch.empty(piece.get_shape(), device="meta",
                                             dtype=_SAFETENSORS_DTYPES[piece.get_dtype()])
                     continue
-                yield name, _finite(file, name, f.get_tensor(name))
+                part = shard(name)
+                if part is None:
+                    yield name, _finite(file, name, f.get_tensor(name))
+                    continue
+                piece = f.get_slice(name)
+                key = _slice_key(piece.get_shape(), part, file, name)
+                yield name, _finite(file, name, piece[key])
     else:
         tensors = _load_bin(file)
         names = list(tensors)
@@ -188,6 +213,9 @@ def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], s
             t = tensors.pop(name)
             if skip(name):
                 continue
+            part = shard(name)
+            if part is not None:
+                t = t[_slice_key(t.shape, part, file, name)]
             yield name, (t.to("meta") if shape_only(name) else _finite(file, name, t))
     held = set(names)
     return [k for k, v in weight_map.items() if v == file and k not in held]
@@ -301,7 +329,8 @@ def _dequantized(tensors, block: tuple[int, int] | None, file_of: str):
 def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
               rename: Callable[[str], str | None] | None = None,
               ignore: Callable[[str], bool] | None = None,
-              weight_block_size: tuple[int, int] | None = None) -> None:
+              weight_block_size: tuple[int, int] | None = None,
+              shard: Shard | None = None) -> None:
     """Copy the folder's tensors into ``dest`` (name -> preallocated tensor, views such as row
     slices of a merged weight allowed; ``copy_`` casts the dtype), one file at a time: peak host
     memory is about one weight file on top of ``dest``.
@@ -311,11 +340,22 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     naming every missing (in ``dest``, not in the checkpoint), unexpected (not in ``dest``) and
     wrongly shaped tensor; ``iter_tensors``' errors on the way. ``weight_block_size``: the
     checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
-    with its ``weight_scale_inv`` before it is copied (``dequantize_blocks``).
+    with its ``weight_scale_inv`` before it is copied (``dequantize_blocks``). ``shard(name)``,
+    on the renamed name: read only that slice of the tensor (``iter_tensors``).
     """
+    if shard is not None and weight_block_size is not None:
+        raise ValueError(f"checkpoint {str(path)!r}: a block-quantized FP8 checkpoint "
+                         "(quantization_config.weight_block_size) cannot be loaded sharded yet; "
+                         "allowed: tensor_parallel_size=1")
     seen, unexpected, bad = set(), set(), []
+    by_stored = None
+    if shard is not None:
+        def by_stored(name: str):
+            renamed = rename(name) if rename is not None else name
+            return None if renamed is None else shard(renamed)
     with torch.no_grad():
-        for name, t in _dequantized(iter_tensors(path), weight_block_size, str(path)):
+        for name, t in _dequantized(iter_tensors(path, shard=by_stored), weight_block_size,
+                                    str(path)):
             name = rename(name) if rename is not None else name
             if name is not None and not (ignore is not None and ignore(name)):
                 seen.add(name)

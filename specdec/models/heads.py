@@ -188,7 +188,7 @@ class DraftHead(nn.Module):
         tensors = dict(tensors)
         for name, field in self.SHARED_COPIES.items():
             if name in tensors:
-                want = getattr(self.shared, field).weight.shape
+                want = _full_shape(getattr(self.shared, field))
                 if tensors[name].shape != want:
                     raise ValueError(f"checkpoint {str(path)!r}: wrong shapes "
                                      f"['{name}: {tuple(tensors[name].shape)} != {tuple(want)}'] "
@@ -422,9 +422,12 @@ def _keeps_own_embedding(tensors: dict[str, torch.Tensor], target: LlamaForCausa
     t = tensors.get(OWN_EMBED)
     if t is None:
         return False
-    w = target.model.embed_tokens.weight
-    if t.shape != w.shape or t.is_floating_point() != w.is_floating_point():
+    embed = target.model.embed_tokens
+    w = embed.weight  # a tensor-parallel rank holds rows start.. of the table
+    if t.shape != _full_shape(embed) or t.is_floating_point() != w.is_floating_point():
         return True  # kept: the load names the wrong shape
+    start = getattr(embed, "start", 0)
+    t = t[start:start + w.shape[0]]
     rows = max(1, (1 << 24) // max(w.shape[1], 1))  # compare ~64 MB at a time
     with torch.no_grad():
         same = all(torch.equal(t[i:i + rows].to(device=w.device, dtype=w.dtype), w[i:i + rows])
@@ -432,6 +435,13 @@ def _keeps_own_embedding(tensors: dict[str, torch.Tensor], target: LlamaForCausa
     if same:
         del tensors[OWN_EMBED]
     return not same
+
+
+def _full_shape(layer: nn.Module) -> torch.Size:
+    """The unsharded shape of a target's embedding / lm_head (vocab-parallel under TP)."""
+    w = layer.weight
+    tp = getattr(layer, "tp", None)
+    return torch.Size((w.shape[0] * (tp.size if tp is not None else 1), *w.shape[1:]))
 
 
 def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig:

@@ -22,12 +22,14 @@ from torch import nn
 
 from specdec import kernels
 from specdec.attention import KVCacheSpec
+from specdec.distributed import TPContext
 from specdec.models import checkpoint
 from specdec.models.config import ModelConfig
 from specdec.models.layers.attention import Attention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import MOE_CONFIG_KEYS, MoEMLP, is_moe_layer
 from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.parallel import shard_model
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -79,6 +81,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     QK_NORM: str | None = None
+    tp = TPContext()  # this rank's TP group once layers.parallel.shard_model sharded the model
     CONFIG_KEYS: frozenset[str] = MOE_CONFIG_KEYS
     # rotary caches some exporters save; MiMo's MTP layers (the head loader reads them)
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|model\.mtp_layers\..*")
@@ -106,21 +109,27 @@ class LlamaForCausalLM(nn.Module):
         input_ids: [B, T] int64 (kv=None) or [N] (kv given); positions: same shape (or [T]).
         Returns ``hidden [..., H]`` (after the final norm) and ``aux [..., len(aux_layer_ids), H]``
         (None when no ids): aux for id ``i`` is the residual stream at the INPUT of layer ``i``
-        (id 0 = the embeddings), vLLM's convention for EAGLE-3.
+        (id 0 = the embeddings), vLLM's convention for EAGLE-3. Under sequence parallelism
+        (kv given) the layers run on this rank's N/T tokens; both outputs are gathered.
         """
         for i in aux_layer_ids:
             if not 0 <= i < self.config.num_hidden_layers:
                 raise ValueError(f"aux_layer_ids contains {i}: allowed "
                                  f"0..{self.config.num_hidden_layers - 1}")
-        x = self.model.embed_tokens(input_ids)
+        tp = self.tp
+        if tp.sp and kv is None:
+            raise ValueError("sequence parallelism runs the paged (kv) path only; the dense "
+                             "kv=None forward needs sequence_parallel=False")
+        x = tp.shard(self.model.embed_tokens(input_ids))
         rope = self.rope(positions, x.dtype)
         aux = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layer_ids:
                 aux[i] = x
             x = layer(x, rope, kv)
-        stacked = torch.stack([aux[i] for i in aux_layer_ids], dim=-2) if aux_layer_ids else None
-        return self.model.norm(x), stacked
+        stacked = (tp.gather(torch.stack([aux[i] for i in aux_layer_ids], dim=-2))
+                   if aux_layer_ids else None)
+        return tp.gather(self.model.norm(x)), stacked
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The rotary tables every layer of this forward uses."""
@@ -155,18 +164,31 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu",
-                        config: ModelConfig | None = None) -> LlamaForCausalLM:
+                        config: ModelConfig | None = None,
+                        tp: TPContext | None = None) -> LlamaForCausalLM:
         """Load an HF folder (one file, shards with an index, or ``pytorch_model.bin``) shard
         by shard into the model's parameters, cast to ``dtype``; every parameter must be
-        found, and every tensor used or known to be skipped."""
+        found, and every tensor used or known to be skipped. ``tp`` (size > 1): the model is
+        built on the meta device, sharded (``layers.parallel.shard_model``) and only this
+        rank's slice of each tensor is read."""
         if config is None:
             config = checkpoint.naming_folder(
                 path, lambda: ModelConfig.from_folder(path, cls.CONFIG_KEYS))
-        model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+        slices = None
+        if tp is not None and tp.size > 1:
+            with torch.device("meta"):
+                model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+            slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp))
+            model = model.to_empty(device=device)
+            if config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+        else:
+            model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
         state = model.state_dict()  # views of the parameters (merged ones as their parts)
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
                              rename=model.checkpoint_name,
-                             weight_block_size=config.weight_block_size)
+                             weight_block_size=config.weight_block_size,
+                             shard=None if slices is None else slices.get)
         return model.to(device=device).eval()
 
 

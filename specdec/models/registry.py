@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.distributed import TPContext
 from specdec.models import checkpoint
 from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
@@ -45,9 +46,10 @@ def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> nn.Module:
-    """The target model of an HF folder, its class picked by ``architectures[0]``."""
+               device: str | torch.device = "cpu", tp: TPContext | None = None) -> nn.Module:
+    """The target model of an HF folder, its class picked by ``architectures[0]``; with
+    ``tp`` (size > 1) this rank's shard of it."""
     archs = checkpoint.naming_folder(
         path, lambda: checkpoint.load_config(path).get("architectures"))
     cls = checkpoint.naming_folder(path, lambda: model_class(archs))
-    return cls.load_pretrained(path, dtype, device)
+    return cls.load_pretrained(path, dtype, device, tp=tp)

@@ -54,8 +54,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope, kv=None) -> torch.Tensor:
         """x: [B, T, in] with kv=None, else [N, in]; rope: a ``layers.rotary.Rope`` for the
         same leading dims. -> [..., hidden_size]."""
-        lead, hq, hkv, d = x.shape[:-1], self.n_heads, self.n_kv, self.head_dim
-        qkv = self.qkv_proj(x)
+        hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)  # tensor parallel with SP: x holds N/T tokens, qkv all N
+        lead = qkv.shape[:-1]
         if self.qk_norm is None:  # one rotary pass over q and k together
             qkv = qkv.view(*lead, hq + 2 * hkv, d)
             qk = rope.apply(qkv[..., :hq + hkv, :])

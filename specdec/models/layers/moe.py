@@ -31,14 +31,14 @@ experts' weighted outputs for all ``D*N`` tokens, and a reduce-scatter sums the 
 outputs and hands each rank back its own N rows. Unrouted (token, expert) pairs get weight 0,
 so no data-dependent shape (and no host sync) appears.
 
-Sequence parallelism (``sp_size`` T > 1, i.e. tensor_parallel_size with SP on): the N tokens
-are split into T equal shards before dispatch -- the shape SP's reduce-scatter hands each TP
-rank -- simulated on one process as a ``[T, N/T, H]`` view; ``N % T != 0`` raises ValueError.
+Tensor parallelism (``shard_model`` in ``layers.parallel``): every expert is split like an
+MLP across the TP ranks and the router is replicated; the layer all-gathers its input tokens
+first under sequence parallelism, and sums the experts' partial outputs with ONE TP reduction
+at the end (all-reduce, or reduce-scatter of tokens under SP).
 
-Worked example (E=4, k=2, D=2, T=1, N=8, H=32): rank 0 holds experts 0, 1 and rank 1 experts
-2, 3; each rank issues ``all_gather [1, 8, 32]`` (into ``[2, 8, 32]``) then ``reduce_scatter
-[2, 8, 32]`` (into ``[1, 8, 32]``). With T=4, N=8: ``all_gather [4, 2, 32]``, ``reduce_scatter
-[8, 2, 32]``; N=6 raises.
+Worked example (E=4, k=2, D=2, N=8, H=32): rank 0 holds experts 0, 1 and rank 1 experts
+2, 3; each rank issues ``all_gather [8, 32]`` (into ``[16, 32]``) then ``reduce_scatter
+[16, 32]`` (into ``[8, 32]``).
 """
 
 import torch
@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.models.layers.mlp import MLP
 
@@ -120,7 +121,7 @@ class MoEMLP(nn.Module):
             self.shared_expert = MLP(h, gated)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dp = DPContext()
-        self.sp_size = 1
+        self.tp = TPContext()  # set by layers.parallel.shard_model
         if dp is not None:
             self.set_parallel(dp)
 
@@ -151,10 +152,8 @@ class MoEMLP(nn.Module):
         per = self.num_experts // dp.size
         return range(dp.rank * per, (dp.rank + 1) * per)
 
-    def set_parallel(self, dp: DPContext, sp_size: int = 1) -> None:
-        """Attach the DP group (dropping the other ranks' experts) and the SP shard count."""
-        if not isinstance(sp_size, int) or sp_size < 1:
-            raise ValueError(f"tensor_parallel_size={sp_size!r}: must be an int >= 1")
+    def set_parallel(self, dp: DPContext) -> None:
+        """Attach the DP group (dropping the other ranks' experts)."""
         local = self.local_experts(dp)
         missing = [i for i in local if str(i) not in self.experts]
         if missing:
@@ -163,7 +162,7 @@ class MoEMLP(nn.Module):
         for name in list(self.experts):
             if int(name) not in local:
                 del self.experts[name]
-        self.dp, self.sp_size = dp, sp_size
+        self.dp = dp
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] -> combine weights [M, E] (zero outside each token's top-k)."""
@@ -200,45 +199,41 @@ class MoEMLP(nn.Module):
         return torch.zeros_like(probs).scatter_(1, ids, w * self.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> [..., H]; the flattened token count N must be the same on every DP
-        rank and a multiple of sp_size."""
+        """x [..., H] -> [..., H] (under SP x and the result are this rank's [N/T, H]); the
+        flattened token count N must be the same on every DP rank."""
+        x = self.tp.gather(x)
         shape, h = x.shape, x.shape[-1]
-        n, t = x.numel() // h, self.sp_size
-        if n % t:
-            raise ValueError(f"MoE token count {n} is not a multiple of tensor_parallel_size={t} "
-                             "(sequence parallelism splits tokens into equal shards)")
-        shards = x.reshape(t, n // t, h)  # the TP shards SP's reduce-scatter would hand out
+        mine = x.reshape(-1, h)
         ctx = self.dp
         if ctx.size > 1:
-            gathered = shards.new_empty((ctx.size * t, n // t, h))  # rank-major
-            ctx.record("moe_all_gather", shards.shape)
-            _all_gather(gathered, shards.contiguous(), group=ctx.group)
+            tokens = mine.new_empty((ctx.size * mine.shape[0], h))  # rank-major
+            ctx.record("moe_all_gather", mine.shape)
+            _all_gather(tokens, mine.contiguous(), group=ctx.group)
         else:
-            gathered = shards
-        tokens = gathered.reshape(-1, h)  # [D*N, H]
+            tokens = mine  # [D*N, H]
         weights = self.route(tokens)
         out = torch.zeros_like(tokens)
         for name, expert in self.experts.items():
             e = int(name)
             out += weights[:, e:e + 1] * expert(tokens)
         if ctx.size > 1:
-            mine = shards.new_empty(shards.shape)
-            ctx.record("moe_reduce_scatter", gathered.shape)
-            _reduce_scatter(mine, out.view(gathered.shape), group=ctx.group)
-            out = mine
+            part = mine.new_empty(mine.shape)
+            ctx.record("moe_reduce_scatter", out.shape)
+            _reduce_scatter(part, out, group=ctx.group)
+            out = part
         out = out.reshape(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.reduce(out)
 
 
-def attach_parallel(model: nn.Module, dp: DPContext, sp_size: int = 1) -> bool:
-    """Give every MoE layer of ``model`` the DP context and SP shard count; True if any."""
+def attach_parallel(model: nn.Module, dp: DPContext) -> bool:
+    """Give every MoE layer of ``model`` the DP context; True if any."""
     layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
     for m in layers:
-        m.set_parallel(dp, sp_size)
+        m.set_parallel(dp)
     return bool(layers)
 
 

@@ -1,0 +1,242 @@
+"""Tensor-parallel layers (the Megatron scheme, as nano-vllm writes it) and the one function
+that shards a built decoder model onto them.
+
+Layers (T = tensor_parallel_size, r = this rank):
+- ``ColumnParallelLinear``: a MergedLinear holding rows ``r`` of each part (q/k/v, gate/up);
+  its input is all-gathered first under sequence parallelism. No collective otherwise.
+- ``RowParallelLinear``: columns ``r`` of o_proj / down_proj; the partial outputs are summed
+  (all-reduce, or reduce-scatter of tokens under SP). No bias.
+- ``VocabParallelEmbedding``: rows ``[r*V/T, (r+1)*V/T)`` of the table; ids outside give 0;
+  one all-reduce gives every rank the full [N, H] (the draft heads share it).
+- ``ParallelLMHead``: the same rows of lm_head; local logits [M, V/T] are all-gathered to
+  [M, V] for sampling.
+- ``ShardedRMSNorm``: MiniMax-M2's q/k norm over the whole projection: the sum of squares is
+  all-reduced (divided by the replication of KV heads).
+
+Attention: Hq/T query heads per rank; KV heads split when Hkv >= T, else each rank keeps KV
+head ``r // (T / Hkv)`` (replicated). MoE: every expert (and shared expert) split like an MLP,
+its partial outputs summed by ONE reduction after the experts; the router is replicated.
+
+``shard_model(model, tp)`` swaps those modules in place (the new ones are empty, on the old
+ones' device and dtype) and returns ``{state-dict name: (dim, start, stop)}``: the slice of
+each full tensor this rank holds. The loader reads exactly that slice from the safetensors
+files (``checkpoint.load_into(shard=...)``); an in-memory model is sliced from its old state.
+
+Example (T=2, rank 1, Hq=4, Hkv=2, D=8, H=32): ``q_proj.weight`` -> (0, 16, 32),
+``k_proj.weight`` -> (0, 8, 16), ``o_proj.weight`` -> (1, 16, 32); with Hkv=1, ``k_proj``
+-> (0, 0, 8) on both ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.distributed import TPContext
+from specdec.models.layers.attention import Attention
+from specdec.models.layers.linear import MergedLinear
+from specdec.models.layers.mlp import MLP
+from specdec.models.layers.moe import MoEMLP
+
+Slices = dict[str, tuple[int, int, int]]
+
+
+class ColumnParallelLinear(MergedLinear):
+    """``x [N(/T under SP), in] -> [N, sum(local parts)]``."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, tp: TPContext):
+        super().__init__(in_features, parts, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.tp.gather(x))
+
+
+class RowParallelLinear(nn.Linear):
+    """``x [N, in/T] -> [N, out]`` summed over ranks (SP: this rank's [N/T, out])."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext):
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """ids [...] -> [..., H], every rank the full rows (one all-reduce)."""
+
+    def __init__(self, num_local: int, dim: int, start: int, tp: TPContext):
+        super().__init__(num_local, dim)
+        self.start, self.tp = start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[..., None], 0.0))
+
+
+class ParallelLMHead(nn.Linear):
+    """hidden [..., H] -> logits [..., V] (each rank computes V/T columns, all-gathered)."""
+
+    def __init__(self, dim: int, num_local: int, tp: TPContext):
+        super().__init__(dim, num_local, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        local = F.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        return self.tp.gather_last(local).view(*lead, -1)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split across ranks: x [..., C/T] with the statistics of all C.
+    ``replicas``: how many ranks hold each channel (KV heads replicated when Hkv < T)."""
+
+    def __init__(self, local_dim: int, full_dim: int, replicas: int, eps: float,
+                 tp: TPContext):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_dim))
+        self.full_dim, self.replicas, self.eps, self.tp = full_dim, replicas, eps, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        sumsq = self.tp.all_reduce(xf.square().sum(-1, keepdim=True))
+        var = sumsq / (self.replicas * self.full_dim)
+        return (self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype))
+
+
+def _split(total: int, tp: TPContext, field: str) -> tuple[int, int]:
+    """(start, count) of this rank's equal share of ``total``; ValueError naming ``field``."""
+    if total % tp.size:
+        raise ValueError(f"{field}={total} must be a multiple of tensor_parallel_size={tp.size}")
+    per = total // tp.size
+    return tp.rank * per, per
+
+
+def _like(new: nn.Module, old: nn.Module) -> nn.Module:
+    p = next(old.parameters())
+    return new.to(device=p.device, dtype=p.dtype)
+
+
+def _shard_attention(attn: Attention, tp: TPContext, prefix: str, out: Slices) -> None:
+    hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
+    q0, nq = _split(hq, tp, "num_attention_heads")
+    if hkv >= tp.size:
+        k0, nk = _split(hkv, tp, "num_key_value_heads")
+        replicas = 1
+    elif tp.size % hkv:
+        raise ValueError(f"num_key_value_heads={hkv}: tensor_parallel_size={tp.size} must be "
+                         "a multiple of it (KV heads are replicated) or divide it")
+    else:
+        replicas = tp.size // hkv
+        k0, nk = tp.rank // replicas, 1
+    old = attn.qkv_proj
+    bias = old.bias is not None
+    attn.qkv_proj = _like(ColumnParallelLinear(
+        old.in_features, {"q_proj": nq * d, "k_proj": nk * d, "v_proj": nk * d}, bias, tp), old)
+    attn.o_proj = _like(RowParallelLinear(nq * d, attn.o_proj.out_features, tp), attn.o_proj)
+    rows = {"q_proj": (q0 * d, (q0 + nq) * d), "k_proj": (k0 * d, (k0 + nk) * d),
+            "v_proj": (k0 * d, (k0 + nk) * d)}
+    for name, (a, b) in rows.items():
+        for kind in ("weight",) + (("bias",) if bias else ()):
+            out[f"{prefix}{name}.{kind}"] = (0, a, b)
+    out[f"{prefix}o_proj.weight"] = (1, q0 * d, (q0 + nq) * d)
+    if attn.qk_norm == "full":
+        for norm, name, heads, reps in (("q_norm", "q_proj", hq, 1), ("k_norm", "k_proj", hkv,
+                                                                        replicas)):
+            old_norm = getattr(attn, norm)
+            a, b = rows[name]
+            setattr(attn, norm, _like(ShardedRMSNorm(b - a, heads * d, reps, old_norm.eps, tp),
+                                      old_norm))
+            out[f"{prefix}{norm}.weight"] = (0, a, b)
+    attn.n_heads, attn.n_kv = nq, nk
+
+
+def _shard_mlp(mlp: MLP, tp: TPContext, prefix: str, out: Slices, *, reduce: bool) -> None:
+    """gate/up rows and down columns of this rank; ``reduce=False`` (MoE experts): plain
+    layers whose partial outputs the MoE sums once."""
+    inter = mlp.down_proj.in_features
+    i0, n = _split(inter, tp, "intermediate_size (or moe_intermediate_size)")
+    old_gu, old_down = mlp.gate_up_proj, mlp.down_proj
+    parts = {"gate_proj": n, "up_proj": n}
+    if reduce:
+        mlp.gate_up_proj = _like(ColumnParallelLinear(old_gu.in_features, parts, False, tp),
+                                 old_gu)
+        mlp.down_proj = _like(RowParallelLinear(n, old_down.out_features, tp), old_down)
+    else:
+        mlp.gate_up_proj = _like(MergedLinear(old_gu.in_features, parts, False), old_gu)
+        mlp.down_proj = _like(nn.Linear(n, old_down.out_features, bias=False), old_down)
+    for name in ("gate_proj", "up_proj"):
+        out[f"{prefix}{name}.weight"] = (0, i0, i0 + n)
+    out[f"{prefix}down_proj.weight"] = (1, i0, i0 + n)
+
+
+def _shard_moe(moe: MoEMLP, tp: TPContext, prefix: str, out: Slices) -> None:
+    for name, expert in moe.experts.items():
+        _shard_mlp(expert, tp, f"{prefix}experts.{name}.", out, reduce=False)
+    if hasattr(moe, "shared_experts"):
+        _shard_mlp(moe.shared_experts, tp, f"{prefix}shared_experts.", out, reduce=False)
+    moe.tp = tp
+
+
+def shard_model(model: nn.Module, tp: TPContext) -> Slices:
+    """Swap the target's layers for this rank's TP layers (see the module docstring); ->
+    the slice of every sharded tensor. ``model``: a LlamaForCausalLM-family target."""
+    out: Slices = {}
+    if tp.size == 1:
+        return out
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise ValueError(f"tensor_parallel_size={tp.size}: {type(model).__name__} is not a "
+                         "decoder family that can be sharded; allowed: tensor_parallel_size=1")
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    v0, nv = _split(vocab, tp, "vocab_size")
+    old_embed = model.model.embed_tokens
+    model.model.embed_tokens = _like(VocabParallelEmbedding(nv, hidden, v0, tp), old_embed)
+    out["model.embed_tokens.weight"] = (0, v0, v0 + nv)
+    head = _like(ParallelLMHead(hidden, nv, tp), model.lm_head)
+    if model.config.tie_word_embeddings:
+        head.weight = model.model.embed_tokens.weight
+    model.lm_head = head
+    out["lm_head.weight"] = (0, v0, v0 + nv)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        sharded = isinstance(attn, Attention) and isinstance(mlp, (MLP, MoEMLP))
+        if not sharded:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size}: the {type(model).__name__} family is not "
+                f"sharded yet (layer {i}: {type(attn).__name__}, {type(mlp).__name__}); "
+                "allowed: tensor_parallel_size=1")
+        prefix = f"model.layers.{i}."
+        _shard_attention(layer.self_attn, tp, prefix + "self_attn.", out)
+        if isinstance(layer.mlp, MoEMLP):
+            _shard_moe(layer.mlp, tp, prefix + "mlp.", out)
+        else:
+            _shard_mlp(layer.mlp, tp, prefix + "mlp.", out, reduce=True)
+    model.tp = tp
+    return out
+
+
+def shard_from(model: nn.Module, tp: TPContext) -> nn.Module:
+    """Shard an in-memory (full) model: each new tensor is its slice of the old one."""
+    full = dict(model.state_dict())
+    slices = shard_model(model, tp)
+    with torch.no_grad():
+        for name, dest in model.state_dict().items():
+            src = full[name]
+            if name in slices:
+                dim, a, b = slices[name]
+                src = src.narrow(dim, a, b - a)
+            dest.copy_(src)
+    return model
+
+
+def check_shardable(model: nn.Module, tp_size: int) -> None:
+    """Raise what ``shard_model`` would for ``tp_size`` ranks, on a meta-device copy of
+    ``model``'s family (nothing allocated, ``model`` untouched)."""
+    if tp_size == 1:
+        return
+    with torch.device("meta"):
+        shard_model(type(model)(model.config), TPContext(0, tp_size))

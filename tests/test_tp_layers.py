@@ -1,0 +1,191 @@
+"""Tensor-parallel layers with real processes (2 gloo ranks, one spawn for the module): each
+rank loads only its slice of tiny transformers checkpoints, and the sharded forward (paged
+path, sequence parallelism off and on) equals the full model's on the same rank; each rank
+holds about half the parameter bytes. Shape errors are checked in-process."""
+
+import tempfile
+import traceback
+from pathlib import Path
+
+import hf_models
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import moe_target, tiny_target
+
+from specdec.attention import AttentionMetadata, KVCache
+from specdec.distributed import TPContext, init_grid
+from specdec.models.config import ModelConfig
+from specdec.models.layers.parallel import shard_from, shard_model
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.registry import load_model
+
+TIMEOUT = 180
+
+
+def build_llama_tied_mqa(path) -> Path:
+    """Llama with ONE KV head (replicated on both ranks) and tied embeddings."""
+    return hf_models._llama(path, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def build_minimax_mqa(path) -> Path:
+    """MiniMax-M2 with one KV head: its k_norm over the whole projection is replicated."""
+    return hf_models._build(
+        path, "MiniMaxM2Config", "MiniMaxM2ForCausalLM", post=hf_models._routing_bias,
+        vocab_size=hf_models.VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, hidden_act="silu",
+        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+        num_local_experts=8, num_experts_per_tok=2, rotary_dim=16, rope_theta=5000000.0,
+        scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+        qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1],
+        router_jitter_noise=0.0, bos_token_id=hf_models.MINIMAX_BOS,
+        eos_token_id=hf_models.MINIMAX_EOS)
+
+
+BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
+            "qwen3": hf_models.build_qwen3,
+            "qwen3_moe": hf_models.build_qwen3_moe, "minimax_m2": hf_models.build_minimax_m2,
+            "llama_tied_mqa": build_llama_tied_mqa, "minimax_mqa": build_minimax_mqa}
+N = 10  # tokens: two requests of 6 and 4
+
+
+def paged_forward(model, ids, positions):
+    """logits [N, V] and aux [N, 2, H] of one paged forward over two fresh requests."""
+    kv = KVCache(model.kv_cache_spec(), 4, 16, torch.float32, torch.device("cpu"))
+    attn = AttentionMetadata(torch.cat([torch.arange(6), 16 + torch.arange(4)]),
+                             torch.tensor([0, 6, 10], dtype=torch.int32),
+                             torch.tensor([6, 4], dtype=torch.int32),
+                             torch.tensor([[0, 2], [1, 3]], dtype=torch.int32), 6)
+    with torch.inference_mode():
+        hidden, aux = model(ids, positions, kv=kv.bind(attn), aux_layer_ids=(0, 1))
+        return model.compute_logits(hidden), aux
+
+
+def _rank(rank, store, paths, results):
+    try:
+        torch.set_num_threads(1)
+        out = {}
+        ids = torch.tensor([3, 500, 17, 255, 256, 9, 1, 511, 44, 300])
+        positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+        for sp in (False, True):
+            grid = init_grid(1, 2, rank, init_method=f"file://{store}", sequence_parallel=sp)
+            for name, path in paths.items():
+                full = load_model(path, torch.float32)
+                part = load_model(path, torch.float32, tp=grid.tp)
+                start = len(grid.dp.collectives)
+                got = paged_forward(part, ids, positions)
+                ops = sorted({op for op, _ in grid.dp.collectives[start:]})
+                nbytes = [sum(p.numel() * p.element_size() for p in m.parameters())
+                          for m in (part, full)]
+                # numpy: pickled by value (a torch tensor would be shared through this process)
+                out[name, sp] = ([t.numpy() for t in paged_forward(full, ids, positions)],
+                                 [t.numpy() for t in got], nbytes, ops)
+        dist.destroy_process_group()
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001 (the parent reports it)
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """{rank: {(model, sp): ((logits, aux) full, (logits, aux) TP=2, [bytes TP, bytes full],
+    TP ops)}}."""
+    with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
+        paths = {name: build(Path(tmp) / name) for name, build in BUILDERS.items()}
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, f"{tmp}/store", paths, results), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(results.get(timeout=TIMEOUT) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    for rank, out in got.items():
+        assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
+        for key, (full, part, nbytes, ops) in out.items():
+            out[key] = ([torch.from_numpy(a) for a in full], [torch.from_numpy(a) for a in part],
+                        nbytes, ops)
+    return got
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_sharded_forward_equals_the_full_model(ranks, name, sp):
+    for rank in (0, 1):
+        (logits, aux), (tp_logits, tp_aux), _, ops = ranks[rank][name, sp]
+        torch.testing.assert_close(tp_logits, logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(tp_aux, aux, rtol=0, atol=1e-4)
+        assert tp_logits.argmax(-1).tolist() == logits.argmax(-1).tolist()
+        expected = {"tp_all_reduce", "tp_all_gather"} | ({"tp_reduce_scatter"} if sp else set())
+        assert set(ops) == expected
+    # both ranks gathered the same logits, bit for bit
+    assert torch.equal(ranks[0][name, sp][1][0], ranks[1][name, sp][1][0])
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_each_rank_holds_about_half_the_parameter_bytes(ranks, name):
+    """Everything but the norms and the MoE routers is split in two; a replicated KV head
+    is held whole on both ranks."""
+    tp_bytes, full_bytes = ranks[0][name, False][2]
+    assert 0.5 <= tp_bytes / full_bytes < (0.56 if name.endswith("mqa") else 0.51)
+
+
+def test_head_and_vocab_counts_must_divide():
+    target = tiny_target()  # 4 heads, 2 KV heads, vocab 96
+    with pytest.raises(ValueError, match="num_attention_heads=4 must be a multiple of "
+                                         "tensor_parallel_size=3"):
+        shard_model(target, TPContext(0, 3))
+    target.config.vocab_size = 97
+    with pytest.raises(ValueError, match="vocab_size=97 must be a multiple of "
+                                         "tensor_parallel_size=2"):
+        shard_model(target, TPContext(0, 2))
+
+
+def test_kv_heads_that_do_not_divide_the_tp_size_are_refused():
+    target = tiny_target()
+    target.config.vocab_size = 96
+    for layer in target.model.layers:
+        layer.self_attn.n_kv = 3
+    with pytest.raises(ValueError, match="num_key_value_heads=3: tensor_parallel_size=4"):
+        shard_model(target, TPContext(0, 4))
+
+
+def test_a_family_not_sharded_yet_is_refused_by_name(tmp_path):
+    import hf_deepseek
+    model = load_model(hf_deepseek.build_deepseek_v3(tmp_path / "ds"), torch.float32)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM family is not sharded yet"):
+        shard_model(model, TPContext(0, 2))
+
+
+def test_in_memory_model_is_sliced_like_the_checkpoint():
+    """shard_from (an in-memory target): rank 1's q_proj rows and o_proj columns."""
+    full = moe_target()
+    part = shard_from(moe_target(), TPContext(1, 2))
+    a, b = full.model.layers[0].self_attn, part.model.layers[0].self_attn
+    d = a.head_dim
+    assert torch.equal(b.qkv_proj.weight[:2 * d], a.qkv_proj.weight[2 * d:4 * d])
+    assert torch.equal(b.o_proj.weight, a.o_proj.weight[:, 2 * d:])
+    assert part.model.layers[0].mlp.experts["0"].down_proj.weight.shape == (32, 12)
+
+
+@pytest.mark.parametrize("kv_heads,k_rows", [(2, (0, 8, 16)), (1, (0, 0, 8))])
+def test_slices_of_the_docstring_example(kv_heads, k_rows):
+    """T=2, rank 1, Hq=4, D=8, H=32: q rows 16..32, o_proj columns 16..32; k rows per KV
+    heads (one KV head: replicated, rows 0..8 on both ranks)."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=kv_heads)
+    with torch.device("meta"):
+        slices = shard_model(LlamaForCausalLM(cfg), TPContext(1, 2))
+    attn = "model.layers.0.self_attn."
+    assert slices[attn + "q_proj.weight"] == (0, 16, 32)
+    assert slices[attn + "k_proj.weight"] == slices[attn + "v_proj.weight"] == k_rows
+    assert slices[attn + "o_proj.weight"] == (1, 16, 32)
+    assert slices["model.layers.0.mlp.down_proj.weight"] == (1, 32, 64)
+    assert slices["lm_head.weight"] == slices["model.embed_tokens.weight"] == (0, 48, 96)
