@@ -173,8 +173,12 @@ def seed_run(minimax, tmp_path_factory):
     ref = LLM(**extract_kwargs(path, one)).generate(SEED_PROMPTS, max_tokens=8)
     job = DPJob(extract_kwargs(path, many, tensor_parallel_size=2, sequence_parallel=True),
                 SEED_PROMPTS, SamplingParams(max_tokens=8), [[0, 1, 2, 3], []])
-    run, = run_data_parallel([job], 2, tp_size=2, timeout=TIMEOUT)
-    return run, ref, one, many
+    mtp_kw = moe_jobs(minimax)["moe-mtp-sp"]  # a MoE head: its experts split across DP too
+    mtp_job = DPJob(dict(mtp_kw, tensor_parallel_size=2), PROMPTS, PARAMS,
+                    [[2], [0, 1, 3, 4]])
+    run, mtp_run = run_data_parallel([job, mtp_job], 2, tp_size=2, timeout=TIMEOUT)
+    mtp_ref = outcome(LLM(**dict(mtp_kw, sequence_parallel=False)).generate(PROMPTS, PARAMS))
+    return run, ref, one, many, mtp_run, mtp_ref
 
 
 def test_seed000_no_hang_and_the_outputs_equal_dp1_tp1(seed_run):
@@ -182,6 +186,14 @@ def test_seed000_no_hang_and_the_outputs_equal_dp1_tp1(seed_run):
     assert [o.token_ids for o in run.outputs] == [o.token_ids for o in ref]
     idle = run.ranks[1]
     assert len(idle.steps) >= 8 and all(s.num_reqs == 0 for s in idle.steps)
+
+
+def test_dp2_tp2_mtp_with_a_moe_head_equals_dp1_tp1(seed_run):
+    """MTP K=2 with SP, uneven loads (DP rank 0: one short prompt, rank 1: four): the idle steps'
+    dummy head forwards match the busy rank's MoE collectives; tokens and acceptance equal."""
+    *_, mtp_run, mtp_ref = seed_run
+    assert outcome(mtp_run.outputs) == mtp_ref
+    assert any(s.num_reqs == 0 for s in mtp_run.ranks[0].steps)
 
 
 def test_seed000_one_planning_all_reduce_per_dp_rank_per_step(seed_run):
@@ -215,7 +227,7 @@ def test_seed000_files_written_once_per_dp_group_equal_dp1_tp1(seed_run):
     """One file per request (TP rank 0 writes; its peer holds the same states, unwritten);
     the gathered hidden states equal DP=1 x TP=1's: the embeddings (aux id 0) bit for bit,
     the layer-1 inputs within float32 rounding of the TP sums."""
-    _, _, one, many = seed_run
+    _, _, one, many, *_ = seed_run
     names = sorted(p.name for p in many.iterdir())
     assert names == sorted(p.name for p in one.iterdir()) == [
         f"{i}.safetensors" for i in range(len(SEED_PROMPTS))]

@@ -83,6 +83,8 @@ class StepBroadcast:
         if kind == STOP:
             return kind, None, lens, "greedy"
         plan = StepPlan(h[1], h[2], h[3], h[4], bool(h[5]), tuple(h[FIXED:]), bool(h[6]))
-        if kind == STEP:
+        if kind == STEP:  # (an accelerator's async copy of the previous step is done: the
+            # driver sent this step after reading its results, which waited on collectives
+            # that come after that copy on this rank's stream)
             self.buffers.copy_to_device()
         return kind, plan, lens, self.variants[h[7]]

@@ -239,4 +239,10 @@ def check_shardable(model: nn.Module, tp_size: int) -> None:
     if tp_size == 1:
         return
     with torch.device("meta"):
-        shard_model(type(model)(model.config), TPContext(0, tp_size))
+        try:
+            copy = type(model)(model.config)
+        except (TypeError, AttributeError):  # not built from a ModelConfig alone
+            raise ValueError(f"tensor_parallel_size={tp_size}: {type(model).__name__} is not a "
+                             "decoder family that can be sharded; allowed: "
+                             "tensor_parallel_size=1") from None
+        shard_model(copy, TPContext(0, tp_size))
