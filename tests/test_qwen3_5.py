@@ -122,6 +122,21 @@ def test_cache_spec_is_paged_kv_for_full_and_state_slots_for_linear_layers(q35_d
         (4 + 1) * 2 * 2 * 5632
 
 
+def test_the_published_multimodal_layout_runs_its_text_model_and_mtp_layer(q35_dir,
+                                                                         q35_reference):
+    """``Qwen3_5ForConditionalGeneration`` (text_config with mrope keys, ``model.language_
+    model.*``, a vision tower, ``mtp.*``): the text model loads (the vision tower unread), and
+    MTP K=2 found in the same folder gives transformers' greedy tokens."""
+    path = q35_dir("qwen3_5_vl")
+    model = load_model(path)
+    assert model.config.layer_types[1] == "full_attention"
+    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert type(llm.runner.proposer.head).__name__ == "Qwen3_5MtpHead"
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == q35_reference("qwen3_5_vl")["tokens"]
+
+
 # ---- refusals ----------------------------------------------------------------------------
 def _edit(src, dst, edit):
     path = H.copy_folder(src, dst)
@@ -453,18 +468,3 @@ def test_prefill_chunks_share_steps_with_verifying_requests(ragged, q35_dir):
     mixed = [s for s in llm.steps if s.num_reqs > 1 and s.num_tokens not in (
         s.num_reqs, s.num_reqs * 4)]
     assert len(mixed) >= 3
-
-
-def test_the_published_multimodal_layout_runs_its_text_model_and_mtp_layer(q35_dir,
-                                                                         q35_reference):
-    """``Qwen3_5ForConditionalGeneration`` (text_config with mrope keys, ``model.language_
-    model.*``, a vision tower, ``mtp.*``): the text model loads (the vision tower unread), and
-    MTP K=2 found in the same folder gives transformers' greedy tokens."""
-    path = q35_dir("qwen3_5_vl")
-    model = load_model(path)
-    assert model.config.layer_types[1] == "full_attention"
-    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=256,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert type(llm.runner.proposer.head).__name__ == "Qwen3_5MtpHead"
-    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
-    assert [o.token_ids for o in outs] == q35_reference("qwen3_5_vl")["tokens"]
