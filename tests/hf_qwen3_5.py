@@ -218,3 +218,50 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
                     position_ids=positions[None])
         out = out[0] if isinstance(out, tuple) else out
         return (norm("norm")(out[0]) @ t["lm_head.weight"].T).float()
+
+
+# ---- the published (multimodal) layout -----------------------------------------------------------
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+          "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+          "temporal_patch_size": 2, "num_position_embeddings": 16}
+
+
+def build_qwen3_5_vl(path) -> Path:
+    """Qwen3.5 as published: ``Qwen3_5ForConditionalGeneration`` (built by transformers) with
+    ``QWEN3_5`` as its ``text_config`` -- multimodal rope keys ``mrope_section`` [1, 1, 0] and
+    ``mrope_interleaved`` in it, as the published configs have them -- a one-block vision
+    tower (``model.visual.*``), the text model under ``model.language_model.*``, and the MTP
+    layer ``mtp.*`` in an extra shard."""
+    text = {**QWEN3_5, "rope_parameters": {**QWEN3_5["rope_parameters"],
+                                           "mrope_section": [1, 1, 0],
+                                           "mrope_interleaved": True}}
+    path = H._build(path, "Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                    post=_deltanet_params, text_config=text, vision_config=VISION)
+    cfg = H.read_config(path)["text_config"]
+    full = cfg["layer_types"].index("full_attention")
+    gen = torch.Generator().manual_seed(H.SEED + 13)
+    src = f"model.language_model.layers.{full}."
+    from safetensors import safe_open
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names = f.keys()
+            shapes.update({k: f.get_slice(k).get_shape() for k in names if k.startswith(src)})
+    mtp = {"mtp.layers.0." + k[len(src):]: (0.1 if k.endswith("norm.weight") else H.INIT_RANGE)
+           * torch.randn(shape, generator=gen) for k, shape in sorted(shapes.items())}
+    h = cfg["hidden_size"]
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=gen)
+    mtp["mtp.fc.weight"] = H.INIT_RANGE * torch.randn(h, 2 * h, generator=gen)
+    H.add_shard(path, mtp)
+    return path
+
+
+def hf_vl_model(path):
+    """transformers' multimodal model of a ``build_qwen3_5_vl`` folder (the reference)."""
+    import transformers
+    return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+BUILDERS["qwen3_5_vl"] = build_qwen3_5_vl

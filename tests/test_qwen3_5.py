@@ -49,7 +49,7 @@ def q35_reference(q35_dir):
     def get(name: str) -> dict:
         if name not in cache:
             path = q35_dir(name)
-            model = H.hf_model(path)
+            model = Q.hf_vl_model(path) if name == "qwen3_5_vl" else H.hf_model(path)
             cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
                            "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
         return cache[name]
@@ -58,7 +58,7 @@ def q35_reference(q35_dir):
 
 @pytest.mark.parametrize("case,chunk", [("qwen3_5", 256), ("qwen3_5", 7), ("qwen3_5", 16),
                                         ("qwen3_5_interval", 256), ("qwen3_next", 256),
-                                        ("qwen3_next", 7)])
+                                        ("qwen3_next", 7), ("qwen3_5_vl", 7)])
 def test_greedy_tokens_match_transformers(case, chunk, q35_dir, q35_reference):
     """``chunk`` = max_num_batched_tokens: 7 and 16 split the 17- and 40-token prompts into
     chunks that share steps with other requests' decodes."""
@@ -69,7 +69,7 @@ def test_greedy_tokens_match_transformers(case, chunk, q35_dir, q35_reference):
     assert max(s.num_tokens for s in llm.steps) <= chunk
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_interval", "qwen3_next"])
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_interval", "qwen3_next", "qwen3_5_vl"])
 def test_last_logits_match_transformers(case, q35_dir, q35_reference):
     model = load_model(q35_dir(case))
     ids = torch.tensor(LOGIT_PROMPT)
@@ -122,6 +122,21 @@ def test_cache_spec_is_paged_kv_for_full_and_state_slots_for_linear_layers(q35_d
         (4 + 1) * 2 * 2 * 5632
 
 
+def test_the_published_multimodal_layout_runs_its_text_model_and_mtp_layer(q35_dir,
+                                                                         q35_reference):
+    """``Qwen3_5ForConditionalGeneration`` (text_config with mrope keys, ``model.language_
+    model.*``, a vision tower, ``mtp.*``): the text model loads (the vision tower unread), and
+    MTP K=2 found in the same folder gives transformers' greedy tokens."""
+    path = q35_dir("qwen3_5_vl")
+    model = load_model(path)
+    assert model.config.layer_types[1] == "full_attention"
+    llm = LLM(model=str(path), max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert type(llm.runner.proposer.head).__name__ == "Qwen3_5MtpHead"
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == q35_reference("qwen3_5_vl")["tokens"]
+
+
 # ---- refusals ----------------------------------------------------------------------------
 def _edit(src, dst, edit):
     path = H.copy_folder(src, dst)
@@ -132,8 +147,10 @@ def _edit(src, dst, edit):
 
 
 @pytest.mark.parametrize("what,edit,match", [
-    ("the VL checkpoint", lambda c: c.update(architectures=["Qwen3_5ForConditionalGeneration"]),
-     "Qwen3_5ForConditionalGeneration.*not supported"),
+    ("the MoE variant", lambda c: c.update(architectures=["Qwen3_5MoeForCausalLM"]),
+     "Qwen3_5MoeForCausalLM.*not supported"),
+    ("multimodal rope on the text architecture", lambda c: c["rope_parameters"].update(
+        mrope_section=[1, 1, 0]), "mrope_section"),
     ("Qwen3.5 tensors as Qwen3-Next", lambda c: c.update(architectures=[
         "Qwen3NextForCausalLM"]), "missing tensors.*in_proj_qkvz"),
     ("ungated attention", lambda c: c.update(attn_output_gate=False), "attn_output_gate"),

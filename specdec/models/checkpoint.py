@@ -79,9 +79,20 @@ def _shards(sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]:
     return shards
 
 
+# multimodal checkpoints whose text model specdec runs: their config.json nests it in
+# text_config (read as the config; the architecture kept), the vision keys are not read
+TEXT_OF_MULTIMODAL = ("Qwen3_5ForConditionalGeneration",)
+# top-level keys of such a config that belong to the text model
+_TEXT_KEYS_OUTSIDE = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype",
+                      "dtype")
+
+
 def load_config(path: str | Path) -> dict:
     """The folder's ``config.json`` as a dict; ValueError naming the file when it is missing,
-    not JSON, or not a JSON object."""
+    not JSON, or not a JSON object. For a ``TEXT_OF_MULTIMODAL`` architecture: its
+    ``text_config`` (with ``architectures`` and the text keys set only at the top level),
+    rotary ``mrope_*`` keys dropped: specdec feeds text only, whose three position streams
+    are one, where multimodal rope is the plain rope of those positions."""
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"checkpoint folder {str(path)!r} has no {CONFIG_NAME}")
@@ -91,7 +102,21 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: must be a JSON object, got a {type(config).__name__}")
+    if (config.get("architectures") or [None])[0] in TEXT_OF_MULTIMODAL and \
+            isinstance(config.get("text_config"), dict):
+        return _text_model_config(config)
     return config
+
+
+def _text_model_config(config: dict) -> dict:
+    text = dict(config["text_config"], architectures=config["architectures"])
+    for key in _TEXT_KEYS_OUTSIDE:
+        if key in config and text.get(key) is None:
+            text[key] = config[key]
+    rope = text.get("rope_parameters")
+    if isinstance(rope, dict):
+        text["rope_parameters"] = {k: v for k, v in rope.items() if not k.startswith("mrope")}
+    return text
 
 
 def weight_files(path: str | Path) -> list[Path]:

@@ -24,10 +24,12 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
-               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next"}
+               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
+               "Qwen3_5ForConditionalGeneration": "qwen3_5_text"}
 # hybrid models: layer_types may say linear_attention (default schedule: every
 # full_attention_interval-th layer full, the others linear)
-LINEAR_ATTENTION_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+LINEAR_ATTENTION_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
+                          "Qwen3_5ForConditionalGeneration")
 
 # bookkeeping, generation defaults and training-only knobs: they never change a forward
 IGNORED_KEYS = frozenset({

@@ -89,6 +89,8 @@ MTP_ARCH = "MiMoForCausalLM"
 DEEPSEEK_ARCH = "DeepseekV3ForCausalLM"  # its MTP layer: models/deepseek_mtp.py
 QWEN3_5_ARCH = "Qwen3_5ForCausalLM"  # its MTP layer (mtp.*): models/qwen3_5_mtp.py
 QWEN3_NEXT_ARCH = "Qwen3NextForCausalLM"  # the same layout
+QWEN3_5_VL_ARCH = "Qwen3_5ForConditionalGeneration"  # the same layout
+QWEN3_5_MTP_ARCHS = (QWEN3_5_ARCH, QWEN3_NEXT_ARCH, QWEN3_5_VL_ARCH)
 EAGLE_ARCHS = ("LlamaForCausalLM", "EagleLlamaForCausalLM")
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # config keys that make a LlamaForCausalLM-architecture head folder an EAGLE-3 head
@@ -509,7 +511,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype = t
     if arch == DEEPSEEK_ARCH:
         from specdec.models.deepseek_mtp import load_deepseek_mtp  # (it imports this module)
         return load_deepseek_mtp(path, target, dtype, device)
-    if arch in (QWEN3_5_ARCH, QWEN3_NEXT_ARCH):
+    if arch in QWEN3_5_MTP_ARCHS:
         from specdec.models.qwen3_5_mtp import load_qwen3_5_mtp  # (it imports this module)
         return load_qwen3_5_mtp(path, target, dtype, device)
 

@@ -13,6 +13,11 @@ pick.
 The cache: paged KV for the full-attention layers, per-request state slots for the linear
 ones (``kv_cache_spec`` says which). The MTP layer stored as ``mtp.*`` in the same folder is
 the draft head's (``qwen3_5_mtp``), skipped here.
+
+The published Qwen3.5 checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``):
+their text model is this one, its config the ``text_config`` (``checkpoint.load_config``),
+its tensors ``model.language_model.*`` (read as ``model.*``); the vision tower
+``model.visual.*`` is not read (specdec takes text prompts).
 """
 
 from __future__ import annotations
@@ -126,8 +131,14 @@ def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecod
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     CONFIG_KEYS = QWEN3_5_KEYS
-    IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*")
+    IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*|model\.visual\..*")
     FUSED_PROJECTIONS = False  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next)
+    TEXT_PREFIX = "model.language_model."  # the multimodal checkpoints' text model
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(self.TEXT_PREFIX):
+            name = "model." + name[len(self.TEXT_PREFIX):]
+        return super().checkpoint_name(name)
 
     def __init__(self, config: ModelConfig):
         check_config(config)

@@ -30,7 +30,8 @@ from specdec.models.qwen3_5 import (
 )
 
 # the architectures holding this layout, with the config keys their family reads
-ARCHS = {"Qwen3_5ForCausalLM": QWEN3_5_KEYS, "Qwen3NextForCausalLM": QWEN3_NEXT_KEYS}
+ARCHS = {"Qwen3_5ForCausalLM": QWEN3_5_KEYS, "Qwen3NextForCausalLM": QWEN3_NEXT_KEYS,
+         "Qwen3_5ForConditionalGeneration": QWEN3_5_KEYS}
 PREFIX = "mtp."
 
 

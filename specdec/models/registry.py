@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # hybrid: gated DeltaNet + gated attention
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # the same, fused projections, MoE
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its text model (see qwen3_5)
 }
 
 

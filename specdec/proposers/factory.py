@@ -11,6 +11,7 @@ from specdec.models.heads import (
     DEEPSEEK_ARCH,
     MTP_ARCH,
     QWEN3_5_ARCH,
+    QWEN3_5_MTP_ARCHS,
     QWEN3_NEXT_ARCH,
     DraftHead,
     load_head,
@@ -53,7 +54,7 @@ def holds_mtp_layers(path: str | Path) -> bool:
         if arch == DEEPSEEK_ARCH:
             return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in \
                 _tensor_names(path)
-        if arch in (QWEN3_5_ARCH, QWEN3_NEXT_ARCH):
+        if arch in QWEN3_5_MTP_ARCHS:
             return "mtp.fc.weight" in _tensor_names(path)
         return False
     except (ValueError, OSError, RuntimeError, SafetensorError):
