@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec.engine.llm import DEFAULT_MODEL, LLM
+from specdec.engine.sequence import SamplingParams
 
 MAX_MODEL_LEN = 48
 VOCAB = 2048  # the embedded model's vocabulary
@@ -86,7 +87,9 @@ def num_prompts(p) -> int:
 
 
 def check_complete(llm: LLM, p, kwargs: dict, outs) -> None:
-    max_tokens = kwargs.get("max_tokens", 64)
+    max_tokens = kwargs.get("max_tokens")
+    if max_tokens is None:  # absent or None: SamplingParams' default
+        max_tokens = SamplingParams().max_tokens
     assert len(outs) == num_prompts(p)
     for o in outs:
         assert o.finish_reason in ("eos", "stop", "length"), (o.finish_reason, o.error)
