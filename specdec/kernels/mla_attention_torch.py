@@ -17,7 +17,7 @@ Worked example (one token, one head, D = 3, V = 2, scale 1, two visible rows [1,
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.paged_attention_torch import PagedPlan
+from specdec.kernels.paged_attention_torch import PagedPlan, gather_keys
 
 
 def check_latent(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> None:
@@ -33,7 +33,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: PagedPlan, *, value_d
                   scale: float) -> torch.Tensor:
     """q [N, H, D], cache [S, 1, D] -> [N, H, value_dim] in q's dtype (module docstring)."""
     check_latent(q, cache, value_dim)
-    rows = cache[p.key_slots][p.req]  # [N, L, 1, D]
+    rows = gather_keys(cache, p)  # [N, L, 1, D]
     keys = rows.permute(0, 2, 1, 3)  # [N, 1, L, D]
     out = F.scaled_dot_product_attention(q[:, None], keys, keys[..., :value_dim],
                                          attn_mask=p.key_mask[:, None, None, :], scale=scale)

@@ -47,7 +47,8 @@ class PagedPlan(NamedTuple):
 
     req: torch.Tensor  # [N] int64, request of each token
     visible: torch.Tensor  # [N] int64, keys each token sees (>= 1)
-    key_slots: torch.Tensor  # [B, L] int64, slot of each request's key positions 0..L-1
+    key_slots: torch.Tensor  # [N * L] int64, slot of key position j of token i's request at
+    #                          i * L + j (one flat index: each layer gathers K and V once)
     key_mask: torch.Tensor  # [N, L] bool, key position < visible
 
 
@@ -88,7 +89,17 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
     key_pos = torch.arange(bound, device=device)
     block_idx = (key_pos // block_size).clamp_(max=block_table.shape[1] - 1)
     key_slots = block_table.to(torch.int64)[:, block_idx] * block_size + key_pos % block_size
-    return PagedPlan(req, visible, key_slots, key_pos[None, :] < visible[:, None])
+    # (a block table's unused entries may be -1: their keys are masked, read slot 0 instead)
+    return PagedPlan(req, visible, key_slots[req].flatten().clamp_(min=0),
+                     key_pos[None, :] < visible[:, None])
+
+
+def gather_keys(cache: torch.Tensor, p: PagedPlan) -> torch.Tensor:
+    """cache [S, H, D] -> [N, L, H, D]: each token's request's key positions 0..L-1 (one
+    index_select: a 2-D advanced index, or a gather per request then per token, costs several
+    times more on CPU)."""
+    n, length = p.key_mask.shape
+    return cache.index_select(0, p.key_slots).view(n, length, *cache.shape[1:])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,8 +116,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if sliding_window is not None:
         key_pos = torch.arange(mask.shape[1], device=mask.device)
         mask = mask & (key_pos[None, :] >= (p.visible - sliding_window)[:, None])
-    keys = k_cache[p.key_slots][p.req]  # [N, L, Hkv, D]
-    values = v_cache[p.key_slots][p.req]
+    keys = gather_keys(k_cache, p)  # [N, L, Hkv, D]
+    values = gather_keys(v_cache, p)
     # [N, Hkv, G, D] x [N, Hkv, D, L]: one query row per (token, head)
     out = F.scaled_dot_product_attention(
         q.view(n, hkv, hq // hkv, d), keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
