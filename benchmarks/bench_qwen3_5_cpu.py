@@ -17,10 +17,8 @@ build them).
 """
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import hf_qwen3_5 as Q
 
-from specdec import LLM
+from benchmarks.mtp_cpu import compare_mtp
 from specdec.linear_state import LinearStateSpec
 from specdec.models import load_model
 
@@ -54,38 +52,6 @@ def cache_table(path: Path, dtype: torch.dtype) -> list[str]:
     return lines
 
 
-def bench(path: Path, prompts: list, args) -> None:
-    configs = {"plain": None}
-    for k in (1, 2, 3):
-        configs[f"mtp K={k}"] = {"method": "mtp", "num_speculative_tokens": k}
-    llms = {name: LLM(model=str(path), max_num_seqs=len(prompts), max_model_len=256,
-                      speculative_config=spec) for name, spec in configs.items()}
-
-    def run(llm):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, max_tokens=args.max_tokens, ignore_eos=True)
-        return time.perf_counter() - t0, outs
-
-    first = {name: run(llm)[1] for name, llm in llms.items()}  # warm-up, not timed
-    times = {name: [] for name in llms}
-    for _ in range(args.repeats):  # round-robin: the configurations side by side
-        for name, llm in llms.items():
-            times[name].append(run(llm)[0])
-    tokens = sum(len(o.token_ids) for o in first["plain"])
-    plain_ms = statistics.median(times["plain"]) / tokens * 1e3
-    print(f"  {'config':<12}{'ms/token':>10}{'vs plain':>10}{'accept':>8}{'accept len':>12}"
-          f"{'== plain':>10}")
-    for name in llms:
-        outs = first[name]
-        ms = statistics.median(times[name]) / tokens * 1e3
-        drafted = sum(sum(o.num_drafted) for o in outs)
-        accepted = sum(sum(o.num_accepted) for o in outs)
-        rate = f"{accepted / drafted:.2f}" if drafted else "-"
-        alen = f"{statistics.mean(o.acceptance_length for o in outs):.2f}" if drafted else "-"
-        same = [o.token_ids for o in outs] == [o.token_ids for o in first["plain"]]
-        print(f"  {name:<12}{ms:>10.2f}{plain_ms / ms:>9.2f}x{rate:>8}{alen:>12}{same!s:>10}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -105,7 +71,7 @@ def main() -> None:
         for folder, label in FOLDERS.items():
             path = Q.BUILDERS[folder](Path(tmp) / folder / "model")
             print(f"\n{label} ({folder}):")
-            bench(path, prompts, args)
+            compare_mtp(path, prompts, "mtp", args.max_tokens, args.repeats)
         print()
         for dtype in (torch.float32, torch.bfloat16):
             print("\n".join(cache_table(path, dtype)))

@@ -19,16 +19,14 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from specdec.bench.serve import free_port, launch, stop
+from specdec.bench.serve import free_port, launch, stop, wait_healthy
 from specdec.entrypoints.engine_core import default_engine_threads
 
 METHODS = ("none", "eagle3")
@@ -59,7 +57,6 @@ def figures(results: Path) -> dict:
 def launch_vllm(python: str, method: str, k: int, max_len: int,
                 max_seqs: int) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` of the embedded checkpoints on a free port, once /health answers."""
-    import httpx
     port = free_port()
     cmd = [python, "benchmarks/vllm_cli.py", "serve", TARGET, "--served-model-name", NAME,
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len",
@@ -69,20 +66,7 @@ def launch_vllm(python: str, method: str, k: int, max_len: int,
             {"method": method, "model": f"specdec/assets/default/{method}",
              "num_speculative_tokens": k})]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}: "
-                               f"{proc.stderr.read()[-1000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.send_signal(signal.SIGKILL)
-    raise RuntimeError("vllm serve did not answer /health within 600 s")
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "vllm serve", 600)
 
 
 def vllm_client(python: str, url: str, args, conc: int) -> float:

@@ -156,3 +156,14 @@ def llm(folder) -> LLM:
     """One shared engine (EAGLE-3, K=2); every test leaves it idle."""
     return LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},
                max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The module runs with one torch thread (model comparisons: faster on 2 shared cores,
+    and the same reduction order every run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+

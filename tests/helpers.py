@@ -223,3 +223,14 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "server did not shut down"
+
+
+def folder_builder(builders: dict, tmp_path_factory):
+    """name -> the checkpoint folder ``builders[name](path)`` wrote, built once per session."""
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = builders[name](tmp_path_factory.mktemp(name) / "model")
+        return cache[name]
+    return get

@@ -8,6 +8,7 @@ import json
 
 import hf_deepseek as D
 import hf_models as H
+from helpers import folder_builder
 import pytest
 import torch
 
@@ -22,23 +23,12 @@ PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (5, 17,
 LOGIT_PROMPT = torch.randint(3, 500, (80,), generator=_gen).tolist()  # > original_max 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")
 def ds_dir(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = D.BUILDERS[name](tmp_path_factory.mktemp(name) / "model")
-        return cache[name]
-    return get
+    return folder_builder(D.BUILDERS, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ the paged path -- the cache spec says paged KV for full attention and state slot
 attention, and what is not implemented is refused by name."""
 
 import hf_models as H
+from helpers import folder_builder
 import hf_qwen3_5 as Q
 import pytest
 import torch
@@ -23,23 +24,12 @@ PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (5, 17,
 LOGIT_PROMPT = torch.randint(3, 500, (80,), generator=_gen).tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")
 def q35_dir(tmp_path_factory):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = Q.BUILDERS[name](tmp_path_factory.mktemp(name) / "model")
-        return cache[name]
-    return get
+    return folder_builder(Q.BUILDERS, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

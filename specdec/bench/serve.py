@@ -190,25 +190,29 @@ def free_port() -> int:
 
 def launch(serve_args: list[str], timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
     """Start ``specdec serve`` on a free port; -> (process, base URL) once /health answers."""
-    import httpx
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port),
                              *serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    url = f"http://127.0.0.1:{port}"
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "specdec serve", timeout_s)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, timeout_s: float) -> str:
+    """``url`` once its /health answers 200; UsageError (after stopping ``proc``) when the
+    server exits first or stays silent for ``timeout_s``."""
+    import httpx
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise UsageError(f"specdec serve exited with {proc.returncode}: "
-                             f"{proc.stderr.read()[-500:]}")
+            raise UsageError(f"{name} exited with {proc.returncode}: {proc.stderr.read()[-500:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
     stop(proc)
-    raise UsageError(f"specdec serve did not answer /health within {timeout_s:.0f} s")
+    raise UsageError(f"{name} did not answer /health within {timeout_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
