@@ -16,7 +16,6 @@ Needs transformers (the folder is written by transformers' DeepseekV3ForCausalLM
 tests build it).
 """
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import hf_deepseek as D  # noqa: E402
 
-from benchmarks.mtp_cpu import compare_mtp  # noqa: E402
+from benchmarks import mtp_cpu  # noqa: E402
 from specdec.attention import KVCacheSpec  # noqa: E402
 from specdec.models import load_model  # noqa: E402
 
@@ -56,17 +55,8 @@ def kv_table(path: Path, dtype: torch.dtype) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
-               for n in [5, 17, 40, 29, 11, 63, 8, 50][:args.prompts]]
+    args = mtp_cpu.parse_args(__doc__)
+    prompts = mtp_cpu.prompts(args.prompts)
     print(f"tiny DeepSeek-V3 + MTP (hidden 64, 3 layers, MLA, MoE), CPU, "
           f"{torch.get_num_threads()} thread(s), {len(prompts)} prompts x {args.max_tokens} "
           f"tokens, greedy, median of {args.repeats} (warm-up excluded)")
@@ -74,7 +64,7 @@ def main() -> None:
         for folder, label in FOLDERS.items():
             path = D.BUILDERS[folder](Path(tmp) / folder)
             print(f"\n{label} ({folder}):")
-            compare_mtp(path, prompts, "deepseek_mtp", args.max_tokens, args.repeats)
+            mtp_cpu.compare_mtp(path, prompts, "deepseek_mtp", args.max_tokens, args.repeats)
         print()
         for dtype in (torch.float32, torch.bfloat16):
             print("\n".join(kv_table(path, dtype)))

@@ -16,7 +16,6 @@ Needs transformers (the folders are written by transformers' Qwen3_5ForCausalLM,
 build them).
 """
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import hf_qwen3_5 as Q
 
-from benchmarks.mtp_cpu import compare_mtp
+from benchmarks import mtp_cpu
 from specdec.linear_state import LinearStateSpec
 from specdec.models import load_model
 
@@ -53,17 +52,8 @@ def cache_table(path: Path, dtype: torch.dtype) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
-               for n in [5, 17, 40, 29, 11, 63, 8, 50][:args.prompts]]
+    args = mtp_cpu.parse_args(__doc__)
+    prompts = mtp_cpu.prompts(args.prompts)
     print(f"tiny Qwen3.5 + MTP (hidden 64, layers [linear, full, linear]), CPU, "
           f"{torch.get_num_threads()} thread(s), {len(prompts)} prompts x {args.max_tokens} "
           f"tokens, greedy, median of {args.repeats} (warm-up excluded)")
@@ -71,7 +61,7 @@ def main() -> None:
         for folder, label in FOLDERS.items():
             path = Q.BUILDERS[folder](Path(tmp) / folder / "model")
             print(f"\n{label} ({folder}):")
-            compare_mtp(path, prompts, "mtp", args.max_tokens, args.repeats)
+            mtp_cpu.compare_mtp(path, prompts, "mtp", args.max_tokens, args.repeats)
         print()
         for dtype in (torch.float32, torch.bfloat16):
             print("\n".join(cache_table(path, dtype)))

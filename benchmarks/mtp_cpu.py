@@ -1,9 +1,12 @@
 """The CPU comparison the family benchmarks share: plain vs an MTP method at K = 1..3 on one
 checkpoint folder, side by side (round-robin repeats), ms per output token and acceptance."""
 
+import argparse
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from specdec import LLM
 
@@ -42,3 +45,22 @@ def compare_mtp(path: Path, prompts: list, method: str, max_tokens: int, repeats
         same = [o.token_ids for o in outs] == [o.token_ids for o in first["plain"]]
         print(f"  {name:<{width}}{ms:>10.2f}{plain_ms / ms:>9.2f}x{rate:>8}{alen:>12}"
               f"{same!s:>10}")
+
+
+def parse_args(doc: str):
+    """The family benchmarks' flags (prompts, tokens, repeats, threads); sets the threads."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def prompts(n: int) -> list[list[int]]:
+    """n fixed random prompts of varied lengths (ids 3..499)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (length,), generator=gen).tolist()
+            for length in [5, 17, 40, 29, 11, 63, 8, 50][:n]]
