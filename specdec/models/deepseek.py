@@ -26,7 +26,6 @@ from specdec.models.config import ModelConfig
 from specdec.models.layers.mla import MLAttention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import DEEPSEEK_MOE_KEYS, MOE_CONFIG_KEYS, MoEMLP
-from specdec.models.layers.norm import RMSNorm
 from specdec.models.layers.rotary import RotaryEmbedding
 from specdec.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -123,18 +122,13 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig):
         check_config(config)
-        nn.Module.__init__(self)
-        self.config = config
-        scale = softmax_scale(config)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(build_layer(config, i, scale)
-                                          for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = rotary(config)
+        super().__init__(config)
+
+    def build_layer(self, layer_idx: int) -> nn.Module:
+        return build_layer(self.config, layer_idx, softmax_scale(self.config))
+
+    def build_rotary(self):
+        return rotary(self.config)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith("model.layers.") and \

@@ -86,21 +86,29 @@ class LlamaForCausalLM(nn.Module):
     # rotary caches some exporters save; MiMo's MTP layers (the head loader reads them)
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|model\.mtp_layers\..*")
 
+    NORM = RMSNorm  # the final norm's class
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            build_layer(config, i, qk_norm=self.QK_NORM,
-                        sliding_window=config.sliding_window_of(i))
-            for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.layers = nn.ModuleList(self.build_layer(i)
+                                          for i in range(config.num_hidden_layers))
+        self.model.norm = self.NORM(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope,
-                                      config.max_position_embeddings)
+        self.rotary = self.build_rotary()
+
+    def build_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx`` of this family (the families override it)."""
+        return build_layer(self.config, layer_idx, qk_norm=self.QK_NORM,
+                           sliding_window=self.config.sliding_window_of(layer_idx))
+
+    def build_rotary(self):
+        c = self.config
+        return RotaryEmbedding(c.head_dim, c.rope, c.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -140,19 +140,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             name = "model." + name[len(self.TEXT_PREFIX):]
         return super().checkpoint_name(name)
 
+    NORM = OffsetRMSNorm
+
     def __init__(self, config: ModelConfig):
         check_config(config)
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(build_layer(config, i, self.FUSED_PROJECTIONS)
-                                          for i in range(config.num_hidden_layers))
-        self.model.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = rotary(config)
+        super().__init__(config)
+
+    def build_layer(self, layer_idx: int) -> nn.Module:
+        return build_layer(self.config, layer_idx, self.FUSED_PROJECTIONS)
+
+    def build_rotary(self):
+        return rotary(self.config)
 
     def kv_cache_spec(self) -> list:
         """Per layer: a ``KVCacheSpec`` (full attention, paged) or a ``LinearStateSpec``."""
