@@ -196,7 +196,9 @@ class AsyncEngine(_Frontend):
         updates += [self.core.add(h.request_id, h.prompt_token_ids, h.params)
                     for h in self._to_add if h.request_id in self._handles]
         self._to_add.clear()
-        self._dispatch(CoreOutput(None, [u for u in updates if u is not None]))
+        updates = [u for u in updates if u is not None]
+        if updates:  # add refusals and abort stats (most loop turns have none)
+            self._dispatch(CoreOutput(None, updates))
 
 
 class ProcessEngine(_Frontend):
@@ -239,7 +241,6 @@ class ProcessEngine(_Frontend):
             raise RuntimeError(msg[1])
         self.info = msg
         self.max_num_seqs = msg.max_num_seqs
-        self._gauges = (0, 0, 0)
         return msg
 
     @property
