@@ -21,6 +21,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.graphs import resolve_backend
 from specdec.models.heads import SharedWeights
+from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.parallel import check_shardable
 from specdec.padding import BatchPadder, largest_step
 from specdec.proposers.extract_hidden_states import check_output_dir
@@ -157,6 +158,7 @@ class LLM:
                 block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                 dtype=cfg.dtype, device=self.device, graph_backend=self.graph_backend,
                 compile_backend=compile_backend)
+        use_cpu_gemm_layout(target, head)  # before graph capture / compilation
         self.runner = ModelRunner(
             target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

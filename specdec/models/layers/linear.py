@@ -61,3 +61,33 @@ def _merge_state(parent: nn.Module, state_dict: dict, prefix: str, local_metadat
             keys = [f"{prefix}{name}.{kind}" for name in merged.parts]
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{attr}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+# CPU dtypes whose GEMM reads a column-major weight faster (benchmarks/bench_cpu_gemm_layout.py:
+# float32 decode forwards 1.16-1.30x at 1-16 rows; bfloat16 unchanged, float16 3-6x slower)
+CPU_GEMM_LAYOUT_DTYPES = (torch.float32,)
+
+
+def use_cpu_gemm_layout(*models: nn.Module | None) -> int:
+    """Store the ``nn.Linear`` weights of ``models`` that live on the CPU in float32
+    (``CPU_GEMM_LAYOUT_DTYPES``) column-major: the same ``[out, in]`` tensor (same values,
+    names and state dict) with strides ``(1, out)``, i.e. ``W^T [in, out]`` row-major in memory.
+    ``F.linear`` then calls the BLAS's non-transposed GEMM, which on the CPUs measured reads
+    the weight up to twice as fast at decode batch sizes (M = 1..16 rows).
+
+    A weight an ``nn.Embedding`` also holds (a tied lm_head) keeps its rows (the embedding
+    gathers rows); a weight moved already is left alone (heads share the target's lm_head).
+    Returns the number of weights moved."""
+    modules = [m for model in models if model is not None for m in model.modules()]
+    embedded = {id(m.weight) for m in modules if isinstance(m, nn.Embedding)}
+    moved = 0
+    for m in modules:
+        w = m.weight if isinstance(m, nn.Linear) else None
+        if (w is None or id(w) in embedded or w.device.type != "cpu" or w.dim() != 2
+                or w.dtype not in CPU_GEMM_LAYOUT_DTYPES or not w.is_contiguous()
+                or w.shape[0] == 1 or w.shape[1] == 1):
+            continue
+        with torch.no_grad():
+            w.data = w.data.t().contiguous().t()
+        moved += 1
+    return moved
