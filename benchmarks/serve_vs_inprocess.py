@@ -14,15 +14,17 @@ README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eag
 serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths).
 
 Every server is started first and waits idle while another is measured; then ``--rounds``
-rounds each run the in-process harness and every (server, client) pair once, the servers'
-order reversed on every other round, and each figure is the median over the rounds (this
-machine's speed drifts by tens of percent over minutes: one server measured after the other
-compares two moments more than two servers). Run it from the repository root on an
+rounds each run, per method and concurrency and back to back, the in-process harness and
+every (server, client) pair, the servers' order reversed on every other round. Each figure
+is the median over the rounds, and each overhead and ratio the median of its per-round
+values (this machine's speed drifts by tens of percent over minutes: one server measured
+minutes after the other compares two moments more than two servers). Run it from the repository root on an
 otherwise idle machine.
 """
 
 import argparse
 import json
+import operator
 import os
 import re
 import statistics
@@ -42,8 +44,8 @@ TARGET = "specdec/assets/default/target"
 NAME = "specdec-default"
 
 
-def harness_args(args) -> list[str]:
-    return ["--concurrency", args.concurrency, "--prompt-len", str(args.prompt_len),
+def harness_args(args, conc: int) -> list[str]:
+    return ["--concurrency", str(conc), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--repeats", str(args.repeats),
             "--warmup", "1"]
 
@@ -88,45 +90,42 @@ def vllm_client(python: str, url: str, args, conc: int) -> float:
     return float(re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out).group(1))
 
 
-def specdec_client(url: str, label: str, args, out: Path) -> dict:
-    """``specdec bench serve`` against ``url``: concurrency -> (mean ITL ms, tokens/s)."""
+def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[float, float]:
+    """``specdec bench serve`` against ``url`` at ``conc``: (mean ITL ms, tokens/s)."""
     run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--base-url", url,
-         "--model", NAME, "--label", label, "--out", str(out)] + harness_args(args))
-    return figures(out / "results.json")
+         "--model", NAME, "--label", label, "--out", str(out)] + harness_args(args, conc))
+    return figures(out / "results.json")[conc]
 
 
-def in_process(args, out: Path) -> dict:
-    """The in-process harness, both methods: (method, concurrency) -> (mean ITL ms, tok/s)."""
-    run([sys.executable, "-m", "specdec.cli", "bench", "--methods", ",".join(METHODS),
-         "--modes", "padded", "-k", str(args.k), "--out", str(out)] + harness_args(args),
+def in_process(args, method: str, conc: int, out: Path) -> tuple[float, float]:
+    """The in-process harness (``specdec bench``) at ``conc``: (mean ITL ms, tokens/s)."""
+    run([sys.executable, "-m", "specdec.cli", "bench", "--methods", method, "--modes",
+         "padded", "-k", str(args.k), "--out", str(out)] + harness_args(args, conc),
         env={"OMP_NUM_THREADS": str(args.engine_threads)})
-    return {(c["method"], c["concurrency"]): (c["summary"]["itl_ms"]["mean"],
-                                              c["summary"]["output_tokens_per_s"])
-            for c in json.loads((out / "results.json").read_text())["configs"]
-            if c["status"] == "ok"}
+    return figures(out / "results.json")[conc]
 
 
 def measure_round(servers: dict, args, concs: list[int], r: int,
                   samples: dict[tuple, list[float]]) -> None:
-    """One round: the in-process harness, then per method every server with each client,
-    the servers' order reversed on odd rounds. Appends to ``samples[(method, where, conc,
+    """One round: per method and concurrency, back to back, the in-process harness, every
+    server with ``specdec bench serve``, then every server with ``vllm bench serve`` (the
+    servers' order reversed on odd rounds). Appends to ``samples[(method, where, conc,
     figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
-    out = args.out / f"round{r}"
-    for (method, c), (itl, tps) in in_process(args, out / "inprocess").items():
-        samples[method, "in-process", c, "itl"].append(itl)
-        samples[method, "in-process", c, "tps"].append(tps)
     kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
+    order = kinds if r % 2 == 0 else kinds[::-1]
     for method in METHODS:
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            url = servers[method, kind][1]
-            for c, (itl, tps) in specdec_client(url, method, args,
-                                                out / f"{kind}-{method}").items():
+        for c in concs:
+            out = args.out / f"round{r}" / f"{method}-c{c}"
+            itl, tps = in_process(args, method, c, out / "inprocess")
+            samples[method, "in-process", c, "itl"].append(itl)
+            samples[method, "in-process", c, "tps"].append(tps)
+            for kind in order:
+                itl, tps = specdec_client(servers[method, kind][1], method, args, c, out / kind)
                 samples[method, kind, c, "itl"].append(itl)
                 samples[method, kind, c, "tps"].append(tps)
-            if args.vllm_python:
-                for c in concs:
-                    samples[method, kind, c, "vllm_client_tps"].append(
-                        vllm_client(args.vllm_python, url, args, c))
+            for kind in (order if args.vllm_python else ()):
+                samples[method, kind, c, "vllm_client_tps"].append(
+                    vllm_client(args.vllm_python, servers[method, kind][1], args, c))
 
 
 def main(argv=None) -> int:
@@ -164,18 +163,25 @@ def main(argv=None) -> int:
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    med = {key: statistics.median(v) for key, v in samples.items()}
-    Console(width=max(Console().width, 160)).print(table(med, args, concs))
+    Console(width=max(Console().width, 160)).print(table(samples, args, concs))
     (args.out / "summary.json").write_text(json.dumps(
-        {"medians": {"/".join(map(str, k)): v for k, v in med.items()},
-         "samples": {"/".join(map(str, k)): v for k, v in samples.items()}}, indent=1))
+        {"/".join(map(str, k)): v for k, v in samples.items()}, indent=1))
     return 0
 
 
-def table(med: dict, args, concs: list[int]) -> Table:
+def table(samples: dict, args, concs: list[int]) -> Table:
+    """Medians over the rounds; overheads and ratios are per round (the two figures measured
+    back to back), then their median."""
+    def med(method, where, c, figure) -> float:
+        return statistics.median(samples[method, where, c, figure])
+
+    def paired(method, c, op, a, b, figure) -> float:
+        return statistics.median(op(x, y) for x, y in zip(samples[method, a, c, figure],
+                                                         samples[method, b, c, figure]))
+
     t = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} output "
                     f"tokens, greedy, float32, {args.engine_threads} engine torch thread(s); "
-                    f"medians of {args.rounds} alternating rounds; ITL mean (ms), tok/s")
+                    f"medians of {args.rounds} rounds; ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
             "in-process tok/s", "specdec serve tok/s"]
     if args.vllm_python:
@@ -184,16 +190,20 @@ def table(med: dict, args, concs: list[int]) -> Table:
         t.add_column(col, justify="right")
     for method in METHODS:
         for c in concs:
-            def m(where: str, figure: str) -> float:
-                return med[method, where, c, figure]
-            cells = [method, str(c), f"{m('in-process', 'itl'):.2f}", f"{m('specdec', 'itl'):.2f}",
-                     f"{m('specdec', 'itl') - m('in-process', 'itl'):+.2f}",
-                     f"{m('in-process', 'tps'):.0f}", f"{m('specdec', 'tps'):.0f}"]
+            cells = [method, str(c), f"{med(method, 'in-process', c, 'itl'):.2f}",
+                     f"{med(method, 'specdec', c, 'itl'):.2f}",
+                     f"{paired(method, c, operator.sub, 'specdec', 'in-process', 'itl'):+.2f}",
+                     f"{med(method, 'in-process', c, 'tps'):.0f}",
+                     f"{med(method, 'specdec', c, 'tps'):.0f}"]
             if args.vllm_python:
-                sv, vv = m("specdec", "vllm_client_tps"), m("vllm", "vllm_client_tps")
-                cells += [f"{m('vllm', 'tps'):.0f}", f"{m('specdec', 'tps') / m('vllm', 'tps'):.2f}",
-                          f"{sv:.0f} / {vv:.0f}", f"{sv / vv:.2f}"]
+                cells += [f"{med(method, 'vllm', c, 'tps'):.0f}",
+                          f"{paired(method, c, operator.truediv, 'specdec', 'vllm', 'tps'):.2f}",
+                          f"{med(method, 'specdec', c, 'vllm_client_tps'):.0f} / "
+                          f"{med(method, 'vllm', c, 'vllm_client_tps'):.0f}",
+                          f"{paired(method, c, operator.truediv, 'specdec', 'vllm', 'vllm_client_tps'):.2f}"]
             t.add_row(*cells)
+    t.caption = ("overhead = server ITL - in-process ITL and ratio = specdec / vllm tok/s, "
+                 "each taken within a round, then the median over the rounds")
     return t
 
 
