@@ -1,8 +1,19 @@
 """A request's output text as its tokens arrive: incremental decoding and stop strings."""
 
+REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
+
 
 class TextStream:
     """Decodes the growing output and hands out only text that will not change.
+
+    Incremental: a chunk decodes only the tokens since the text last ended on a complete
+    character, with the tokens of the text appended before them as context (a decoder may
+    treat a window's first token differently, e.g. strip its leading space), so a token costs
+    the same at output position 10 or 10,000; the request's last chunk decodes all its tokens
+    once, so the final ``text`` is the tokenizer's decode of the output. (A decoder that
+    rewrites earlier text when later tokens arrive, e.g. byte fallback turning a valid byte
+    into U+FFFD because the bytes after it are invalid UTF-8, cannot change what was sent;
+    a full decode per chunk could not either.)
 
     Held back until more tokens arrive or the request ends: a trailing incomplete UTF-8
     sequence (decoded as U+FFFD) and the last ``len(longest stop string) - 1`` characters
@@ -18,13 +29,19 @@ class TextStream:
         self.text = ""  # decoded so far (cut at a stop string once found)
         self.sent = 0  # characters of ``text`` handed out
         self.stopped = False  # a stop string was found
+        self._complete = ""  # the text of token_ids[:read], ending on a complete character
+        self._prefix = 0  # token_ids[prefix:read]: the context the next window decodes with
+        self._read = 0
 
     def add(self, token_ids: list[int], final: bool) -> str:
         """Append a chunk's tokens; -> the text to send now (all of it once ``final`` or stopped)."""
         self.token_ids += token_ids
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.token_ids)
+        if self.stopped:
+            text = self.text
+        else:  # the last chunk decodes everything once: the text a full decode gives
+            text = self.tokenizer.decode(self.token_ids) if final else self._decode()
         start = max(0, self.sent - self.hold)  # a stop string may straddle sent text
         cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if cuts:
@@ -33,8 +50,21 @@ class TextStream:
         end = len(text)
         if not final:
             end -= self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":
+            while end > self.sent and text[end - 1] == REPLACEMENT:
                 end -= 1
         delta = text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta
+
+    def _decode(self) -> str:
+        """The text of all output tokens: the complete part plus the tokens after it."""
+        ids = self.token_ids
+        if self._read == len(ids):
+            return self._complete
+        before = self.tokenizer.decode(ids[self._prefix:self._read])
+        tail = self.tokenizer.decode(ids[self._prefix:])[len(before):]
+        if not tail or tail.endswith(REPLACEMENT):  # wait for the rest of the character
+            return self._complete + tail
+        self._complete += tail
+        self._prefix, self._read = self._read, len(ids)
+        return self._complete
