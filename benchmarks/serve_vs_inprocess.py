@@ -65,12 +65,13 @@ def figures(results: Path) -> dict:
 
 
 def launch_vllm(python: str, method: str, k: int, max_len: int,
-                max_seqs: int) -> tuple[subprocess.Popen, str]:
+                max_seqs: int, max_tokens: int) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` of the embedded checkpoints on a free port, once /health answers."""
     port = free_port()
     cmd = [python, "benchmarks/vllm_cli.py", "serve", TARGET, "--served-model-name", NAME,
            "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len",
-           str(max_len), "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]
+           str(max_len), "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens",
+           str(max_tokens), "--gpu-memory-utilization", "0.2"]
     if method != "none":
         cmd += ["--speculative-config", json.dumps(
             {"method": method, "model": f"specdec/assets/default/{method}",
@@ -139,6 +140,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating rounds; every figure is the median over them")
     ap.add_argument("-k", type=int, default=3, help="K of EAGLE-3")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="both servers' token budget per step (vllm serve's CPU default; "
+                         "specdec serve's is 256; the in-process harness uses 256: at "
+                         "concurrency 16 it prefills 16 x 32 prompt tokens in two steps)")
     ap.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                     help="torch threads of the engine: specdec serve's and the in-process "
                          "harness's")
@@ -154,10 +159,12 @@ def main(argv=None) -> int:
             servers[method, "specdec"] = launch([
                 "--served-model-name", NAME, "--method", method, "-k", str(args.k),
                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--engine-threads", str(args.engine_threads)])
             if args.vllm_python:
                 servers[method, "vllm"] = launch_vllm(args.vllm_python, method, args.k,
-                                                      max_len, max_seqs)
+                                                      max_len, max_seqs,
+                                                      args.max_num_batched_tokens)
         for r in range(args.rounds):
             measure_round(servers, args, concs, r, samples)
     finally:
