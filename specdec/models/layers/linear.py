@@ -64,7 +64,8 @@ def _merge_state(parent: nn.Module, state_dict: dict, prefix: str, local_metadat
 
 
 # CPU dtypes whose GEMM reads a column-major weight faster (benchmarks/bench_cpu_gemm_layout.py:
-# float32 decode forwards 1.16-1.30x at 1-16 rows; bfloat16 unchanged, float16 3-6x slower)
+# float32 decode forwards 1.11-1.26x at 1-16 rows; bfloat16 within the spread, float16 3-7x
+# slower)
 CPU_GEMM_LAYOUT_DTYPES = (torch.float32,)
 
 
@@ -72,8 +73,9 @@ def use_cpu_gemm_layout(*models: nn.Module | None) -> int:
     """Store the ``nn.Linear`` weights of ``models`` that live on the CPU in float32
     (``CPU_GEMM_LAYOUT_DTYPES``) column-major: the same ``[out, in]`` tensor (same values,
     names and state dict) with strides ``(1, out)``, i.e. ``W^T [in, out]`` row-major in memory.
-    ``F.linear`` then calls the BLAS's non-transposed GEMM, which on the CPUs measured reads
-    the weight up to twice as fast at decode batch sizes (M = 1..16 rows).
+    ``F.linear`` then calls the BLAS's non-transposed GEMM, which on the CPU measured runs the
+    embedded model's GEMMs up to twice as fast at one row (a whole decode forward 1.1-1.3x at
+    1-16 rows). Moves the parameters' storage in place.
 
     A weight an ``nn.Embedding`` also holds (a tied lm_head) keeps its rows (the embedding
     gathers rows); a weight moved already is left alone (heads share the target's lm_head).
@@ -85,7 +87,7 @@ def use_cpu_gemm_layout(*models: nn.Module | None) -> int:
         w = m.weight if isinstance(m, nn.Linear) else None
         if (w is None or id(w) in embedded or w.device.type != "cpu" or w.dim() != 2
                 or w.dtype not in CPU_GEMM_LAYOUT_DTYPES or not w.is_contiguous()
-                or w.shape[0] == 1 or w.shape[1] == 1):
+                or w.shape[0] == 1 or w.shape[1] == 1):  # a vector has one layout
             continue
         with torch.no_grad():
             w.data = w.data.t().contiguous().t()
