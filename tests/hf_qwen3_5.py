@@ -52,20 +52,26 @@ def build_qwen3_5_interval(path) -> Path:
     return path
 
 
+def saved_shapes(path, prefix: str) -> dict[str, list[int]]:
+    """Name -> shape of every tensor under ``prefix`` in the folder's safetensors files."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()
+                           if k.startswith(prefix)})
+    return shapes
+
+
 def mtp_tensors(path) -> dict[str, torch.Tensor]:
     """Seeded random ``mtp.*`` tensors for the target at ``path``: its full-attention layer's
     names and shapes under ``mtp.layers.0.`` plus fc, the two pre-fc norms and the final norm
     (zero-centred norms: ``N(0, 0.1)``)."""
-    from safetensors import safe_open
-
     cfg = H.read_config(path)
     full = cfg["layer_types"].index("full_attention")
     src = f"model.layers.{full}."
-    shapes = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            names = f.keys()
-            shapes.update({k: f.get_slice(k).get_shape() for k in names if k.startswith(src)})
+    shapes = saved_shapes(path, src)
     gen = torch.Generator().manual_seed(H.SEED + 11)
     h = cfg["hidden_size"]
     out = {}
@@ -241,12 +247,7 @@ def build_qwen3_5_vl(path) -> Path:
     full = cfg["layer_types"].index("full_attention")
     gen = torch.Generator().manual_seed(H.SEED + 13)
     src = f"model.language_model.layers.{full}."
-    from safetensors import safe_open
-    shapes = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            names = f.keys()
-            shapes.update({k: f.get_slice(k).get_shape() for k in names if k.startswith(src)})
+    shapes = saved_shapes(path, src)
     mtp = {"mtp.layers.0." + k[len(src):]: (0.1 if k.endswith("norm.weight") else H.INIT_RANGE)
            * torch.randn(shape, generator=gen) for k, shape in sorted(shapes.items())}
     h = cfg["hidden_size"]
