@@ -149,7 +149,7 @@ class PagedKV:
                     else kernels.plan_paged_attention)
             self._plan = plan(
                 meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
-                meta.max_seq_len, self.cache.block_size)
+                meta.max_seq_len, self.cache.block_size, meta.max_query_len)
         return self._plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,

@@ -279,8 +279,9 @@ def test_mixed_prefill_decode_steps_are_captured_and_equal_eager(target, heads, 
     assert {dict(key[1:])["max_seq_len"] for key in mixed_keys} == {64, 128}
     if method is not None:
         assert set(llm.runner.proposer.step_graph.captured) >= {
-            (key[0], ("max_seq_len", dict(key[1:])["max_seq_len"])) for key in mixed_keys
-        }  # the drafter replays the same (Np, Bp, bound)
+            (key[0], *((name, dict(key[1:])[name]) for name in ("max_query_len", "max_seq_len")))
+            for key in mixed_keys
+        }  # the drafter replays the same (Np, Bp, bounds)
 
 
 def test_compiling_backends_run_mixed_steps_eagerly(target, heads):

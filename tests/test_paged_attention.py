@@ -227,6 +227,45 @@ def test_triton_kernel_equals_reference_with_window_and_scale(requests, block_si
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+def test_worked_example_of_the_request_major_plan():
+    qsl, seq_lens = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    p = ref.plan_paged_attention(qsl, seq_lens, table, 5, 9, 8, max_query_len=3)
+    assert p.query_rows.tolist() == [0, 1, 2, 3, 4, 4]
+    assert p.visible.tolist() == [[3, 4, 5], [9, 9, 9]]
+    assert p.out_rows.tolist() == [0, 1, 2, 3, 4]
+    assert p.key_slots.shape == (2 * 9,)  # one gather per request, not per token
+    # a bound of 1, or one whose padded rows outnumber twice the tokens: token-major
+    for t in (1, 6):
+        assert ref.plan_paged_attention(qsl, seq_lens, table, 5, 9, 8, t).query_rows is None
+
+
+@FEW
+@given(requests=REQUESTS, extra=st.integers(0, 2), block_size=st.sampled_from([1, 4, 16]),
+       hkv=st.integers(1, 2), group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+def test_request_major_layout_equals_dense_and_token_major(requests, extra, block_size, hkv,
+                                                           group, window, scale, dtype, seed):
+    """Any host bound >= every request's tokens: the same outputs as dense attention and as
+    the token-major layout (padding tokens finite); the layout is request-major exactly when
+    the bound is above 1 and its rows are at most twice the tokens."""
+    q, k_cache, v_cache, qsl, seq_lens, table = drawn_layout(requests, seed, block_size, hkv,
+                                                             group, 8, dtype)
+    n, bound = q.shape[0], int(seq_lens.max()) + 3
+    t = max(chunk for _, chunk in requests) + extra
+    p = ref.plan_paged_attention(qsl, seq_lens, table, n, bound, block_size, max_query_len=t)
+    assert (p.query_rows is not None) == (t > 1 and n > 0 and len(requests) * t <= 2 * n)
+    got = ref.paged_attention(q, k_cache, v_cache, p, sliding_window=window, scale=scale)
+    token_major = ref.paged_attention(q, k_cache, v_cache, ref.plan_paged_attention(
+        qsl, seq_lens, table, n, bound, block_size), sliding_window=window, scale=scale)
+    want = dense_attention(q, k_cache, v_cache, qsl, seq_lens, table, block_size, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    real = int(qsl[-1])
+    torch.testing.assert_close(got[:real].double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got[:real], token_major[:real], rtol=tol, atol=tol)
+    assert got.isfinite().all()
+
+
 def small_layout(seed: int, dtype: torch.dtype):
     """A 3-token chunk after 5 cached keys, a padding request, one decode token after 20."""
     return paged_layout(torch.Generator().manual_seed(seed), [3, 0, 1], [8, 1, 21], 4, 1, 2, 8,

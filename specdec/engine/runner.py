@@ -61,8 +61,8 @@ class StepBatch:
     inputs: StepInputs  # [Np] tokens, [Bp] requests
     max_seq_len: int  # host bound on seq_lens (eager attention)
     graph_seq_len: int  # the captured step's bound: max_model_len (uniform) or graph_seq_len()
-    max_query_len: int  # host bound on tokens per request (linear attention); graphs: 1 + K
-    #                     (uniform) or Np (mixed)
+    max_query_len: int  # host bound on tokens per request (eager attention)
+    graph_query_len: int  # the captured step's bound: 1 + K (uniform) or Np (mixed)
     variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
 
 
@@ -210,8 +210,12 @@ class ModelRunner:
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
-                         int(np.diff(qsl[:bp + 1]).max()),
+                         int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
                          sampling_variant([s.request.params for s in scheduled]))
+
+    def graph_query_len(self, plan: StepPlan) -> int:
+        """A captured step's bound on tokens per request: 1 + K (uniform decode) or Np."""
+        return 1 + self.num_speculative_tokens if plan.uniform_decode else plan.num_tokens_padded
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
@@ -263,7 +267,7 @@ class ModelRunner:
             np_, bp = plan.num_tokens_padded, plan.num_reqs_padded
             out = self.target_graph(
                 (np_, bp), *step_args, max_seq_len=batch.graph_seq_len, variant=batch.variant,
-                max_query_len=1 + self.num_speculative_tokens if plan.uniform_decode else np_)
+                max_query_len=batch.graph_query_len)
         else:
             out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
                                    max_query_len=batch.max_query_len, variant=batch.variant)
@@ -277,8 +281,9 @@ class ModelRunner:
             plan=plan, input_ids=x.input_ids, positions=x.positions, hidden_states=hidden,
             aux_hidden_states=aux,
             attn=AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens,
-                                   x.block_table, batch.max_seq_len),
-            graph_seq_len=batch.graph_seq_len,
+                                   x.block_table, batch.max_seq_len,
+                                   max_query_len=batch.max_query_len),
+            graph_seq_len=batch.graph_seq_len, graph_query_len=batch.graph_query_len,
             sampled_token_ids=sampled, discard_mask=x.discard_mask,
             cu_num_draft_tokens=x.cu_num_draft_tokens, token_table=self.token_table,
             rows=x.rows))
@@ -325,7 +330,7 @@ class ModelRunner:
             elif kind == STEP:
                 batch = StepBatch(plan, self.buffers.view(plan.num_tokens_padded,
                                                           plan.num_reqs_padded),
-                                  *lens, variant)
+                                  *lens, self.graph_query_len(plan), variant)
                 if guard is None:
                     self.execute(batch)
                 else:

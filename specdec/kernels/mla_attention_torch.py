@@ -17,7 +17,7 @@ Worked example (one token, one head, D = 3, V = 2, scale 1, two visible rows [1,
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.paged_attention_torch import PagedPlan, gather_keys
+from specdec.kernels.paged_attention_torch import PagedPlan, gather_keys, rows_of, tokens_of
 
 
 def check_latent(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> None:
@@ -33,8 +33,13 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: PagedPlan, *, value_d
                   scale: float) -> torch.Tensor:
     """q [N, H, D], cache [S, 1, D] -> [N, H, value_dim] in q's dtype (module docstring)."""
     check_latent(q, cache, value_dim)
-    rows = gather_keys(cache, p)  # [N, L, 1, D]
-    keys = rows.permute(0, 2, 1, 3)  # [N, 1, L, D]
-    out = F.scaled_dot_product_attention(q[:, None], keys, keys[..., :value_dim],
-                                         attn_mask=p.key_mask[:, None, None, :], scale=scale)
-    return out[:, 0]
+    rows, t, length = p.key_mask.shape
+    h = q.shape[1]
+    keys = gather_keys(cache, p).transpose(1, 2)  # [R, 1, L, D]
+    # every head and query row of a request against its one latent row set
+    queries = rows_of(q, p).reshape(rows, 1, t * h, q.shape[2])
+    mask = p.key_mask[:, None, :, None, :].expand(rows, 1, t, h, length)
+    out = F.scaled_dot_product_attention(queries, keys, keys[..., :value_dim],
+                                         attn_mask=mask.reshape(rows, 1, t * h, length),
+                                         scale=scale)
+    return tokens_of(out.view(rows, t, h, value_dim), p)

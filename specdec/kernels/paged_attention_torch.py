@@ -32,8 +32,17 @@ sees keys 1..4, token 3 (position 8) sees keys 5..8.
 
 ``bound`` (the gather length L) is any host int >= max(seq_lens): keys outside the
 token's range are masked out, so the result does not depend on it. Shapes depend only on N, B,
-the block table's width and ``bound``; nothing is read back to the host. The window and scale
-are per call (layers may differ), not part of the plan.
+the block table's width, ``bound`` and ``max_query_len``; nothing is read back to the host.
+The window and scale are per call (layers may differ), not part of the plan.
+
+Two layouts of the queries, same result: token-major gathers L keys for every token
+(N * L rows: one query row per token); request-major (when the caller gives a host bound
+T > 1 on the tokens of every request, and B * T <= 2N) puts request b's tokens in row b, padded to T,
+and gathers L keys per request (B * L rows; a 1 + K verification gathers 1 + K times less,
+a prefill chunk of C tokens C times less). In the example with T = 3: rows [[0, 1, 2],
+[3, 4, 4]] (padding rows repeat a token; their outputs are dropped), visible [[3, 4, 5],
+[9, 9, 9]], and token i's output is row ``req[i] * T + i - query_start_loc[req[i]]``
+(clamped to the last row): [0, 1, 2, 3, 4].
 """
 
 from typing import NamedTuple
@@ -43,13 +52,19 @@ import torch.nn.functional as F
 
 
 class PagedPlan(NamedTuple):
-    """Per-forward indices, built once and reused by every layer."""
+    """Per-forward indices, built once and reused by every layer.
 
-    req: torch.Tensor  # [N] int64, request of each token
-    visible: torch.Tensor  # [N] int64, keys each token sees (>= 1)
-    key_slots: torch.Tensor  # [N * L] int64, slot of key position j of token i's request at
-    #                          i * L + j (one flat index: each layer gathers K and V once)
-    key_mask: torch.Tensor  # [N, L] bool, key position < visible
+    The queries sit in R rows of T: token-major (R = N tokens, T = 1) or request-major
+    (R = B requests, T = ``max_query_len``: row b holds request b's tokens, padded), which
+    gathers each request's keys once instead of once per token (module docstring)."""
+
+    visible: torch.Tensor  # [R, T] int64, keys each query row sees (>= 1)
+    key_slots: torch.Tensor  # [R * L] int64, slot of key position j of row r at r * L + j
+    #                          (one flat index: each layer gathers K and V once)
+    key_mask: torch.Tensor  # [R, T, L] bool, key position < visible
+    query_rows: torch.Tensor | None  # [R * T] int64, the token in each query row; None:
+    #                                  token-major (the identity)
+    out_rows: torch.Tensor | None  # [N] int64, the query row of each token; None: token-major
 
 
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -80,26 +95,60 @@ def check_sliding_window(sliding_window) -> None:
         raise ValueError(f"sliding_window={sliding_window!r} must be None or an int >= 1")
 
 
-def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-         num_tokens: int, bound: int, block_size: int) -> PagedPlan:
-    """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan."""
+def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                         block_table: torch.Tensor, num_tokens: int, bound: int,
+                         block_size: int, max_query_len: int | None = None) -> PagedPlan:
+    """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan.
+
+    ``max_query_len`` (a host bound on tokens per request; None: unknown) picks the
+    request-major layout when it is above 1 and its B * max_query_len rows are at most twice
+    the N tokens (verification, equal prefill chunks); else token-major (one token per
+    request is that layout already)."""
     device = seq_lens.device
-    req = token_requests(query_start_loc, num_tokens)
-    visible = visible_keys(req, query_start_loc, seq_lens)
+    b = seq_lens.shape[0]
     key_pos = torch.arange(bound, device=device)
     block_idx = (key_pos // block_size).clamp_(max=block_table.shape[1] - 1)
     key_slots = block_table.to(torch.int64)[:, block_idx] * block_size + key_pos % block_size
     # (a block table's unused entries may be -1: their keys are masked, read slot 0 instead)
-    return PagedPlan(req, visible, key_slots[req].flatten().clamp_(min=0),
-                     key_pos[None, :] < visible[:, None])
+    key_slots.clamp_(min=0)
+    req = token_requests(query_start_loc, num_tokens)
+    if (max_query_len is None or max_query_len <= 1 or num_tokens == 0
+            or b * max_query_len > 2 * num_tokens):
+        visible = visible_keys(req, query_start_loc, seq_lens)[:, None]
+        return PagedPlan(visible, key_slots[req].flatten(), key_pos < visible[..., None],
+                         None, None)
+    qsl = query_start_loc.to(torch.int64)
+    t = torch.arange(max_query_len, device=device)
+    seq = seq_lens.to(torch.int64)[:, None]
+    # row (b, t) is request b's token t: it sees seq - (len - 1 - t) keys (padding rows all)
+    visible = torch.minimum((seq - (qsl[1:] - qsl[:-1])[:, None] + 1 + t).clamp_(min=1), seq)
+    query_rows = (qsl[:-1, None] + t).clamp_(max=num_tokens - 1).flatten()
+    local = torch.arange(num_tokens, device=device) - qsl[req]
+    out_rows = (req * max_query_len + local).clamp_(max=b * max_query_len - 1)
+    return PagedPlan(visible, key_slots.flatten(), key_pos < visible[..., None], query_rows,
+                     out_rows)
 
 
 def gather_keys(cache: torch.Tensor, p: PagedPlan) -> torch.Tensor:
-    """cache [S, H, D] -> [N, L, H, D]: each token's request's key positions 0..L-1 (one
+    """cache [S, H, D] -> [R, L, H, D]: each query row's request's key positions 0..L-1 (one
     index_select: a 2-D advanced index, or a gather per request then per token, costs several
     times more on CPU)."""
-    n, length = p.key_mask.shape
-    return cache.index_select(0, p.key_slots).view(n, length, *cache.shape[1:])
+    rows, _, length = p.key_mask.shape
+    return cache.index_select(0, p.key_slots).view(rows, length, *cache.shape[1:])
+
+
+def rows_of(q: torch.Tensor, p: PagedPlan) -> torch.Tensor:
+    """q [N, H, D] -> [R, T, H, D] as the plan lays out its query rows."""
+    rows, t, _ = p.key_mask.shape
+    if p.query_rows is None:
+        return q[:, None]
+    return q.index_select(0, p.query_rows).view(rows, t, *q.shape[1:])
+
+
+def tokens_of(out: torch.Tensor, p: PagedPlan) -> torch.Tensor:
+    """out [R, T, H, D] -> [N, H, D], each token's row."""
+    flat = out.reshape(-1, *out.shape[2:])
+    return flat if p.out_rows is None else flat.index_select(0, p.out_rows)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -108,18 +157,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
 
     ``sliding_window`` W (None: full causal) drops the keys before ``visible - W`` with an
-    [N, L] mask built per call; ``scale`` None is ``D ** -0.5``."""
+    [R, T, L] mask built per call; ``scale`` None is ``D ** -0.5``."""
     check_sliding_window(sliding_window)
-    n, hq, d = q.shape
+    hq, d = q.shape[1:]
     hkv = k_cache.shape[1]
+    g = hq // hkv
+    rows, t, length = p.key_mask.shape
     mask = p.key_mask
     if sliding_window is not None:
-        key_pos = torch.arange(mask.shape[1], device=mask.device)
-        mask = mask & (key_pos[None, :] >= (p.visible - sliding_window)[:, None])
-    keys = gather_keys(k_cache, p)  # [N, L, Hkv, D]
-    values = gather_keys(v_cache, p)
-    # [N, Hkv, G, D] x [N, Hkv, D, L]: one query row per (token, head)
+        key_pos = torch.arange(length, device=mask.device)
+        mask = mask & (key_pos >= (p.visible - sliding_window)[..., None])
+    keys = gather_keys(k_cache, p).transpose(1, 2)  # [R, Hkv, L, D]
+    values = gather_keys(v_cache, p).transpose(1, 2)
+    # [R, Hkv, T * G, D] x [R, Hkv, D, L]: query row (t, g) of each kv head
+    queries = rows_of(q, p).reshape(rows, t, hkv, g, d).permute(0, 2, 1, 3, 4)
+    mask = mask[:, None, :, None, :].expand(rows, 1, t, g, length)
     out = F.scaled_dot_product_attention(
-        q.view(n, hkv, hq // hkv, d), keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3),
-        attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(n, hq, d)
+        queries.reshape(rows, hkv, t * g, d), keys, values,
+        attn_mask=mask.reshape(rows, 1, t * g, length), scale=scale)
+    return tokens_of(out.view(rows, hkv, t, g, d).permute(0, 2, 1, 3, 4), p).reshape(-1, hq, d)

@@ -108,9 +108,10 @@ class TritonPlan(NamedTuple):
 
 
 def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-         num_tokens: int, bound: int, block_size: int) -> TritonPlan:
-    """Same arguments as the torch ``plan_paged_attention``; ``bound`` is unused (the kernel stops at each
-    token's own ``visible``)."""
+         num_tokens: int, bound: int, block_size: int,
+         max_query_len: int | None = None) -> TritonPlan:
+    """Same arguments as the torch ``plan_paged_attention``; ``bound`` and ``max_query_len`` are
+    unused (the kernel reads each token's own ``visible`` keys in place)."""
     return TritonPlan(token_requests(query_start_loc, num_tokens), query_start_loc, seq_lens,
                       block_table, block_size)
 

@@ -149,18 +149,20 @@ class DraftModelProposer(Proposer):
                 torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
         if plan.capturable:
             return self.step_graph((plan.num_tokens_padded, plan.num_reqs_padded), *args,
-                                   max_seq_len=x.graph_seq_len)
-        return self.padded_step(*args, max_seq_len=a.max_seq_len)
+                                   max_seq_len=x.graph_seq_len, max_query_len=x.graph_query_len)
+        return self.padded_step(*args, max_seq_len=a.max_seq_len, max_query_len=a.max_query_len)
 
     def padded_step(self, target_ids, positions, features, slot_mapping, query_start_loc,
                     seq_lens, block_table, sampled, discard, cu_num_draft_tokens, token_table,
-                    rows, num_reqs, *, max_seq_len: int) -> torch.Tensor:
+                    rows, num_reqs, *, max_seq_len: int,
+                    max_query_len: int | None) -> torch.Tensor:
         """The whole padded draft step, a static-shape step function -> drafts [Bp, K] int32.
 
         target_ids, positions, slot_mapping [Np]; features [Np, ...] (draft_features);
         query_start_loc [Bp+1]; seq_lens, discard, cu_num_draft_tokens, rows [Bp];
         block_table [Bp, M]; sampled [Bp, K+1]; token_table [R, L]; num_reqs: 0-dim int32 B.
-        Every shape depends on (Np, Bp) only; nothing here reads a value on the host.
+        Every shape depends on (Np, Bp) and the two host bounds only; nothing here reads a
+        value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         """
         n, bp = target_ids.shape[0], sampled.shape[0]
@@ -170,7 +172,7 @@ class DraftModelProposer(Proposer):
         sample_idx = torch.where(real, sample_idx, n - 1).to(torch.int64)
         ids = shift_first_pass_input_ids(target_ids, sample_idx, next_ids)
         attn = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_table,
-                                 max_seq_len)
+                                 max_seq_len, max_query_len=max_query_len)
         logits_h, next_h = self.head(ids, positions, self.first_pass_hidden(features),
                                      kv=self.kv.bind(attn))
         token = self.sample(logits_h[sample_idx])
@@ -199,8 +201,10 @@ class DraftModelProposer(Proposer):
         ids = shift_first_pass_input_ids(_pad_rows(x.input_ids[keep], n), sample_idx, next_t)
         kept_positions = x.positions[keep]
         slots = torch.cat([a.slot_mapping[keep], a.slot_mapping.new_full((n - kept,), -1)])
+        # (a request keeps at most its tokens: the target's bound holds)
         attn = AttentionMetadata(slots, r.new_query_start_loc.to(dev), r.new_seq_lens.to(dev),
-                                 a.block_table[:b], a.max_seq_len)
+                                 a.block_table[:b], a.max_seq_len,
+                                 max_query_len=a.max_query_len)
         hidden = self.first_pass_hidden(_pad_rows(self.draft_features(x)[keep], n))
         logits_h, next_h = self.head(ids, _pad_rows(kept_positions, n), hidden,
                                      kv=self.kv.bind(attn))

@@ -24,3 +24,4 @@ class DraftInputs:
     token_table: torch.Tensor  # [rows + 1, max_model_len + 1] int32 known tokens, -1 unknown
     rows: torch.Tensor  # [Bp] int64, each request's row in token_table
     graph_seq_len: int  # host: the attention bound of a captured step (>= every seq_len)
+    graph_query_len: int  # host: a captured step's bound on tokens per request
