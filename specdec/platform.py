@@ -15,13 +15,11 @@ The Triton interpreter (``TRITON_INTERPRET=1``) is for tests only; CPU always ru
 torch reference.
 """
 
-import ctypes
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import os
-import platform as host
 
 import torch
 
@@ -99,25 +97,6 @@ def torch_device(spec: str | torch.device) -> torch.device:
         raise ValueError(f"device={name!r} is not available in this process; available: "
                          f"{available}")
     return device
-
-
-# glibc's mallopt parameters (malloc.h) and the values a CPU engine sets: blocks up to 32 MiB
-# (the largest mmap threshold glibc takes) come from the heap, and up to 1 GiB of freed heap
-# stays mapped. glibc's defaults hand every large temporary of a step back to the kernel and
-# fault it in again on the next step: a 256-token prefill step of the embedded model took
-# 48 -> 29 ms with these (vLLM preloads tcmalloc on CPU for the same reason).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-CPU_HEAP_SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30}
-
-
-@functools.cache
-def keep_cpu_heap() -> bool:
-    """Set ``CPU_HEAP_SETTINGS`` for this process once (glibc only; elsewhere nothing);
-    -> whether glibc took them."""
-    if host.system() != "Linux" or host.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    return all(libc.mallopt(k, v) == 1 for k, v in CPU_HEAP_SETTINGS.items())
 
 
 def compile_graph(fn, backend: str = "inductor"):

@@ -24,7 +24,6 @@ from specdec.models.heads import SharedWeights
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.parallel import check_shardable
 from specdec.padding import BatchPadder, largest_step
-from specdec.platform import keep_cpu_heap
 from specdec.proposers.extract_hidden_states import check_output_dir
 from specdec.proposers.factory import build_proposer, load_checked_head
 from specdec.syncs import count_host_syncs, forbid_host_sync
@@ -160,8 +159,6 @@ class LLM:
                 dtype=cfg.dtype, device=self.device, graph_backend=self.graph_backend,
                 compile_backend=compile_backend)
         use_cpu_gemm_layout(target, head)  # before graph capture / compilation
-        if self.device.type == "cpu":
-            keep_cpu_heap()  # a step's large temporaries reuse mapped pages (platform.py)
         self.runner = ModelRunner(
             target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
