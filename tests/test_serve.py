@@ -285,21 +285,24 @@ def test_sigterm_lets_the_running_request_finish():
         result = {}
 
         def stream():
-            body = dict(prompt="x = ", max_tokens=60, temperature=0, ignore_eos=True,
+            body = dict(prompt="x = ", max_tokens=120, temperature=0, ignore_eos=True,
                         stream=True, stream_options={"include_usage": True})
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 result["lines"] = [line for line in r.iter_lines() if line]
 
         t = threading.Thread(target=stream)
         t.start()
+        deadline = time.monotonic() + 60
         while httpx.get(f"{url}/health").json()["running"] == 0:
+            assert t.is_alive(), "the request ended before SIGTERM could reach it mid-stream"
+            assert time.monotonic() < deadline, "the request never started running"
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0  # a graceful stop is a success
 
         t.join(10)
         assert result["lines"][-1] == "data: [DONE]"
-        assert json.loads(result["lines"][-2][6:])["usage"]["completion_tokens"] == 60
+        assert json.loads(result["lines"][-2][6:])["usage"]["completion_tokens"] == 120
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -280,7 +280,10 @@ def open_streams(url: str, n: int) -> tuple[list[threading.Thread], list]:
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
     while httpx.get(f"{url}/health").json()["running"] < n:
+        assert all(t.is_alive() for t in threads), "a stream ended before all were running"
+        assert time.monotonic() < deadline, "the streams never all ran"
         time.sleep(0.01)
     return threads, results
 
