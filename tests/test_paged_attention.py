@@ -235,29 +235,54 @@ def test_worked_example_of_the_request_major_plan():
     assert p.visible.tolist() == [[3, 4, 5], [9, 9, 9]]
     assert p.out_rows.tolist() == [0, 1, 2, 3, 4]
     assert p.key_slots.shape == (2 * 9,)  # one gather per request, not per token
-    # a bound of 1, or one whose padded rows outnumber twice the tokens: token-major
-    for t in (1, 6):
-        assert ref.plan_paged_attention(qsl, seq_lens, table, 5, 9, 8, t).query_rows is None
+    # one token per request: token-major; a bound whose rows outnumber twice the tokens:
+    # segments of ceil(5 / 2) = 3 tokens in (5 + 2 * 2) // 3 = 3 rows
+    assert ref.plan_paged_attention(qsl, seq_lens, table, 5, 9, 8, 1).query_rows is None
+    assert ref.plan_paged_attention(qsl, seq_lens, table, 5, 9, 8, 6).key_mask.shape[:2] == (3, 3)
+
+
+def test_row_shape_examples():
+    assert ref.row_shape(64, 16, 4) == (4, 16)
+    assert ref.row_shape(47, 16, None) == (3, 26)
+    assert ref.row_shape(47, 16, 32) == (3, 26)
+    assert ref.row_shape(16, 16, None) == (1, 16)
+    assert ref.row_shape(17, 16, None) == (1, 17)  # 16 rows of 2 would save too little
+
+
+@given(chunks=st.lists(st.integers(0, 40), min_size=1, max_size=20), padding=st.integers(0, 8),
+       known=st.booleans(), extra=st.integers(0, 3))
+def test_rows_hold_every_request(chunks, padding, known, extra):
+    """R rows of T hold every request's tokens (ceil(C / T) rows each), never more rows than
+    tokens, and T > 1 only where it saves rows."""
+    n = sum(chunks) + padding
+    t, rows = ref.row_shape(n, len(chunks), max(chunks) + extra if known else None)
+    assert sum(-(-c // t) for c in chunks) <= rows <= n
+    assert t == 1 or 4 * rows <= 3 * n or len(chunks) * t <= 2 * n
+
+
+LAYOUT_REQUESTS = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 12)), min_size=1,
+                           max_size=6)
 
 
 @FEW
-@given(requests=REQUESTS, extra=st.integers(0, 2), block_size=st.sampled_from([1, 4, 16]),
-       hkv=st.integers(1, 2), group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
+@given(requests=LAYOUT_REQUESTS, known=st.booleans(), extra=st.integers(0, 2),
+       block_size=st.sampled_from([1, 4, 16]), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
        dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
-def test_request_major_layout_equals_dense_and_token_major(requests, extra, block_size, hkv,
-                                                           group, window, scale, dtype, seed):
-    """Any host bound >= every request's tokens: the same outputs as dense attention and as
-    the token-major layout (padding tokens finite); the layout is request-major exactly when
-    the bound is above 1 and its rows are at most twice the tokens."""
+def test_query_rows_equal_dense_and_token_major(requests, known, extra, block_size, hkv, group,
+                                                window, scale, dtype, seed):
+    """Whatever rows the plan picks (with or without a host bound on tokens per request):
+    the outputs of dense attention and of the token-major layout (padding tokens: finite)."""
     q, k_cache, v_cache, qsl, seq_lens, table = drawn_layout(requests, seed, block_size, hkv,
                                                              group, 8, dtype)
     n, bound = q.shape[0], int(seq_lens.max()) + 3
-    t = max(chunk for _, chunk in requests) + extra
+    t = max(chunk for _, chunk in requests) + extra if known else None
     p = ref.plan_paged_attention(qsl, seq_lens, table, n, bound, block_size, max_query_len=t)
-    assert (p.query_rows is not None) == (t > 1 and n > 0 and len(requests) * t <= 2 * n)
+    assert tuple(p.key_mask.shape[:2]) == ref.row_shape(n, len(requests), t)[::-1]  # (R, T)
     got = ref.paged_attention(q, k_cache, v_cache, p, sliding_window=window, scale=scale)
     token_major = ref.paged_attention(q, k_cache, v_cache, ref.plan_paged_attention(
-        qsl, seq_lens, table, n, bound, block_size), sliding_window=window, scale=scale)
+        qsl, seq_lens, table, n, bound, block_size, max_query_len=1), sliding_window=window,
+        scale=scale)
     want = dense_attention(q, k_cache, v_cache, qsl, seq_lens, table, block_size, window, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     real = int(qsl[-1])

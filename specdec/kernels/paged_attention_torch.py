@@ -35,14 +35,23 @@ token's range are masked out, so the result does not depend on it. Shapes depend
 the block table's width, ``bound`` and ``max_query_len``; nothing is read back to the host.
 The window and scale are per call (layers may differ), not part of the plan.
 
-Two layouts of the queries, same result: token-major gathers L keys for every token
-(N * L rows: one query row per token); request-major (when the caller gives a host bound
-T > 1 on the tokens of every request, and B * T <= 2N) puts request b's tokens in row b, padded to T,
-and gathers L keys per request (B * L rows; a 1 + K verification gathers 1 + K times less,
-a prefill chunk of C tokens C times less). In the example with T = 3: rows [[0, 1, 2],
-[3, 4, 4]] (padding rows repeat a token; their outputs are dropped), visible [[3, 4, 5],
-[9, 9, 9]], and token i's output is row ``req[i] * T + i - query_start_loc[req[i]]``
-(clamped to the last row): [0, 1, 2, 3, 4].
+Query rows: the queries sit in R rows of T tokens, each row T consecutive tokens of one
+request (padded), and each row gathers its request's L keys once, so a layout gathers R * L
+keys, not N * L. The plan picks (T, R) from host ints only (``row_shape``):
+
+    token-major     T = 1, R = N              (one token per request: decodes)
+    request-major   T = max_query_len, R = B  (a host bound T > 1 with B * T <= 2N:
+                                              verification, equal prefill chunks)
+    segments        T = ceil(N / B), R = (N + B * (T - 1)) // T  (a bound on the rows
+                    the requests fill; mixed steps: one prefill chunk among decodes)
+
+Request b fills ceil(C_b / T) rows (C_b its tokens), from row ``row_start[b]`` (exclusive
+cumsum); rows past the last hold nothing (their outputs are dropped). Row r, slot t holds
+token ``query_start_loc[b] + (r - row_start[b]) * T + t`` (clamped to N - 1, a padding slot
+repeats a token) and token i's output is slot ``local % T`` of row ``row_start[b] + local //
+T`` (``local = i - query_start_loc[b]``; clamped to the last slot). In the example, request-
+major with T = 3: rows [[0, 1, 2], [3, 4, 4]], visible [[3, 4, 5], [9, 9, 9]], outputs from
+slots [0, 1, 2, 3, 4]; a 1 + K verification gathers 1 + K times fewer keys than token-major.
 """
 
 from typing import NamedTuple
@@ -52,19 +61,31 @@ import torch.nn.functional as F
 
 
 class PagedPlan(NamedTuple):
-    """Per-forward indices, built once and reused by every layer.
+    """Per-forward indices, built once and reused by every layer (R rows of T query slots,
+    L = the gather bound; module docstring)."""
 
-    The queries sit in R rows of T: token-major (R = N tokens, T = 1) or request-major
-    (R = B requests, T = ``max_query_len``: row b holds request b's tokens, padded), which
-    gathers each request's keys once instead of once per token (module docstring)."""
-
-    visible: torch.Tensor  # [R, T] int64, keys each query row sees (>= 1)
+    visible: torch.Tensor  # [R, T] int64, keys each query slot sees (>= 1)
     key_slots: torch.Tensor  # [R * L] int64, slot of key position j of row r at r * L + j
     #                          (one flat index: each layer gathers K and V once)
     key_mask: torch.Tensor  # [R, T, L] bool, key position < visible
-    query_rows: torch.Tensor | None  # [R * T] int64, the token in each query row; None:
+    query_rows: torch.Tensor | None  # [R * T] int64, the token in each slot; None:
     #                                  token-major (the identity)
-    out_rows: torch.Tensor | None  # [N] int64, the query row of each token; None: token-major
+    out_rows: torch.Tensor | None  # [N] int64, the slot of each token; None: token-major
+
+
+def row_shape(num_tokens: int, num_reqs: int, max_query_len: int | None) -> tuple[int, int]:
+    """(T, R) of the query rows (module table) from host ints. Segments are taken only when
+    they need at most 3/4 of token-major's rows; ``max_query_len`` 1 is token-major.
+
+    Examples: N = 64, B = 16, max_query_len 4 -> (4, 16); N = 47, B = 16 (one 32-token chunk
+    among 15 decodes), None -> (3, 26); N = 16, B = 16 -> (1, 16)."""
+    if num_tokens == 0 or num_reqs == 0 or max_query_len == 1:
+        return 1, num_tokens
+    if max_query_len is not None and 1 < max_query_len <= 2 * num_tokens // num_reqs:
+        return max_query_len, num_reqs  # request-major: B * T <= 2N
+    t = -(-num_tokens // num_reqs)
+    rows = (num_tokens + num_reqs * (t - 1)) // t
+    return (t, rows) if t > 1 and 4 * rows <= 3 * num_tokens else (1, num_tokens)
 
 
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -99,11 +120,7 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, num_tokens: int, bound: int,
                          block_size: int, max_query_len: int | None = None) -> PagedPlan:
     """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan.
-
-    ``max_query_len`` (a host bound on tokens per request; None: unknown) picks the
-    request-major layout when it is above 1 and its B * max_query_len rows are at most twice
-    the N tokens (verification, equal prefill chunks); else token-major (one token per
-    request is that layout already)."""
+    ``max_query_len``: a host bound on every request's tokens (None: unknown)."""
     device = seq_lens.device
     b = seq_lens.shape[0]
     key_pos = torch.arange(bound, device=device)
@@ -112,21 +129,26 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     # (a block table's unused entries may be -1: their keys are masked, read slot 0 instead)
     key_slots.clamp_(min=0)
     req = token_requests(query_start_loc, num_tokens)
-    if (max_query_len is None or max_query_len <= 1 or num_tokens == 0
-            or b * max_query_len > 2 * num_tokens):
+    t, rows = row_shape(num_tokens, b, max_query_len)
+    if t == 1:
         visible = visible_keys(req, query_start_loc, seq_lens)[:, None]
         return PagedPlan(visible, key_slots[req].flatten(), key_pos < visible[..., None],
                          None, None)
     qsl = query_start_loc.to(torch.int64)
-    t = torch.arange(max_query_len, device=device)
-    seq = seq_lens.to(torch.int64)[:, None]
-    # row (b, t) is request b's token t: it sees seq - (len - 1 - t) keys (padding rows all)
-    visible = torch.minimum((seq - (qsl[1:] - qsl[:-1])[:, None] + 1 + t).clamp_(min=1), seq)
-    query_rows = (qsl[:-1, None] + t).clamp_(max=num_tokens - 1).flatten()
-    local = torch.arange(num_tokens, device=device) - qsl[req]
-    out_rows = (req * max_query_len + local).clamp_(max=b * max_query_len - 1)
-    return PagedPlan(visible, key_slots.flatten(), key_pos < visible[..., None], query_rows,
-                     out_rows)
+    lens = qsl[1:] - qsl[:-1]
+    ends = torch.cumsum((lens + t - 1) // t, 0)  # rows filled by requests 0..b
+    row_req = token_requests(torch.cat([ends.new_zeros(1), ends]), rows)
+    row_start = ends - (lens + t - 1) // t
+    first = (torch.arange(rows, device=device) - row_start[row_req]) * t  # in the request
+    local = first[:, None] + torch.arange(t, device=device)  # [R, T]
+    seq = seq_lens.to(torch.int64)[row_req, None]
+    # slot (r, t) is token `local` of its request: it sees seq - (len - 1 - local) keys
+    visible = torch.minimum((seq - lens[row_req, None] + 1 + local).clamp_(min=1), seq)
+    query_rows = (qsl[row_req, None] + local).clamp_(max=num_tokens - 1).flatten()
+    tok_local = torch.arange(num_tokens, device=device) - qsl[req]
+    out_rows = ((row_start[req] + tok_local // t) * t + tok_local % t).clamp_(max=rows * t - 1)
+    return PagedPlan(visible, key_slots[row_req].flatten(), key_pos < visible[..., None],
+                     query_rows, out_rows)
 
 
 def gather_keys(cache: torch.Tensor, p: PagedPlan) -> torch.Tensor:
