@@ -15,6 +15,7 @@ NPU (torch_npu imported only when an npu device is asked for), so host buffers (
 metadata, the step broadcast) stay on gloo and activations use the accelerator's library.
 """
 
+import atexit
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,27 +132,51 @@ class TPContext:
 
 @dataclass
 class Grid:
-    """This process's DP and TP contexts (their collectives share one log: ``dp.record``)."""
+    """This process's DP and TP contexts (their collectives share one log: ``dp.record``) and
+    ``world``, a group of every rank for the grid's collectives over all of them."""
 
     dp: DPContext
     tp: TPContext
+    world: dist.ProcessGroup | None = None
+    owns_default: bool = False  # init_grid initialized the default group
 
     @property
     def is_driver(self) -> bool:
         """TP rank 0: schedules, plans and broadcasts the step."""
         return self.tp.rank == 0
 
+    def close(self) -> None:
+        """Destroy the grid's groups (the default one too if it owns it) and drop them, so
+        each gloo group joins its worker threads now (init_grid runs this at exit).
+
+        A gloo worker frees its last collective's tensors after the caller has returned,
+        taking the GIL; if that happens during interpreter shutdown, the thread is killed
+        inside a destructor and the process aborts ("terminate called without an active
+        exception"). The default group cannot be joined so (torch.distributed.nn.functional,
+        imported lazily with torch._dynamo, keeps it as a default argument), hence ``world``."""
+        groups = [g for g in (self.tp.group, self.dp.group, self.world) if g is not None]
+        self.tp.group = self.dp.group = self.world = None
+        if not dist.is_initialized():
+            return
+        if self.owns_default:
+            dist.destroy_process_group()  # every group
+        else:
+            for g in groups:
+                dist.destroy_process_group(g)
+
 
 def init_grid(dp_size: int, tp_size: int, rank: int, *, device_type: str = "cpu",
               init_method: str | None = None, timeout: float = 600.0,
               sequence_parallel: bool = False) -> Grid:
     """Join (or reuse) the world process group of ``dp_size * tp_size`` ranks and create the
-    TP and DP groups; -> this rank's Grid. ``init_method`` None: ``env://`` (torchrun)."""
+    TP, DP and ``world`` groups; -> this rank's Grid, closed at exit (``Grid.close``).
+    ``init_method`` None: ``env://`` (torchrun)."""
     world = dp_size * tp_size
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank}: allowed 0..{world - 1} (data_parallel_size="
                          f"{dp_size} x tensor_parallel_size={tp_size})")
-    if not dist.is_initialized():
+    owns_default = not dist.is_initialized()
+    if owns_default:
         dist.init_process_group(backend_for(device_type), init_method=init_method or "env://",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     if dist.get_world_size() != world:
@@ -162,9 +187,12 @@ def init_grid(dp_size: int, tp_size: int, rank: int, *, device_type: str = "cpu"
                  for d in range(dp_size)] if tp_size > 1 else [None] * dp_size
     dp_groups = [dist.new_group([d * tp_size + t for d in range(dp_size)])
                  for t in range(tp_size)] if dp_size > 1 else [None] * tp_size
+    world_group = dist.new_group(list(range(world)))
     dp = DPContext(dp_rank, dp_size, dp_groups[tp_rank])
     tp = TPContext(tp_rank, tp_size, tp_groups[dp_rank], sequence_parallel, dp.record)
-    return Grid(dp, tp)
+    grid = Grid(dp, tp, world_group, owns_default)
+    atexit.register(grid.close)
+    return grid
 
 
 def env_rank() -> tuple[int, int, int] | None:

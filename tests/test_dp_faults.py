@@ -26,11 +26,11 @@ LONG_JOB = dict(prompts=[[1, 2, 3]] * 64, max_tokens=400, ignore_eos=True)
 def signal_a_rank_later(sig: int, rank: int, delay: float) -> threading.Thread:
     """Once both ranks are running, wait ``delay`` s and send ``sig`` to rank ``rank``."""
     def send():
-        while len(mp.active_children()) < 2:
+        name = f"specdec-rank-{rank}"
+        while not (proc := [p for p in mp.active_children() if p.name == name]):
             time.sleep(0.05)
         time.sleep(delay)
-        procs = sorted(mp.active_children(), key=lambda p: p.name)
-        os.kill(procs[rank].pid, sig)
+        os.kill(proc[0].pid, sig)
     t = threading.Thread(target=send, daemon=True)
     t.start()
     return t

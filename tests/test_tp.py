@@ -16,12 +16,16 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import weakref
 
 import hf_models
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
+from specdec.distributed import init_grid
 from specdec.engine.dp_engine import DPJob, run_data_parallel
 from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
@@ -265,16 +269,52 @@ def test_torchrun_launch_equals_tp1(tp_runs, tmp_path):
         assert got == [tokens for tokens, *_ in ref]
 
 
+def _close_grid_rank(rank, store, results):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        threads = len(os.listdir("/proc/self/task"))
+        grid = init_grid(1, 2, rank)
+        groups = [weakref.ref(grid.tp.group), weakref.ref(grid.world)]
+        got = [None, None]
+        dist.all_gather_object(got, rank, group=grid.world)
+        grid.tp.broadcast(torch.ones(4))
+        grid.close()
+        results.put((rank, (got, [g() is None for g in groups],
+                            len(os.listdir("/proc/self/task")) - threads)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 (the parent reports it)
+        results.put((rank, traceback.format_exc()))
+
+
+def test_closing_a_grid_joins_its_groups_threads(tmp_path):
+    """Grid.close (init_grid runs it at exit) drops the grid's groups, so their gloo worker
+    threads are joined while Python is alive (one freeing its last collective's tensors during
+    interpreter shutdown aborts the process); the default group, not the grid's, stays."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_close_grid_rank, args=(r, str(tmp_path / "store"), results),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=TIMEOUT) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {r: ([0, 1], [True, True], 0) for r in (0, 1)}, got
+
+
 # ---- faults and refusals ----------------------------------------------------------------------
 def test_a_killed_tp_peer_fails_the_call_naming_it():
     llm = LLM(tensor_parallel_size=2, data_parallel_timeout=60)
 
     def kill_peer():
-        while len(mp.active_children()) < 2:
+        while not (peer := [p for p in mp.active_children() if p.name == "specdec-rank-1"]):
             time.sleep(0.05)
         time.sleep(4.0)
-        peer = sorted(mp.active_children(), key=lambda p: p.name)[1]
-        os.kill(peer.pid, signal.SIGKILL)
+        os.kill(peer[0].pid, signal.SIGKILL)
     threading.Thread(target=kill_peer, daemon=True).start()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 killed by SIGKILL"):

@@ -105,7 +105,7 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
     with tempfile.TemporaryDirectory(prefix="specdec-dp-") as tmp:
         store = str(Path(tmp) / "store")
         world = dp_size * tp_size
-        procs = [ctx.Process(target=_rank_main, daemon=True,
+        procs = [ctx.Process(target=_rank_main, daemon=True, name=f"specdec-rank-{rank}",
                              args=(rank, dp_size, tp_size, store, jobs, timeout, results,
                                    os.getpid()))
                  for rank in range(world)]

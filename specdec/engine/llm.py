@@ -93,11 +93,12 @@ class LLM:
         ranks, env = data_parallel_size * tensor_parallel_size, env_rank()
         self.torchrun = dp is None and tp is None and ranks > 1 and env is not None \
             and env[1] == ranks
+        self.grid = None  # the torchrun ranks' groups (closed at exit)
         if self.torchrun:
-            grid = init_grid(data_parallel_size, tensor_parallel_size, env[0],
-                             device_type=cfg.device.type, timeout=data_parallel_timeout,
-                             sequence_parallel=sequence_parallel)
-            dp, tp = grid.dp, grid.tp
+            self.grid = init_grid(data_parallel_size, tensor_parallel_size, env[0],
+                                  device_type=cfg.device.type, timeout=data_parallel_timeout,
+                                  sequence_parallel=sequence_parallel)
+            dp, tp = self.grid.dp, self.grid.tp
             if cfg.device.type != "cpu":  # one accelerator per local rank
                 count = getattr(torch, cfg.device.type).device_count()
                 cfg.device = torch.device(cfg.device.type, env[2] % count)
@@ -398,8 +399,8 @@ class LLM:
             mine = {i: self._output(r) for i, r in reqs.items()}
         else:
             self.serve()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = [None] * self.grid.world.size()
+        dist.all_gather_object(everyone, mine, group=self.grid.world)
         merged = {i: out for part in everyone for i, out in part.items()}
         return [merged[i] for i in range(len(ids))]
 
