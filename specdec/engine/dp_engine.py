@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specdec.distributed import Grid, TPContext, backend_for, init_grid
@@ -197,7 +196,7 @@ def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, jobs: list[DPJ
                          init_method=f"file://{store}", timeout=timeout)
         for j, job in enumerate(jobs):
             results.put(("ok", j, rank, _run_job(job, rank, grid, device)))
-        dist.destroy_process_group()
+        grid.close()
     except BaseException as e:
         user_error = e if type(e) in (ValueError, TypeError) else None
         results.put(("error", rank, user_error, traceback.format_exc()))
