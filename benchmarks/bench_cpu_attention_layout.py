@@ -43,7 +43,8 @@ from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams, Status
 if config == "token-major":
     paged.row_shape = lambda num_tokens, num_reqs, max_query_len: (1, num_tokens)
-llm = LLM(speculative_config=spec)
+llm = LLM(speculative_config=spec,
+          graph_backend="compile_dynamic" if config == "compile_dynamic" else "eager")
 width = 1 + (spec or {}).get("num_speculative_tokens", 0)
 
 def prompt(i):
@@ -87,15 +88,17 @@ def run_child(config: str, workload: str, threads: int, conc: int, spec) -> list
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def compare(configs: tuple[str, str], title: str, argv=None) -> None:
+    """Run ``configs[0]`` against ``configs[1]`` in alternating fresh processes; print the
+    table (ratio = configs[0] / configs[1] tokens/s)."""
+    ap = argparse.ArgumentParser(description=title)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     results = {}  # (method, workload, conc, config) -> [[tok/s, chunk ms, decode ms], ...]
     for r in range(args.rounds):
-        order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+        order = configs if r % 2 == 0 else configs[::-1]
         for method, spec in METHODS.items():
             for workload in WORKLOADS:
                 for conc in args.concurrency:
@@ -103,23 +106,26 @@ def main() -> None:
                         results.setdefault((method, workload, conc, config), []).append(
                             run_child(config, workload, args.threads, conc, spec))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    table = Table(title=f"CPU paged attention query rows vs token-major, medians of "
-                        f"{args.rounds} alternating rounds")
-    for col in ("method", "workload", "conc", "layout", "tok/s", "step with a chunk ms",
-                "decode step ms", "rows / token-major tok/s"):
+    table = Table(title=f"{title}, medians of {args.rounds} alternating rounds")
+    for col in ("method", "workload", "conc", "config", "tok/s", "step with a chunk ms",
+                "decode step ms", f"{configs[0]} / {configs[1]} tok/s"):
         table.add_column(col)
     for method in METHODS:
         for workload in WORKLOADS:
             for conc in args.concurrency:
-                base = results[(method, workload, conc, CONFIGS[0])]
-                for config in CONFIGS:
+                base = results[(method, workload, conc, configs[0])]
+                for config in configs:
                     runs = results[(method, workload, conc, config)]
                     med = [statistics.median(run[i] for run in runs) for i in range(3)]
                     ratio = statistics.median(b[0] / c[0] for b, c in zip(base, runs))
                     table.add_row(method, workload, str(conc), config, f"{med[0]:.0f}",
                                   f"{med[1]:.1f}", f"{med[2]:.2f}",
-                                  f"{ratio:.2f}" if config != CONFIGS[0] else "")
+                                  f"{ratio:.2f}" if config != configs[0] else "")
     Console(width=140).print(table)
+
+
+def main() -> None:
+    compare(CONFIGS, "CPU paged attention query rows vs token-major")
 
 
 if __name__ == "__main__":

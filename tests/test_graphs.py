@@ -304,3 +304,74 @@ def test_a_mixed_steps_attention_bound_covers_its_sequences(max_model_len, data)
     if bound < max_model_len:
         assert bound & (bound - 1) == 0 and bound >= MIN_GRAPH_SEQ_LEN
         assert bound < 2 * n or bound == MIN_GRAPH_SEQ_LEN
+
+
+# ---- compile_dynamic: one dynamic-shape graph per code path, every step through it -----------
+def greedy_arrivals(llm):
+    """Greedy requests of varying lengths arriving while others decode -> their tokens."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [LONG_PROMPT[:n] for n in (5, 40, 3, 9, 17, 2, 30)]
+    reqs = []
+    for i in range(200):
+        if prompts and i % 2 == 0:
+            reqs.append(llm.add_request(prompts.pop(0), params))
+        if llm.step() is None and not prompts:
+            break
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(target, heads, method):
+    """Construction compiles the greedy code paths (``WARMUP_PHASES``); then greedy requests
+    arriving among decodes compile nothing more, every step runs through the one wrapper, and
+    tokens, drafts and acceptance (sampled requests too, which compile at first use) equal
+    the eager engine's."""
+    llm = make_llm(target, heads, method, graph_backend="compile_dynamic")
+    assert llm.graph_warmup_seconds > 0 and not llm.steps
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    calls = graph_calls(llm)
+    got = greedy_arrivals(llm)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    steps = sum(1 for s in llm.steps if s.num_reqs)
+    assert graph_calls(llm)[0] - calls[0] == steps
+    if method is not None:
+        assert graph_calls(llm)[1] - calls[1] == steps
+    eager = make_llm(target, heads, method)
+    assert got == greedy_arrivals(eager)
+    assert run_arrivals(llm) == run_arrivals(eager)
+
+
+def test_compile_dynamic_graph_serves_every_size_of_a_path():
+    """Sizes and int static values are symbolic: one graph for every size >= 2 of the same
+    code path (size 1 is specialized by dynamo), equal to eager."""
+    def step(x, y, *, n: int):
+        return (x * 2 + y.sum()) [:n]
+
+    graph = StepGraph(step, "compile_dynamic", "eager")
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    for size in (3, 5, 8, 13):
+        x, y = torch.arange(size, dtype=torch.float32), torch.ones(size + 1)
+        torch.testing.assert_close(graph(None, x, y, n=size - 1), step(x, y, n=size - 1))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
+
+def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model():
+    """The real use: inductor's C++ kernels (fused norms, rotary, activations) for the CPU
+    steps of the embedded model give the eager engine's greedy tokens."""
+    prompts = [list(range(3, 3 + n)) for n in (7, 30, 2, 12, 19)]
+
+    def arrivals(llm):
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        reqs, pending = [], list(prompts)
+        for i in range(300):
+            if pending and i % 3 == 0:
+                reqs.append(llm.add_request(pending.pop(0), params))
+            if llm.step() is None and not pending:
+                return [r.output_token_ids for r in reqs]
+
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    llm = LLM(graph_backend="compile_dynamic", **kw)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert arrivals(llm) == arrivals(LLM(**kw))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs

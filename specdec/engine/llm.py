@@ -63,6 +63,14 @@ class StepRecord:
     captured: bool = False  # the target step replayed a graph (compiled or captured)
 
 
+# compile_dynamic's warm-up: phases of prompt lengths added before each step (each phase then
+# runs to the end): one request (a prefill, then decodes of one token); two equal prompts
+# together; three, then a longer prefill chunk among their decodes. Together they take each
+# query-row layout of the torch paged attention (``row_shape``) with one request and with
+# several, for plain decoding and for a 1 + K verification.
+WARMUP_PHASES = (((8,),), ((6, 6),), ((6, 6, 6), (), (17,)))
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, speculative_config=None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16,
@@ -173,6 +181,28 @@ class LLM:
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0
+        if self.graph_backend == "compile_dynamic" and self.dp.size == 1 and (
+                self.spec is None or self.spec.method != "extract_hidden_states"):
+            self.graph_warmup_seconds += self._warm_up_code_paths()
+
+    def _warm_up_code_paths(self) -> float:
+        """compile_dynamic: compile the greedy step's code paths that serving meets on
+        throwaway requests, before the first real one (``WARMUP_PHASES``); other paths
+        (a sampling variant, a DP rank's) compile at their first use. -> seconds spent."""
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        longest = max(1, self.max_model_len - 5)
+        for phase in WARMUP_PHASES:
+            for arrivals in phase:
+                for n in arrivals:
+                    self._queue([i % self.vocab_size for i in range(1, min(n, longest) + 1)],
+                                params, None)
+                self.step()
+            while self.scheduler.has_unfinished():
+                self.step()
+        self.steps.clear()
+        self._next_id = 0
+        return time.perf_counter() - start
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,

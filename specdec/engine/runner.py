@@ -11,8 +11,9 @@ attention bounded by max_model_len; captured at start-up) and, on the capturing 
 (``replay``; ``cuda_graph`` behind ``SPECDEC_UNVERIFIED_GPU_PATHS``), mixed steps with prefill
 chunks whose Np and Bp are capture sizes (key (Np, Bp) and the attention bound, a power of two
 >= the longest sequence; captured at first use). Each key has a graph per sampling variant
-(greedy, sampled, sampled with top-p). Sampling draws counter-based random numbers
-(``counter_rng``), so a replay needs no generator state.
+(greedy, sampled, sampled with top-p). With ``compile_dynamic`` no step is captured: every
+step runs the dynamically compiled target step with its own bounds. Sampling draws
+counter-based random numbers (``counter_rng``), so a replay needs no generator state.
 """
 
 import time
@@ -108,7 +109,8 @@ class ModelRunner:
         # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
         # capturing backends (a CUDA graph of them has not yet run on a GPU: opt-in there); the
         # compiling ones would stall serving on an inductor compile per key, so run them eager
-        self.planner = StepPlanner(padder, dp, k, allow_capture=graph_backend != "eager",
+        self.planner = StepPlanner(padder, dp, k,
+                                   allow_capture=graph_backend not in ("eager", "compile_dynamic"),
                                    capture_mixed=graph_backend == "replay" or (
                                        graph_backend == "cuda_graph"
                                        and platform.unverified_gpu_paths()))
@@ -268,6 +270,9 @@ class ModelRunner:
             out = self.target_graph(
                 (np_, bp), *step_args, max_seq_len=batch.graph_seq_len, variant=batch.variant,
                 max_query_len=batch.graph_query_len)
+        elif self.target_graph.backend == "compile_dynamic":  # every step, its own bounds
+            out = self.target_graph(None, *step_args, max_seq_len=batch.max_seq_len,
+                                    max_query_len=batch.max_query_len, variant=batch.variant)
         else:
             out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
                                    max_query_len=batch.max_query_len, variant=batch.variant)

@@ -130,12 +130,11 @@ class LlamaForCausalLM(nn.Module):
                              "kv=None forward needs sequence_parallel=False")
         x = tp.shard(self.model.embed_tokens(input_ids))
         rope = self.rope(positions, x.dtype)
-        aux = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in aux_layer_ids:
-                aux[i] = x
+        inputs = []  # each layer's input: a list, which compile_dynamic's symbolic ids index
+        for layer in self.model.layers:
+            inputs.append(x)
             x = layer(x, rope, kv)
-        stacked = (tp.gather(torch.stack([aux[i] for i in aux_layer_ids], dim=-2))
+        stacked = (tp.gather(torch.stack([inputs[i] for i in aux_layer_ids], dim=-2))
                    if aux_layer_ids else None)
         return tp.gather(self.model.norm(x)), stacked
 

@@ -17,7 +17,8 @@ static-shape *padded step* per step: for Np tokens and Bp requests,
 Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`): a capturable
 step (``plan.capturable``: a uniform decode, or a mixed step where the backend captures those)
 runs it through the configured backend -- torch.compile / torchair, or a CUDA graph per
-(Np, Bp, attention bound) key -- every other padded step runs the same function eagerly.
+(Np, Bp, attention bound) key -- every other padded step runs the same function eagerly
+(with ``compile_dynamic``, every padded step runs it compiled, with its own bounds).
 """
 
 import torch
@@ -150,6 +151,9 @@ class DraftModelProposer(Proposer):
         if plan.capturable:
             return self.step_graph((plan.num_tokens_padded, plan.num_reqs_padded), *args,
                                    max_seq_len=x.graph_seq_len, max_query_len=x.graph_query_len)
+        if self.step_graph.backend == "compile_dynamic":  # every step, its own bounds
+            return self.step_graph(None, *args, max_seq_len=a.max_seq_len,
+                                   max_query_len=a.max_query_len)
         return self.padded_step(*args, max_seq_len=a.max_seq_len, max_query_len=a.max_query_len)
 
     def padded_step(self, target_ids, positions, features, slot_mapping, query_start_loc,
