@@ -112,8 +112,9 @@ def shift_first_pass_input_ids(
     Example: ids = [1,2,3,4,5,6], sample_index = [2,5], next = [30,60]
     -> [2,3,30,5,6,60].
     """
-    out = target_input_ids.clone()
-    out[:-1] = target_input_ids[1:]
+    # (a cat, not out[:-1] = ids[1:]: that copy's broadcast check would make N = 2 a
+    # graph of its own under dynamic shapes)
+    out = torch.cat((target_input_ids[1:], target_input_ids[-1:]))
     return out.index_copy_(0, token_indices_to_sample.long(),
                            next_token_ids.to(target_input_ids.dtype))
 

@@ -150,22 +150,32 @@ class DraftModelProposer(Proposer):
                 torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
         if plan.capturable:
             return self.step_graph((plan.num_tokens_padded, plan.num_reqs_padded), *args,
-                                   max_seq_len=x.graph_seq_len, max_query_len=x.graph_query_len)
+                                   max_seq_len=x.graph_seq_len, max_query_len=x.graph_query_len,
+                                   loop_seq_len=self.loop_seq_len(x.graph_seq_len))
         if self.step_graph.backend == "compile_dynamic":  # every step, its own bounds
             return self.step_graph(None, *args, max_seq_len=a.max_seq_len,
-                                   max_query_len=a.max_query_len)
-        return self.padded_step(*args, max_seq_len=a.max_seq_len, max_query_len=a.max_query_len)
+                                   max_query_len=a.max_query_len,
+                                   loop_seq_len=self.loop_seq_len(a.max_seq_len))
+        return self.padded_step(*args, max_seq_len=a.max_seq_len, max_query_len=a.max_query_len,
+                                loop_seq_len=self.loop_seq_len(a.max_seq_len))
+
+    def loop_seq_len(self, max_seq_len: int) -> int:
+        """The host bound on seq_lens over draft steps 2..K, given the first pass's bound
+        (one bound for the whole loop: inside a dynamic-shape step a per-step min against
+        max_model_len would be a guard, and a recompile when sequences near the end)."""
+        return min(max_seq_len + self.num_speculative_tokens - 1, self.max_model_len)
 
     def padded_step(self, target_ids, positions, features, slot_mapping, query_start_loc,
                     seq_lens, block_table, sampled, discard, cu_num_draft_tokens, token_table,
-                    rows, num_reqs, *, max_seq_len: int,
-                    max_query_len: int | None) -> torch.Tensor:
+                    rows, num_reqs, *, max_seq_len: int, max_query_len: int | None,
+                    loop_seq_len: int) -> torch.Tensor:
         """The whole padded draft step, a static-shape step function -> drafts [Bp, K] int32.
 
         target_ids, positions, slot_mapping [Np]; features [Np, ...] (draft_features);
         query_start_loc [Bp+1]; seq_lens, discard, cu_num_draft_tokens, rows [Bp];
         block_table [Bp, M]; sampled [Bp, K+1]; token_table [R, L]; num_reqs: 0-dim int32 B.
-        Every shape depends on (Np, Bp) and the two host bounds only; nothing here reads a
+        Every shape depends on (Np, Bp) and the three host bounds only (max_seq_len,
+        max_query_len: the first pass's; loop_seq_len: steps 2..K's); nothing here reads a
         value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         """
@@ -182,7 +192,7 @@ class DraftModelProposer(Proposer):
         token = self.sample(logits_h[sample_idx])
         drafts = [token] + self.draft_loop_steps(
             token, next_h[sample_idx], positions[sample_idx], seq_lens, num_rejected, num_reqs,
-            block_table, max_seq_len)
+            block_table, loop_seq_len)
         return torch.stack(drafts, dim=1)
 
     def _propose_ragged(self, x: DraftInputs) -> torch.Tensor:
@@ -215,7 +225,7 @@ class DraftModelProposer(Proposer):
         token = self.sample(logits_h[sample_idx])
         drafts = [token] + self.draft_loop_steps(
             _pad_rows(token, bp), _pad_rows(next_h[sample_idx], bp), kept_positions[sample_idx],
-            attn.seq_lens, None, b, a.block_table, a.max_seq_len)
+            attn.seq_lens, None, b, a.block_table, self.loop_seq_len(a.max_seq_len))
         return torch.stack([d[:b] for d in drafts], dim=1)
 
     # ---- the draft loop -----------------------------------------------------------------------
@@ -254,23 +264,24 @@ class DraftModelProposer(Proposer):
     def draft_loop_steps(self, tokens: torch.Tensor, hidden: torch.Tensor,
                          positions: torch.Tensor, seq_lens: torch.Tensor,
                          num_rejected: torch.Tensor | None, num_reqs: int | torch.Tensor,
-                         block_table: torch.Tensor, max_seq_len: int) -> list[torch.Tensor]:
+                         block_table: torch.Tensor, loop_seq_len: int) -> list[torch.Tensor]:
         """Draft steps 2..K over Bp rows (B real, the rest padding), one token each.
 
         tokens [Bp] int32 (draft 1), hidden [Bp, H] (the head's output at the sample index),
         positions [b] int64 and seq_lens [b] int32 at the sample index, b <= Bp (num_rejected
         [b] in padded mode, None when seq_lens are already the ragged ones), block_table
-        [b, M], max_seq_len: bound on seq_lens before step 2. Returns K-1 tensors [Bp] int32.
+        [b, M], loop_seq_len: bound on seq_lens in every step (``loop_seq_len``). Returns K-1
+        tensors [Bp] int32.
         """
         bp = tokens.shape[0]
         self.start_draft_loop(positions, seq_lens, num_rejected, bp)
         block_table = _pad_rows(block_table, bp)
         qsl = torch.arange(bp + 1, dtype=torch.int32, device=tokens.device)
         drafts = []
-        for step in range(1, self.num_speculative_tokens):
+        for _ in range(1, self.num_speculative_tokens):
             st = self.advance_step(num_reqs, block_table)
             meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, block_table,
-                                     min(max_seq_len + step, self.max_model_len))
+                                     loop_seq_len)
             logits_h, hidden = self.head(tokens, st.input_positions, hidden,
                                          kv=self.kv.bind(meta))
             tokens = self.sample(logits_h)
