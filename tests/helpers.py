@@ -6,6 +6,7 @@ tests use ``tiny_model``/``tiny_model_head`` (float32, vocab 61, non-trivial nor
 """
 
 import json
+import multiprocessing as mp
 import socket
 import threading
 import time
@@ -234,3 +235,21 @@ def folder_builder(builders: dict, tmp_path_factory):
             cache[name] = builders[name](tmp_path_factory.mktemp(name) / "model")
         return cache[name]
     return get
+
+
+def run_ranks(target, args_of_rank, world: int, timeout: float) -> dict:
+    """Spawn ``world`` processes ``target(rank, *args_of_rank(rank), results)``; each puts one
+    (rank, result) on ``results``. -> {rank: result}; stragglers are killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args_of_rank(r), results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

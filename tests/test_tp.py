@@ -23,6 +23,7 @@ import hf_models
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_ranks
 from safetensors.torch import load_file
 
 from specdec.distributed import init_grid
@@ -290,19 +291,7 @@ def test_closing_a_grid_joins_its_groups_threads(tmp_path):
     """Grid.close (init_grid runs it at exit) drops the grid's groups, so their gloo worker
     threads are joined while Python is alive (one freeing its last collective's tensors during
     interpreter shutdown aborts the process); the default group, not the grid's, stays."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_close_grid_rank, args=(r, str(tmp_path / "store"), results),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=TIMEOUT) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_close_grid_rank, lambda r: (str(tmp_path / "store"),), 2, TIMEOUT)
     assert got == {r: ([0, 1], [True, True], 0) for r in (0, 1)}, got
 
 

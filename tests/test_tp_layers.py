@@ -11,8 +11,7 @@ import hf_models
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import moe_target, tiny_target
+from helpers import moe_target, run_ranks, tiny_target
 
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.distributed import TPContext, init_grid
@@ -94,19 +93,7 @@ def ranks():
     TP ops)}}."""
     with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
         paths = {name: build(Path(tmp) / name) for name, build in BUILDERS.items()}
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, f"{tmp}/store", paths, results), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            got = dict(results.get(timeout=TIMEOUT) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+        got = run_ranks(_rank, lambda r: (f"{tmp}/store", paths), 2, TIMEOUT)
     for rank, out in got.items():
         assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
         for key, (full, part, nbytes, ops) in out.items():
