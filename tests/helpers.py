@@ -237,12 +237,12 @@ def folder_builder(builders: dict, tmp_path_factory):
     return get
 
 
-def run_ranks(target, args_of_rank, world: int, timeout: float) -> dict:
-    """Spawn ``world`` processes ``target(rank, *args_of_rank(rank), results)``; each puts one
-    (rank, result) on ``results``. -> {rank: result}; stragglers are killed."""
+def run_ranks(target, args: tuple, world: int, timeout: float) -> dict:
+    """Spawn ``world`` processes ``target(rank, *args, results)``; each puts one (rank,
+    result) on ``results``. -> {rank: result}; stragglers are killed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args_of_rank(r), results), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, *args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

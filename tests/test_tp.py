@@ -291,7 +291,7 @@ def test_closing_a_grid_joins_its_groups_threads(tmp_path):
     """Grid.close (init_grid runs it at exit) drops the grid's groups, so their gloo worker
     threads are joined while Python is alive (one freeing its last collective's tensors during
     interpreter shutdown aborts the process); the default group, not the grid's, stays."""
-    got = run_ranks(_close_grid_rank, lambda r: (str(tmp_path / "store"),), 2, TIMEOUT)
+    got = run_ranks(_close_grid_rank, (str(tmp_path / "store"),), 2, TIMEOUT)
     assert got == {r: ([0, 1], [True, True], 0) for r in (0, 1)}, got
 
 

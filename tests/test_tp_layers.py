@@ -93,7 +93,7 @@ def ranks():
     TP ops)}}."""
     with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
         paths = {name: build(Path(tmp) / name) for name, build in BUILDERS.items()}
-        got = run_ranks(_rank, lambda r: (f"{tmp}/store", paths), 2, TIMEOUT)
+        got = run_ranks(_rank, (f"{tmp}/store", paths), 2, TIMEOUT)
     for rank, out in got.items():
         assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
         for key, (full, part, nbytes, ops) in out.items():
