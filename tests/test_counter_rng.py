@@ -51,3 +51,20 @@ def test_request_key():
     assert request_key(None, 0, "a") == request_key(None, 0, "a")
     assert len({request_key(None, s, r) for s in range(3) for r in "abc"}) == 9
     assert 0 <= request_key(None, 2**63 - 1, "x") < 2**63
+
+
+def test_inductor_with_symbolic_sizes_draws_the_eager_numbers():
+    """compile_dynamic's sampled steps: inductor's CPU kernels with the row and lane counts
+    symbolic give the eager numbers bit for bit for every size (``arange(lanes) * <64-bit
+    constant>`` did not: NaN exponentials past the first vector of lanes)."""
+    def draw(keys, counters, like):
+        return (uniforms(keys, counters, 1, like.shape[1]),
+                exponentials(keys, counters, 2, like.shape[1]))
+
+    compiled = torch.compile(draw, fullgraph=True, dynamic=True)
+    for rows, lanes in ((2, 40), (3, 2048), (5, 17), (1, 2049)):
+        keys = torch.arange(rows, dtype=torch.int64) * 977 + 5
+        counters = torch.arange(rows, dtype=torch.int64) + 30
+        like = torch.empty(rows, lanes)
+        for got, want in zip(compiled(keys, counters, like), draw(keys, counters, like)):
+            assert torch.equal(got, want), (rows, lanes)

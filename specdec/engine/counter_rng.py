@@ -39,8 +39,11 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor, stream: int,
              lanes: int) -> torch.Tensor:
     """keys, counters [B] int64 -> [B, lanes] float64 in [0, 1) (multiples of 2**-53)."""
     z = _mix(_mix(keys.long() + stream) ^ counters.long())
+    # xor the lane in, as the counter: inductor's CPU code for ``arange * <64-bit constant>``
+    # with a symbolic length wraps wrongly past the first vector (compile_dynamic drew NaN
+    # exponentials from it); a lane only ever meets loaded values here
     lane = torch.arange(lanes, dtype=torch.int64, device=keys.device)
-    return _shr(_mix(z[:, None] + lane * _GOLDEN), 11).double() * 2.0 ** -53
+    return _shr(_mix(z[:, None] ^ lane), 11).double() * 2.0 ** -53
 
 
 def exponentials(keys: torch.Tensor, counters: torch.Tensor, stream: int,
