@@ -13,7 +13,10 @@ wrapper gives each of them every backend:
                  values symbolic, so one graph serves every step of a code path (a new
                  path -- a row layout, a sampling variant -- compiles once at its first use);
                  the runner sends every step through it, not only capture buckets (CPU:
-                 inductor fuses the per-op work of small-batch steps into C++ loops)
+                 inductor fuses the per-op work of small-batch steps into C++ loops). With
+                 inductor the weights are frozen into the graph as constants (inductor's
+                 ``freezing``): its CPU matmuls then read weights packed once (MKL, oneDNN)
+                 instead of packing them in every call (a second copy of the weights)
     torchair     the same through torchair's NPU backend when torch_npu + torchair are
                  installed (specdec.platform.compile_graph), torch.compile elsewhere
     cuda_graph   per key: the first call's args become the static inputs; warm up, capture
@@ -120,8 +123,9 @@ class StepGraph:
         if backend == "compile":
             self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
         elif backend == "compile_dynamic":
-            self.run = _shapes_symbolic_only(
-                torch.compile(fn, fullgraph=True, dynamic=True, backend=compile_backend))
+            options = {"freezing": True} if compile_backend == "inductor" else None
+            self.run = _shapes_symbolic_only(torch.compile(
+                fn, fullgraph=True, dynamic=True, backend=compile_backend, options=options))
         elif backend == "torchair":
             self.run = platform.compile_graph(fn, compile_backend)
         else:

@@ -360,21 +360,25 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model():
-    """The real use: inductor's C++ kernels (fused norms, rotary, activations) for the CPU
-    steps of the embedded model give the eager engine's greedy tokens."""
+    """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
+    the frozen weights' prepacked matmuls) for the CPU steps of the embedded model give the
+    eager engine's tokens: greedy requests with no compile after construction, then sampled
+    ones (their variant compiles at first use)."""
     prompts = [list(range(3, 3 + n)) for n in (7, 30, 2, 12, 19)]
 
-    def arrivals(llm):
-        params = SamplingParams(max_tokens=16, ignore_eos=True)
+    def arrivals(llm, params):
         reqs, pending = [], list(prompts)
         for i in range(300):
             if pending and i % 3 == 0:
-                reqs.append(llm.add_request(pending.pop(0), params))
+                reqs.append(llm.add_request(pending.pop(0), params[len(reqs) % len(params)]))
             if llm.step() is None and not pending:
                 return [r.output_token_ids for r in reqs]
 
+    greedy = [SamplingParams(max_tokens=16, ignore_eos=True)]
+    sampled = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)]
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
-    llm = LLM(graph_backend="compile_dynamic", **kw)
+    llm, eager = LLM(graph_backend="compile_dynamic", **kw), LLM(**kw)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    assert arrivals(llm) == arrivals(LLM(**kw))
+    assert arrivals(llm, greedy) == arrivals(eager, greedy)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert arrivals(llm, sampled) == arrivals(eager, sampled)
