@@ -16,8 +16,9 @@ checkpoints with ``vllm serve`` (``--enforce-eager``, or its default torch.compi
 clients: ``specdec bench serve`` and vLLM's ``vllm bench serve`` (random token prompts of the
 same lengths).
 
-Every server is started first and waits idle while another is measured; then ``--rounds``
-rounds each run, per method and concurrency and back to back, the in-process harness and
+Every server is started first and waits idle while another is measured (idle, neither
+server's processes use the CPU); then ``--rounds`` rounds each run, per method, the
+in-process harness at every concurrency (one build), then per concurrency and back to back
 every (server, client) pair, the servers' order reversed on every other round. Each figure
 is the median over the rounds, and each overhead and ratio the median of its per-round
 values (this machine's speed drifts by tens of percent over minutes: one server measured
@@ -47,7 +48,7 @@ TARGET = "specdec/assets/default/target"
 NAME = "specdec-default"
 
 
-def harness_args(args, conc: int) -> list[str]:
+def harness_args(args, conc: int | str) -> list[str]:
     return ["--concurrency", str(conc), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--repeats", str(args.repeats),
             "--warmup", "1"]
@@ -103,29 +104,30 @@ def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[fl
     return figures(out / "results.json")[conc]
 
 
-def in_process(args, method: str, conc: int, out: Path) -> tuple[float, float]:
-    """The in-process harness (``specdec bench``) at ``conc``: (mean ITL ms, tokens/s)."""
+def in_process(args, method: str, concs: list[int], out: Path) -> dict:
+    """The in-process harness (``specdec bench``) at every concurrency, one engine build (a
+    compile_dynamic build compiles for a minute): concurrency -> (mean ITL ms, tokens/s)."""
     run([sys.executable, "-m", "specdec.cli", "bench", "--methods", method, "--modes",
          "padded", "-k", str(args.k), "--graph-backend", args.graph_backend,
-         "--out", str(out)] + harness_args(args, conc),
+         "--out", str(out)] + harness_args(args, ",".join(map(str, concs))),
         env={"OMP_NUM_THREADS": str(args.engine_threads)})
-    return figures(out / "results.json")[conc]
+    return figures(out / "results.json")
 
 
 def measure_round(servers: dict, args, concs: list[int], r: int,
                   samples: dict[tuple, list[float]]) -> None:
-    """One round: per method and concurrency, back to back, the in-process harness, every
-    server with ``specdec bench serve``, then every server with ``vllm bench serve`` (the
-    servers' order reversed on odd rounds). Appends to ``samples[(method, where, conc,
-    figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
+    """One round: per method, the in-process harness at every concurrency, then per
+    concurrency every server with ``specdec bench serve`` and every server with ``vllm bench
+    serve`` (the servers' order reversed on odd rounds). Appends to ``samples[(method, where,
+    conc, figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
     kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
     order = kinds if r % 2 == 0 else kinds[::-1]
     for method in METHODS:
+        inproc = in_process(args, method, concs, args.out / f"round{r}" / f"{method}-inprocess")
         for c in concs:
             out = args.out / f"round{r}" / f"{method}-c{c}"
-            itl, tps = in_process(args, method, c, out / "inprocess")
-            samples[method, "in-process", c, "itl"].append(itl)
-            samples[method, "in-process", c, "tps"].append(tps)
+            samples[method, "in-process", c, "itl"].append(inproc[c][0])
+            samples[method, "in-process", c, "tps"].append(inproc[c][1])
             for kind in order:
                 itl, tps = specdec_client(servers[method, kind][1], method, args, c, out / kind)
                 samples[method, kind, c, "itl"].append(itl)
