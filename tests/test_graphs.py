@@ -370,12 +370,12 @@ def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model():
         reqs, pending = [], list(prompts)
         for i in range(300):
             if pending and i % 3 == 0:
-                reqs.append(llm.add_request(pending.pop(0), params[len(reqs) % len(params)]))
+                reqs.append(llm.add_request(pending.pop(0), params))
             if llm.step() is None and not pending:
                 return [r.output_token_ids for r in reqs]
 
-    greedy = [SamplingParams(max_tokens=16, ignore_eos=True)]
-    sampled = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)]
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
     llm, eager = LLM(graph_backend="compile_dynamic", **kw), LLM(**kw)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
