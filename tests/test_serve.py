@@ -183,6 +183,15 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert now["specdec:generation_tokens_total"] < start["specdec:generation_tokens_total"] + 100
 
 
+def test_the_engine_keeps_no_step_history(server, client):
+    """A server steps forever: ``LLM.steps`` (the offline record of every step) stays empty."""
+    llm = server.app.state.engine.llm
+    before = metrics(server.url)["specdec:step_seconds_count"]
+    client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert metrics(server.url)["specdec:step_seconds_count"] > before
+    assert llm.steps == []
+
+
 # ---- errors ------------------------------------------------------------------------------------
 TOO_LONG = list(range(1, MAX_MODEL_LEN + 1))
 BAD = [  # (path, body, param named)

@@ -107,6 +107,7 @@ class EngineCore:
         updates = []
         try:
             rec = self.llm.step()
+            self.llm.steps.clear()  # the records go out as messages: none is kept per step
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             rec, message = None, f"engine error: {type(e).__name__}: {e}"
             for rid, req in list(self.requests.items()):
