@@ -109,6 +109,7 @@ def in_process(args, method: str, concs: list[int], out: Path) -> dict:
     compile_dynamic build compiles for a minute): concurrency -> (mean ITL ms, tokens/s)."""
     run([sys.executable, "-m", "specdec.cli", "bench", "--methods", method, "--modes",
          "padded", "-k", str(args.k), "--graph-backend", args.graph_backend,
+         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--out", str(out)] + harness_args(args, ",".join(map(str, concs))),
         env={"OMP_NUM_THREADS": str(args.engine_threads)})
     return figures(out / "results.json")
@@ -149,9 +150,8 @@ def main(argv=None) -> int:
                     help="alternating rounds; every figure is the median over them")
     ap.add_argument("-k", type=int, default=3, help="K of EAGLE-3")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="both servers' token budget per step (vllm serve's CPU default; "
-                         "specdec serve's is 256; the in-process harness uses 256: at "
-                         "concurrency 16 it prefills 16 x 32 prompt tokens in two steps)")
+                    help="token budget per step of both servers and the in-process "
+                         "harness (vllm serve's CPU default; specdec serve's is 256)")
     ap.add_argument("--engine-threads", type=int, default=default_engine_threads(),
                     help="torch threads of the engine: specdec serve's and the in-process "
                          "harness's")

@@ -212,9 +212,24 @@ def test_expand_and_check_sweep():
     for bad, match in (({"method": ["mtp"]}, "unknown sweep keys"),
                        ({"methods": ["medusa"]}, "medusa"), ({"modes": ["fast"]}, "fast"),
                        ({"k": [0]}, "k="), ({"concurrency": []}, "empty"),
-                       ({"repeats": 0}, "repeats"), ({"output_len": [1]}, "output_len")):
+                       ({"repeats": 0}, "repeats"), ({"output_len": [1]}, "output_len"),
+                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+                       ({"max_num_batched_tokens": "2048"}, "max_num_batched_tokens")):
         with pytest.raises(UsageError, match=match):
             itl.check_sweep(bad)
+
+
+@pytest.mark.parametrize("budget", [None, 300])
+def test_the_step_budget_reaches_the_engine(budget):
+    """``max_num_batched_tokens`` (``--max-num-batched-tokens``): the engines' token budget;
+    none: max(256, concurrency x (K + 1))."""
+    sweep = itl.check_sweep(dict(methods=["none", "mtp"], modes=["padded"], k=[3],
+                                 concurrency=[1, 80], max_num_batched_tokens=budget))
+    engines, skipped = itl.build_engines(sweep, itl.expand(sweep))
+    assert not skipped
+    got = {key: e.llm.scheduler.max_num_batched_tokens for key, e in engines.items()}
+    assert got == ({("none", True, 0): 256, ("mtp", True, 3): 320} if budget is None
+                   else {("none", True, 0): 300, ("mtp", True, 3): 300})
 
 
 @pytest.mark.parametrize("path", sorted((Path(itl.__file__).parent / "sweeps").glob("*.*")),

@@ -35,7 +35,8 @@ MODES = ("padded", "ragged")
 DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
-                     dtype="float32", synthetic=None, graph_backend="eager")
+                     dtype="float32", synthetic=None, graph_backend="eager",
+                     max_num_batched_tokens=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in the README's Benchmarks section; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -111,6 +112,11 @@ def check_sweep(sweep: dict) -> dict:
         raise UsageError(f"sweep synthetic={s['synthetic']!r}: allowed {sorted(SHAPES)}")
     if s["synthetic"] is not None and (s["model"] is not None or s["dp"] > 1):
         raise UsageError("sweep synthetic= builds its own target: give no model, and dp=1")
+    budget = s["max_num_batched_tokens"]
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                               or budget < 1):
+        raise UsageError(f"sweep max_num_batched_tokens={budget!r}: allowed an int >= 1 or "
+                         "none (none: max(256, concurrency x (K + 1)))")
     if s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -308,7 +314,8 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
-                      max_num_batched_tokens=max(256, conc * (k + 1)))
+                      max_num_batched_tokens=sweep["max_num_batched_tokens"]
+                      or max(256, conc * (k + 1)))
         try:
             llm = build_llm(sweep["model"], spec, dp=1, **kwargs, **synthetic_model(sweep, spec))
         except UsageError as e:
