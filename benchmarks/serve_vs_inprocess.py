@@ -19,12 +19,12 @@ serve`` (random token prompts of the same lengths).
 
 Every engine and server is started first and waits idle while another is measured (idle,
 none of their processes use the CPU); then ``--rounds`` rounds each run, per method and
-concurrency and back to back, the in-process engine (a warm-up and the repeats) and every
-(server, client) pair, the servers' order reversed on every other round. Each figure is the
-median over the rounds, and each overhead and ratio the median of its per-round values (this
-machine's speed drifts by tens of percent over minutes: two figures taken minutes apart
-compare two moments more than two paths). Run it from the repository root on an otherwise
-idle machine.
+concurrency and back to back, the in-process engine (a warm-up and the repeats), every
+(server, client) pair (the servers' order reversed on every other round) and the in-process
+engine again (its figure: the mean of the two). Each figure is the median over the rounds,
+and each overhead and ratio the median of its per-round values (this machine's speed drifts
+by tens of percent over minutes: two figures taken minutes apart compare two moments more
+than two paths). Run it from the repository root on an otherwise idle machine.
 """
 
 import argparse
@@ -155,8 +155,9 @@ def start_in_process(args, method: str, concs: list[int]):
 def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
                   samples: dict[tuple, list[float]]) -> None:
     """One round: per method and concurrency, back to back: the in-process engine, every
-    server with ``specdec bench serve`` and every server with ``vllm bench serve`` (the
-    servers' order reversed on odd rounds). Appends to ``samples[(method, where,
+    server with ``specdec bench serve``, every server with ``vllm bench serve`` (the servers'
+    order reversed on odd rounds), the in-process engine again (its figure: the mean of the
+    two, so a drift of the machine's speed that is linear over the slot cancels). Appends to ``samples[(method, where,
     conc, figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
     kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
     order = kinds if r % 2 == 0 else kinds[::-1]
@@ -164,9 +165,7 @@ def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
         for c in concs:
             out = args.out / f"round{r}" / f"{method}-c{c}"
             workers[method].send(c)
-            itl, tps = workers[method].recv()
-            samples[method, "in-process", c, "itl"].append(itl)
-            samples[method, "in-process", c, "tps"].append(tps)
+            before = workers[method].recv()
             for kind in order:
                 itl, tps = specdec_client(servers[method, kind][1], method, args, c, out / kind)
                 samples[method, kind, c, "itl"].append(itl)
@@ -174,6 +173,10 @@ def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
             for kind in (order if args.vllm_python else ()):
                 samples[method, kind, c, "vllm_client_tps"].append(
                     vllm_client(args.vllm_python, servers[method, kind][1], args, c))
+            workers[method].send(c)
+            after = workers[method].recv()
+            samples[method, "in-process", c, "itl"].append((before[0] + after[0]) / 2)
+            samples[method, "in-process", c, "tps"].append((before[1] + after[1]) / 2)
 
 
 def main(argv=None) -> int:
