@@ -31,7 +31,6 @@ import argparse
 import json
 import multiprocessing
 import operator
-import os
 import re
 import statistics
 import subprocess
@@ -56,10 +55,9 @@ def harness_args(args, conc: int | str) -> list[str]:
             "--warmup", "1"]
 
 
-def run(cmd: list[str], env: dict | None = None) -> str:
+def run(cmd: list[str]) -> str:
     Console(stderr=True).print(" ".join(cmd), markup=False, highlight=False, soft_wrap=True)
-    return subprocess.run(cmd, check=True, capture_output=True, text=True,
-                          env=None if env is None else {**os.environ, **env}).stdout
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
 
 def figures(results: Path) -> dict:
@@ -107,10 +105,10 @@ def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[fl
 
 
 def in_process_worker(conn, sweep: dict, threads: int) -> None:
-    """A spawned process holding the in-process harness's engine for one method (built once,
-    as ``specdec bench`` builds it): it runs the harness's
-    warm-up and repeats of each concurrency it receives with the harness's own ``measure`` and
-    prompts and answers (mean ITL ms, tokens/s); None ends it."""
+    """A spawned process holding the in-process harness's engine for one method, built once as
+    ``specdec bench`` builds it. For each concurrency it receives it runs the harness's warm-up
+    and repeats (``run_round``: its prompts and seeds, those of ``specdec bench serve`` too)
+    and answers (mean ITL ms, tokens/s); None ends it."""
     import torch
 
     from specdec.bench import metrics, sweep as harness
@@ -120,19 +118,23 @@ def in_process_worker(conn, sweep: dict, threads: int) -> None:
     engines, skipped = harness.build_engines(sweep, configs)
     if skipped:
         raise RuntimeError(f"the in-process engine was not built: {skipped}")
-    engine = next(iter(engines.values()))
-    source = harness.PromptSource(engine.llm.tokenizer, engine.llm.target.config.vocab_size)
+    llm = next(iter(engines.values())).llm
+    source = harness.PromptSource(llm.tokenizer, llm.target.config.vocab_size)
+
+    def run_once(config, prompt_seed: int) -> dict:
+        (raw,) = harness.run_round(sweep, engines, [config], source, prompt_seed, lambda c: None)
+        if "error" in raw:
+            raise RuntimeError(f"in-process {config.name}: {raw['error']}")
+        return raw
+
     conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        c = next(c for c in configs if c.concurrency == msg)
-        for seed in range(sweep["warmup"]):  # the prompt seeds of specdec bench (serve)
-            harness.measure(engine.llm, source.prompts(msg, c.prompt_len, 10_000 + seed),
-                            c.output_len, 0.0)
-        reps = [metrics.repeat_figures(harness.measure(
-            engine.llm, source.prompts(msg, c.prompt_len, seed), c.output_len, 0.0))
-            for seed in range(sweep["repeats"])]
-        engine.llm.steps.clear()
-        summary = metrics.summarize(reps)
+    while (conc := conn.recv()) is not None:
+        config = next(c for c in configs if c.concurrency == conc)
+        for w in range(sweep["warmup"]):
+            run_once(config, 10_000 + sweep["seed"] + w)
+        summary = metrics.summarize([metrics.repeat_figures(run_once(config, sweep["seed"] + r))
+                                     for r in range(sweep["repeats"])])
+        llm.steps.clear()  # measure reads only its own steps; the worker lives all run
         conn.send((summary["itl_ms"]["mean"], summary["output_tokens_per_s"]))
 
 
@@ -157,8 +159,9 @@ def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
     """One round: per method and concurrency, back to back: the in-process engine, every
     server with ``specdec bench serve``, every server with ``vllm bench serve`` (the servers'
     order reversed on odd rounds), the in-process engine again (its figure: the mean of the
-    two, so a drift of the machine's speed that is linear over the slot cancels). Appends to ``samples[(method, where,
-    conc, figure)]`` (where: in-process, specdec, vllm; figure: itl, tps, vllm_client_tps)."""
+    two, so a drift of the machine's speed that is linear over the slot cancels). Appends to
+    ``samples[(method, where, conc, figure)]`` (where: in-process, specdec, vllm; figure: itl,
+    tps, vllm_client_tps)."""
     kinds = [k for k in ("specdec", "vllm") if (METHODS[0], k) in servers]
     order = kinds if r % 2 == 0 else kinds[::-1]
     for method in METHODS:
