@@ -9,9 +9,8 @@ tokens/s over those steps, graph replays per step, and the step time against the
 limit (weight bytes / the device's measured copy bandwidth; CUDA only). Every request decodes
 ``--output-len`` tokens with ``ignore_eos``; the synthetic targets use zero weights, so every
 draft is accepted (the best case of speculation at the real cost per step). Sampled rows
-(``--temperature``, top-p 0.9) run the padded configs of the capturing backends; on
-cuda_graph they capture only with SPECDEC_UNVERIFIED_GPU_PATHS=1 (else their target step runs
-eagerly: graph calls/step says which). ``--device cpu --backends eager replay --models
+(``--temperature``, top-p 0.9) run the padded configs of the capturing backends (captured
+like greedy ones: graph calls/step says so). ``--device cpu --backends eager replay --models
 llama-tiny`` runs the same code on a CPU (a smoke run: CPU times say nothing about a GPU).
 """
 

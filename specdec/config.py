@@ -35,7 +35,7 @@ class SpeculativeConfig:
     disable_padded_drafter_batch: bool = False  # True: ragged (host-synced) drafter batch
     draft_model_config: dict = field(default_factory=dict)  # draft HF config overrides
     model: str | None = None  # path of the draft head folder
-    graph_mode: str = "eager"  # one of GRAPH_MODES
+    graph_mode: str | None = None  # one of GRAPH_MODES; None: the device's default backend
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -57,10 +57,10 @@ class SpeculativeConfig:
             raise TypeError(f"draft_model_config must be a dict, got {self.draft_model_config!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise TypeError(f"model must be a str path or None, got {self.model!r}")
-        if self.graph_mode not in GRAPH_MODES:
+        if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode={self.graph_mode!r} is not supported; "
                              f"allowed: {GRAPH_MODES}")
-        if self.graph_mode != "eager" and self.method == "extract_hidden_states":
+        if self.graph_mode not in (None, "eager") and self.method == "extract_hidden_states":
             raise ValueError(f"graph_mode={self.graph_mode!r} with method='extract_hidden_states'"
                              " (it runs no draft step); allowed: 'eager'")
         if self.disable_padded_drafter_batch and self.graph_mode in FULL_GRAPH_MODES:

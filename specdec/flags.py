@@ -99,7 +99,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default float32)")
     p.add_argument("--graph-backend", default=None, choices=BACKENDS,
                    help="step wrapper of captured steps (default: the speculative config's "
-                        "graph_mode, else eager)")
+                        "graph_mode, else cuda_graph on CUDA and eager elsewhere)")
 
 
 def engine_kwargs(args) -> dict:

@@ -164,6 +164,8 @@ def cmd_generate(args) -> int:
         console.print(line, markup=False, highlight=False)
     if (hint := compare_hint(rows)) is not None:
         console.print(hint, markup=False, highlight=False, soft_wrap=True)
+    if llm.startup is not None:  # what the captured / compiled backends spent before step 1
+        console.print(f"start-up: {llm.startup}", markup=False, highlight=False)
     return 0
 
 

@@ -170,18 +170,32 @@ class StepGraph:
 GRAPH_MODE_BACKENDS = {"eager": "eager", "torchair": "torchair", "full_cuda_graph": "cuda_graph"}
 
 
+def default_backend(device: torch.device, *, tensor_parallel_size: int = 1,
+                    cross_rank: bool = False) -> str:
+    """The backend when neither ``graph_backend`` nor ``graph_mode`` is given: ``cuda_graph``
+    on CUDA (the captured step, equal to eager token for token: tests/test_cuda.py), else
+    eager. Eager on CUDA too where a captured step is refused: several TP ranks (NCCL inside
+    a graph has not run here) or ``cross_rank`` (a MoE model under DP: host-side collectives).
+    NPU keeps eager (torchair is asked for with graph_mode)."""
+    if torch.device(device).type == "cuda" and tensor_parallel_size == 1 and not cross_rank:
+        return "cuda_graph"
+    return "eager"
+
+
 def resolve_backend(graph_mode: str | None, graph_backend: str | None,
-                    device: torch.device) -> str:
+                    device: torch.device, *, tensor_parallel_size: int = 1,
+                    cross_rank: bool = False) -> str:
     """The step wrapper backend: ``graph_backend`` if given, else the one of
-    ``speculative_config.graph_mode`` (eager when neither is set). ValueError on a conflict
-    or on cuda_graph off CUDA."""
+    ``speculative_config.graph_mode``, else ``default_backend`` (cuda_graph on CUDA, eager
+    elsewhere). ValueError on a conflict or on cuda_graph off CUDA."""
     from_mode = GRAPH_MODE_BACKENDS[graph_mode] if graph_mode is not None else None
     if graph_backend is not None and graph_backend not in BACKENDS:
         raise ValueError(f"graph_backend={graph_backend!r}; allowed: {BACKENDS}")
     if graph_backend is not None and from_mode not in (None, "eager", graph_backend):
         raise ValueError(f"graph_backend={graph_backend!r} conflicts with speculative_config "
                          f"graph_mode={graph_mode!r} (backend {from_mode!r})")
-    backend = graph_backend or from_mode or "eager"
+    backend = graph_backend or from_mode or default_backend(
+        device, tensor_parallel_size=tensor_parallel_size, cross_rank=cross_rank)
     if backend == "cuda_graph" and device.type != "cuda":
         raise ValueError(f"graph_mode='full_cuda_graph' (backend 'cuda_graph') needs a CUDA "
                          f"device, got device={str(device)!r}; allowed here: eager, torchair")

@@ -157,3 +157,27 @@ def test_device_dtype_and_graph_backend_flags_reach_the_engine(model, capsys):
     text = LLM(str(model), speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
                dtype="float64").generate(PROMPT, max_tokens=10)[0].text
     assert eager.startswith(PROMPT + text)
+
+
+def test_the_commands_leave_the_backend_to_the_devices_default(monkeypatch):
+    """With CUDA present (the device check monkeypatched on this CPU) generate and serve pick
+    device cuda and pass no backend, so LLM resolves cuda_graph; the bench sweep's default is
+    the device's default too."""
+    from specdec.bench import itl
+    from specdec.cli import build_parser
+    from specdec.flags import engine_kwargs
+    from specdec.graphs import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for argv in (["generate", "--prompt", "x"], ["serve"]):
+        kw = engine_kwargs(build_parser().parse_args(argv))
+        assert kw["device"] == "cuda" and kw["graph_backend"] is None
+        assert resolve_backend(None, kw["graph_backend"], torch.device(kw["device"])) == \
+            "cuda_graph"
+    sweep = itl.check_sweep(dict(methods=["none", "eagle3"], modes=["padded", "ragged"], k=[2],
+                                 concurrency=[1]))
+    assert sweep["graph_backend"] is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kw = engine_kwargs(build_parser().parse_args(["generate", "--prompt", "x"]))
+    assert kw["device"] == "cpu"
+    assert resolve_backend(None, kw["graph_backend"], torch.device("cpu")) == "eager"

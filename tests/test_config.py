@@ -16,7 +16,7 @@ def make(**kw):
 def test_defaults_from_the_design_example():
     c = SpeculativeConfig.from_json(
         '{"method": "mtp", "num_speculative_tokens": 3, "disable_padded_drafter_batch": false}')
-    assert (c.method, c.num_speculative_tokens, c.graph_mode, c.model) == ("mtp", 3, "eager", None)
+    assert (c.method, c.num_speculative_tokens, c.graph_mode, c.model) == ("mtp", 3, None, None)
     assert c.is_padded and not c.uses_aux_hidden_states
     assert not make(disable_padded_drafter_batch=True).is_padded
 

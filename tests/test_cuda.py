@@ -4,7 +4,7 @@ padded step runs under ``torch.cuda.set_sync_debug_mode("error")`` with no sync.
 import pytest
 import torch
 
-from specdec import LLM
+from specdec import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -12,10 +12,14 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
            "for i in range(10):"]
 
 
-def generate(method, backend, **kw):
+def build(method, backend, **kw):
     spec = None if method is None else {"method": method, "num_speculative_tokens": 3}
-    llm = LLM(speculative_config=spec, device="cuda", dtype=torch.float32,
-              graph_backend=backend, max_num_seqs=4, **kw)
+    return LLM(speculative_config=spec, device="cuda", dtype=torch.float32,
+               graph_backend=backend, max_num_seqs=4, **kw)
+
+
+def generate(method, backend, **kw):
+    llm = build(method, backend, **kw)
     outs = llm.generate(PROMPTS, max_tokens=48)
     return [o.token_ids for o in outs], [o.num_accepted for o in outs], llm
 
@@ -84,3 +88,41 @@ def test_padded_kernels_equal_the_torch_reference_at_every_batch_size():
             assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected)), b
     with pytest.raises(ValueError, match="cpu tensor"):  # a host tensor is refused, not read
         tp.prepare_padded_step(*cuda[:6], args[6], 50, out=reference.PaddedPrep.empty(b, "cuda"))
+
+
+def test_the_default_backend_on_cuda_is_cuda_graph():
+    llm = LLM(device="cuda", max_num_seqs=4)
+    assert llm.graph_backend == "cuda_graph" and llm.runner.target_graph.captured
+    assert llm.startup.startswith("cuda_graph: ")
+
+
+ARRIVING = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=11),
+            SamplingParams(max_tokens=16, ignore_eos=True),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9)]
+
+
+def run_arrivals(llm):
+    """A long prompt (two chunks at a 32-token budget), then a request every third step while
+    the others decode: mixed prefill/decode steps, greedy and sampled, seeded and not."""
+    pending = list(zip([[1, 2, 3, 4, 5, 6, 1, 2] * 8] + PROMPTS, ARRIVING))
+    reqs, i = [], 0
+    while True:
+        if pending and i % 3 == 0:
+            reqs.append(llm.add_request(*pending.pop(0)))
+        i += 1
+        if llm.step() is None and not pending:
+            break
+    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_captured_mixed_and_sampled_steps_equal_eager(method):
+    """Steps with prefill chunks and sampled requests replay CUDA graphs (every step fits a
+    capture size here) with eager's tokens and acceptance (counter-based random numbers)."""
+    kw = dict(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=32)
+    eager = run_arrivals(build(method, "eager", **kw))
+    llm = build(method, "cuda_graph", **kw)
+    assert run_arrivals(llm) == eager
+    assert all(s.captured for s in llm.steps if s.num_reqs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.config import GRAPH_MODES, METHODS, MTP_ALIASES, SpeculativeConfig
-from specdec.graphs import resolve_backend
+from specdec.graphs import default_backend, resolve_backend
 from specdec.proposers.base import DraftModelProposer, Proposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
@@ -55,3 +55,24 @@ def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
     with pytest.raises(ValueError, match="graph_backend='tensorrt'.*allowed"):
         resolve_backend(None, "tensorrt", torch.device("cpu"))
     assert resolve_backend(None, "replay", torch.device("cpu")) == "replay"
+
+
+@pytest.mark.parametrize("device,tp,cross_rank,backend", [
+    ("cpu", 1, False, "eager"), ("cuda", 1, False, "cuda_graph"), ("cuda:1", 1, False, "cuda_graph"),
+    ("cuda", 2, False, "eager"), ("cuda", 1, True, "eager"), ("xpu", 1, False, "eager")])
+def test_the_default_backend_is_captured_on_cuda_only(device, tp, cross_rank, backend):
+    """No graph_backend and no graph_mode: cuda_graph on one CUDA rank (what tests/test_cuda.py
+    proves equal to eager), eager elsewhere and where a captured step is refused (TP ranks, a
+    MoE model under DP)."""
+    dev = torch.device(device)
+    assert default_backend(dev, tensor_parallel_size=tp, cross_rank=cross_rank) == backend
+    assert resolve_backend(None, None, dev, tensor_parallel_size=tp,
+                           cross_rank=cross_rank) == backend
+
+
+def test_an_explicit_backend_or_graph_mode_beats_the_cuda_default():
+    cuda = torch.device("cuda")
+    assert resolve_backend("eager", None, cuda) == "eager"
+    assert resolve_backend("torchair", None, cuda) == "torchair"
+    assert resolve_backend(None, "eager", cuda) == "eager"
+    assert resolve_backend(None, "compile_dynamic", cuda) == "compile_dynamic"

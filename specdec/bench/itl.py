@@ -95,8 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{', '.join(SHAPES)} (zero weights, heads to match: every draft accepted; "
                    "default: none)")
     p.add_argument("--graph-backend", dest="graph_backend",
-                   help=f"step wrapper of padded steps: {', '.join(BACKENDS)} (default eager; "
-                        "ragged steps always run eager)")
+                   help=f"step wrapper of padded steps: {', '.join(BACKENDS)} (default: cuda_graph "
+                        "on CUDA, else eager; ragged steps always run eager)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

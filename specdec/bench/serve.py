@@ -359,7 +359,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-padded", action="store_true",
                    help="ragged drafter batch (default: padded)")
     g.add_argument("--graph-backend", choices=BACKENDS, default=None,
-                   help="the launched server's step wrapper (default: its default, eager); "
+                   help="the launched server's step wrapper (default: its default, cuda_graph on "
+                        "CUDA, else eager); "
                         "replay counts the steps a CUDA graph would capture, on CPU")
     g.add_argument("--server-model", metavar="PATH",
                    help="--model of the launched server (default: the embedded model)")

@@ -35,7 +35,7 @@ MODES = ("padded", "ragged")
 DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
-                     dtype="float32", synthetic=None, graph_backend="eager",
+                     dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in the README's Benchmarks section; most of it compiles the torchair-mtp graphs)
@@ -117,7 +117,7 @@ def check_sweep(sweep: dict) -> dict:
                                or budget < 1):
         raise UsageError(f"sweep max_num_batched_tokens={budget!r}: allowed an int >= 1 or "
                          "none (none: max(256, concurrency x (K + 1)))")
-    if s["graph_backend"] not in BACKENDS:
+    if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
         torch_device(s["device"])
@@ -309,8 +309,10 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         mine = [c for c in configs if c.engine_key == key]
         conc = max(c.concurrency for c in mine)
         spec = speculative_config(method, k, padded)
-        # padded steps run through the graph backend; ragged ones cannot (host-read shapes)
-        backend = sweep["graph_backend"] if padded and "graph_mode" not in (spec or {}) else None
+        # padded steps run through the graph backend (None: the device's default, cuda_graph
+        # on CUDA); ragged ones eager, the reference (their shapes come from a host read)
+        backend = (sweep["graph_backend"] if padded else "eager") \
+            if "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
@@ -321,6 +323,9 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         except UsageError as e:
             skipped[key] = str(e)
             continue
+        if llm.startup is not None:
+            print(f"{method} {'padded' if padded else 'ragged'} K={k}: {llm.startup}",
+                  file=sys.stderr, flush=True)
         kwargs.update(model=str(sweep["model"] or DEFAULT_MODEL), speculative_config=spec)
         engines[key] = Engine(kwargs, llm)
     return engines, skipped

@@ -8,7 +8,7 @@ A capturable step runs the target step through its graph wrapper (`specdec.graph
 proposer's padded step through its own: on CUDA with ``graph_mode="full_cuda_graph"`` that is
 two graph replays per step. Capturable are uniform decodes in a request bucket (key (Np, Bp),
 attention bounded by max_model_len; captured at start-up) and, on the capturing backends
-(``replay``; ``cuda_graph`` behind ``SPECDEC_UNVERIFIED_GPU_PATHS``), mixed steps with prefill
+(``replay``, ``cuda_graph``), mixed steps with prefill
 chunks whose Np and Bp are capture sizes (key (Np, Bp) and the attention bound, a power of two
 >= the longest sequence; captured at first use). Each key has a graph per sampling variant
 (greedy, sampled, sampled with top-p). With ``compile_dynamic`` no step is captured: every
@@ -107,21 +107,16 @@ class ModelRunner:
         check_tp_backend(self.tp, graph_backend)
         k = num_speculative_tokens
         # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
-        # capturing backends (a CUDA graph of them has not yet run on a GPU: opt-in there); the
-        # compiling ones would stall serving on an inductor compile per key, so run them eager
+        # capturing backends; the compiling ones would stall serving on an inductor compile
+        # per key, so run them eager
         self.planner = StepPlanner(padder, dp, k,
                                    allow_capture=graph_backend not in ("eager", "compile_dynamic"),
-                                   capture_mixed=graph_backend == "replay" or (
-                                       graph_backend == "cuda_graph"
-                                       and platform.unverified_gpu_paths()))
+                                   capture_mixed=graph_backend in ("replay", "cuda_graph"))
         max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
         self.buffers = StepBuffers(max_tokens, max_reqs, k, -(-max_model_len // block_size),
                                    device, header=header_words(dp.size))
         # TP: the driver's step inputs reach its peers through one broadcast per step
         self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
-        # sampled steps in a CUDA graph have not yet run on a GPU: opt-in there (replay and the
-        # compiling backends capture them always)
-        self.capture_sampled = graph_backend != "cuda_graph" or platform.unverified_gpu_paths()
         self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend)
         self.last_step_captured = False  # whether the last execute() replayed a graph
 
@@ -263,8 +258,7 @@ class ModelRunner:
         step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                      x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
                      x.discard_mask, x.rows, x.temperature, x.top_p, x.rng_key)
-        self.last_step_captured = plan.capturable and (batch.variant == "greedy"
-                                                       or self.capture_sampled)
+        self.last_step_captured = plan.capturable
         if self.last_step_captured:
             np_, bp = plan.num_tokens_padded, plan.num_reqs_padded
             out = self.target_graph(

@@ -67,6 +67,7 @@ class EngineInfo:
     vocab_size: int
     max_num_seqs: int
     num_threads: int  # torch's intra-op threads in the engine process
+    startup: str | None = None  # LLM.startup: step graphs captured / compiled at start-up
 
 
 class EngineCore:
@@ -153,7 +154,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
         return
     conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
                          llm.max_model_len, llm.target.config.vocab_size,
-                         llm.scheduler.max_num_seqs, torch.get_num_threads()))
+                         llm.scheduler.max_num_seqs, torch.get_num_threads(), llm.startup))
     core = EngineCore(llm)
     try:
         while True:

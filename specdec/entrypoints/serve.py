@@ -118,8 +118,8 @@ def run_from_args(args) -> int:
                    args.shutdown_timeout, args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
           f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
-          f"{info.num_threads} torch threads)",
-          flush=True)
+          f"{info.num_threads} torch threads"
+          + (f"; start-up: {info.startup})" if info.startup else ")"), flush=True)
     serve_until_signal(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     if engine.exitcode is not None:
         print(f"specdec serve: the engine process exited with code {engine.exitcode}; "
