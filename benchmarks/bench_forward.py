@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdec.attention import AttentionMetadata, KVCache
-from specdec.models.llama import load_pretrained
+from specdec.models.registry import load_pretrained
 from specdec.models.synthetic import SHAPES, build_synthetic
 
 BLOCK_SIZE = 16

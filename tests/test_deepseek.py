@@ -209,7 +209,7 @@ def test_refuses_what_is_not_implemented_naming_the_key(key, value, ds_dir, tmp_
 
 # ---- the MTP layer (model.layers.L.* of the target folder) ---------------------------------------
 def _mtp_head(path, target):
-    from specdec.models.deepseek_mtp import load_deepseek_mtp
+    from specdec.models.heads import load_head as load_deepseek_mtp
     return load_deepseek_mtp(path, target)
 
 

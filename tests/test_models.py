@@ -12,7 +12,8 @@ from specdec.models.heads import (Eagle3Head, EagleHead, MtpHead, build_head, he
                                   load_head)
 from specdec.models.config import ModelConfig
 from specdec.models.layers.rotary import RotaryEmbedding
-from specdec.models.llama import LlamaForCausalLM, load_pretrained
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.registry import load_pretrained
 
 from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_inputs
 

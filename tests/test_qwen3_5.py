@@ -162,8 +162,8 @@ def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(case, q35_dir):
     """The target loader skips ``mtp.*``; the head reads only them (embedding and lm_head are
     the target's) and equals the reference assembled from transformers' decoder layer
     (Qwen3-Next's: with its MoE), at every position of a 40-token sequence."""
+    from specdec.models.heads import load_head as load_qwen3_5_mtp
     from specdec.models.layers.moe import MoEMLP
-    from specdec.models.qwen3_5_mtp import load_qwen3_5_mtp
 
     path = q35_dir(case)
     target = load_model(path)

@@ -23,11 +23,11 @@ import re
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.decoder import DecoderForCausalLM, DecoderLayer
 from specdec.models.layers.mla import MLAttention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import DEEPSEEK_MOE_KEYS, MOE_CONFIG_KEYS, MoEMLP
 from specdec.models.layers.rotary import RotaryEmbedding
-from specdec.models.llama import DecoderLayer, LlamaForCausalLM
 
 MLA_KEYS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                       "v_head_dim", "qk_head_dim", "rope_interleave"})
@@ -116,13 +116,11 @@ def rotary(config: ModelConfig) -> RotaryEmbedding:
                            interleaved=config.extra.get("rope_interleave", True))
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
     CONFIG_KEYS = DEEPSEEK_KEYS
+    MTP_AFTER_LAYERS = True
     _BIAS = re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias")
-
-    def __init__(self, config: ModelConfig):
-        check_config(config)
-        super().__init__(config)
+    check_config = staticmethod(check_config)
 
     def build_layer(self, layer_idx: int) -> nn.Module:
         return build_layer(self.config, layer_idx, softmax_scale(self.config))
@@ -131,10 +129,5 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return rotary(self.config)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name.startswith("model.layers.") and \
-                int(name.split(".")[2]) >= self.config.num_hidden_layers:
-            return None  # the MTP layers, stored after the target's (the head reads them)
         m = self._BIAS.fullmatch(name)
-        if m:
-            return f"{m[1]}.e_score_correction_bias"
-        return super().checkpoint_name(name)
+        return super().checkpoint_name(f"{m[1]}.e_score_correction_bias" if m else name)

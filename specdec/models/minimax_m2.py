@@ -19,31 +19,9 @@ MINIMAX_KEYS = frozenset({"use_qk_norm", "qk_norm_type", "attn_type_list",
                           "mtp_transformer_layers"})
 
 
-class MiniMaxM2ForCausalLM(LlamaForCausalLM):
-    QK_NORM = "full"
-    CONFIG_KEYS = MOE_CONFIG_KEYS | MINIMAX_KEYS
-    _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-
-    def __init__(self, config: ModelConfig):
-        check_config(config)
-        extra = config.extra
-        extra.setdefault("scoring_func", "sigmoid")
-        extra.setdefault("use_routing_bias", True)
-        extra.setdefault("moe_intermediate_size", config.intermediate_size)
-        super().__init__(config)
-
-    def checkpoint_name(self, name: str) -> str | None:
-        if name.startswith("model.layers.") and \
-                int(name.split(".")[2]) >= self.config.num_hidden_layers:
-            return None  # the MTP modules' layers, stored after the target's
-        m = self._EXPERT.fullmatch(name)
-        if m:
-            return f"{m[1]}.mlp.experts.{m[2]}.{EXPERT_NAMES[m[3]]}.weight"
-        return super().checkpoint_name(name.replace(".block_sparse_moe.", ".mlp."))
-
-
 def check_config(config: ModelConfig) -> None:
-    """Refuse the MiniMax options this model does not implement, naming the key."""
+    """Refuse the MiniMax options this model does not implement, naming the key; fill its
+    routing defaults."""
     extra = config.extra
     wanted = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
               "shared_intermediate_size": 0}
@@ -54,3 +32,20 @@ def check_config(config: ModelConfig) -> None:
     if types is not None and set(types) != {1}:
         raise ValueError(f"config attn_type_list={types!r}: only full attention (1) on every "
                          "layer is implemented")
+    extra.setdefault("scoring_func", "sigmoid")
+    extra.setdefault("use_routing_bias", True)
+    extra.setdefault("moe_intermediate_size", config.intermediate_size)
+
+
+class MiniMaxM2ForCausalLM(LlamaForCausalLM):
+    QK_NORM = "full"
+    CONFIG_KEYS = MOE_CONFIG_KEYS | MINIMAX_KEYS
+    MTP_AFTER_LAYERS = True
+    _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+    check_config = staticmethod(check_config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        m = self._EXPERT.fullmatch(name)
+        if m:
+            name = f"{m[1]}.mlp.experts.{m[2]}.{EXPERT_NAMES[m[3]]}.weight"
+        return super().checkpoint_name(name.replace(".block_sparse_moe.", ".mlp."))

@@ -12,7 +12,7 @@ pick.
 
 The cache: paged KV for the full-attention layers, per-request state slots for the linear
 ones (``kv_cache_spec`` says which). The MTP layer stored as ``mtp.*`` in the same folder is
-the draft head's (``qwen3_5_mtp``), skipped here.
+the draft head's (``heads.qwen3_5_mtp``), skipped here.
 
 The published Qwen3.5 checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``):
 their text model is this one, its config the ``text_config`` (``checkpoint.load_config``),
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.layers.gated_attention import GatedAttention
 from specdec.models.layers.gated_deltanet import GatedDeltaNet
 from specdec.models.layers.mlp import MLP
@@ -39,12 +40,11 @@ from specdec.models.layers.moe import (
 )
 from specdec.models.layers.norm import OffsetRMSNorm
 from specdec.models.layers.rotary import RotaryEmbedding
-from specdec.models.llama import LlamaForCausalLM
 
 LINEAR_KEYS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_num_key_heads",
                          "linear_num_value_heads"})
-# read by the MTP head (qwen3_5_mtp) or checked here
+# read by the MTP head (heads.qwen3_5_mtp) or checked here
 QWEN3_5_KEYS = LINEAR_KEYS | {"attn_output_gate", "mtp_num_hidden_layers",
                               "mtp_use_dedicated_embeddings"}
 QWEN3_NEXT_KEYS = QWEN3_5_KEYS | MOE_CONFIG_KEYS | {SHARED_EXPERT_KEY}
@@ -129,32 +129,24 @@ def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecod
     return HybridDecoderLayer(mixer, _mlp(c, layer_idx), c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
     CONFIG_KEYS = QWEN3_5_KEYS
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*|model\.visual\..*")
     FUSED_PROJECTIONS = False  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next)
     TEXT_PREFIX = "model.language_model."  # the multimodal checkpoints' text model
+    NORM = OffsetRMSNorm
+    check_config = staticmethod(check_config)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(self.TEXT_PREFIX):
             name = "model." + name[len(self.TEXT_PREFIX):]
         return super().checkpoint_name(name)
 
-    NORM = OffsetRMSNorm
-
-    def __init__(self, config: ModelConfig):
-        check_config(config)
-        super().__init__(config)
-
     def build_layer(self, layer_idx: int) -> nn.Module:
         return build_layer(self.config, layer_idx, self.FUSED_PROJECTIONS)
 
     def build_rotary(self):
         return rotary(self.config)
-
-    def kv_cache_spec(self) -> list:
-        """Per layer: a ``KVCacheSpec`` (full attention, paged) or a ``LinearStateSpec``."""
-        return [layer.mixer.kv_cache_spec() for layer in self.model.layers]
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

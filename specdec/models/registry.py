@@ -1,6 +1,6 @@
 """Target architectures: ``config.json``'s ``architectures[0]`` -> model class (as vLLM's model
 registry does). The engine, the loader and the proposers go through here; a new family is a
-class with the engine's contract (see ``llama.py``) and one line below.
+subclass of the decoder skeleton (``decoder.py``) and one line below.
 
 Example: ``load_model("Qwen3-0.6B/")`` reads its config, builds ``Qwen3ForCausalLM`` and
 streams the weights in; ``load_model`` of a Gemma-2 folder -> ``ValueError: config
@@ -12,17 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from specdec.distributed import TPContext
 from specdec.models import checkpoint
+from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from specdec.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v biases, implied by the architecture
@@ -37,7 +37,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
+def model_class(architectures: list[str] | None) -> type[DecoderForCausalLM]:
     """The class for ``architectures[0]``; ValueError naming it and the supported ones."""
     arch = (architectures or ["LlamaForCausalLM"])[0]
     if arch not in ARCHITECTURES:
@@ -47,10 +47,17 @@ def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", tp: TPContext | None = None) -> nn.Module:
+               device: str | torch.device = "cpu", tp: TPContext | None = None
+               ) -> DecoderForCausalLM:
     """The target model of an HF folder, its class picked by ``architectures[0]``; with
     ``tp`` (size > 1) this rank's shard of it."""
     archs = checkpoint.naming_folder(
         path, lambda: checkpoint.load_config(path).get("architectures"))
     cls = checkpoint.naming_folder(path, lambda: model_class(archs))
     return cls.load_pretrained(path, dtype, device, tp=tp)
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> DecoderForCausalLM:
+    """Any registered architecture (``load_model`` without tensor parallelism)."""
+    return load_model(path, dtype, device)

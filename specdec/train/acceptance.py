@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.heads import DraftHead, load_head
-from specdec.models.llama import LlamaForCausalLM, load_pretrained
+from specdec.models.registry import load_pretrained
 from specdec.train.data import heldout_prompts
 from specdec.train.kv import CacheKV, UnrolledKV
 
 
 @torch.no_grad()
-def greedy_generate(target: LlamaForCausalLM, prompts: torch.Tensor, n_new: int,
+def greedy_generate(target: DecoderForCausalLM, prompts: torch.Tensor, n_new: int,
                     chunk: int = 128) -> torch.Tensor:
     """prompts [B, P] int64 -> [B, P + n_new]: the target's greedy continuation (cached decode)."""
     out = []
@@ -45,7 +46,8 @@ def greedy_generate(target: LlamaForCausalLM, prompts: torch.Tensor, n_new: int,
 
 
 @torch.no_grad()
-def draft_chain(target: LlamaForCausalLM, head: DraftHead, x: torch.Tensor, k: int) -> torch.Tensor:
+def draft_chain(target: DecoderForCausalLM, head: DraftHead, x: torch.Tensor,
+                k: int) -> torch.Tensor:
     """Drafts [B, T, k] (target ids): ``[b, i, s-1]`` is step s's proposal for ``x[b, i+1+s]``."""
     b, t = x.shape
     pos = torch.arange(t).expand(b, t)
@@ -77,7 +79,7 @@ def acceptance_stats(x: torch.Tensor, drafts: torch.Tensor, prompt_len: int) -> 
 
 
 @torch.no_grad()
-def real_text_agreement(target: LlamaForCausalLM, head: DraftHead, x: torch.Tensor) -> float:
+def real_text_agreement(target: DecoderForCausalLM, head: DraftHead, x: torch.Tensor) -> float:
     """Share of slots of real text ``x [B, T]`` whose first draft equals the target's greedy token
     there (step 1 of a round started inside a prompt; exact, no greedy-continuation assumption)."""
     hidden, _ = target(x, torch.arange(x.shape[1]))
@@ -102,8 +104,9 @@ def repeated_ngram_share(x: torch.Tensor, start: int, n: int = 4) -> float:
     return hits / max(total, 1)
 
 
-def evaluate(target: LlamaForCausalLM, heads: dict[str, DraftHead], tok: Tokenizer, prompts: int = 64,
-             prompt_len: int = 64, new_tokens: int = 192, k: int = 3, seed: int = 0) -> dict:
+def evaluate(target: DecoderForCausalLM, heads: dict[str, DraftHead], tok: Tokenizer,
+             prompts: int = 64, prompt_len: int = 64, new_tokens: int = 192, k: int = 3,
+             seed: int = 0) -> dict:
     """The held-out estimate: greedy-chain acceptance per head, real-text step-1 agreement per
     head (32 held-out windows of ``prompt_len + new_tokens``, seed + 1), and how repetitive the
     target's greedy continuations are (share of repeated 4-grams)."""

@@ -29,7 +29,8 @@ from torch import nn
 from specdec.models import checkpoint
 from specdec.models.heads import DraftHead, build_head, load_head
 from specdec.models.config import ModelConfig
-from specdec.models.llama import LlamaForCausalLM, load_pretrained
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.registry import load_pretrained
 from specdec.train import data
 from specdec.train.acceptance import evaluate, greedy_generate
 from specdec.train.kv import UnrolledKV

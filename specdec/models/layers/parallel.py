@@ -184,7 +184,7 @@ def _shard_moe(moe: MoEMLP, tp: TPContext, prefix: str, out: Slices) -> None:
 
 def shard_model(model: nn.Module, tp: TPContext) -> Slices:
     """Swap the target's layers for this rank's TP layers (see the module docstring); ->
-    the slice of every sharded tensor. ``model``: a LlamaForCausalLM-family target."""
+    the slice of every sharded tensor. ``model``: a DecoderForCausalLM target."""
     out: Slices = {}
     if tp.size == 1:
         return out

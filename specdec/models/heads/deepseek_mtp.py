@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from specdec.models.config import ModelConfig
-from specdec.models.deepseek import build_layer, rotary, softmax_scale
-from specdec.models.heads import DraftHead
+from specdec.models.deepseek import DEEPSEEK_KEYS, build_layer, rotary, softmax_scale
+from specdec.models.heads.base import DraftHead, read_tensors
 from specdec.models.layers.mla import MLAttention
 from specdec.models.layers.norm import RMSNorm
 
@@ -73,10 +73,20 @@ class DeepseekMtpHead(DraftHead):
                    own_head=prefix + OWN_COPIES[1] in tensors)
 
     @classmethod
-    def layer_skipper(cls, config: ModelConfig):
-        """``skips(name)`` for this config's folder: everything but ``model.layers.L.*``."""
+    def load(cls, path, target, aux_layer_ids=None):
+        """The MTP layer of a DeepSeek folder (the target's, or a head folder with the same
+        names and config): only ``model.layers.L.*`` is read."""
+        config = ModelConfig.from_folder(path, DEEPSEEK_KEYS)
         prefix = f"model.layers.{config.num_hidden_layers}."
-        return lambda name: not name.startswith(prefix)
+        tensors = read_tensors(path, lambda name: not name.startswith(prefix))
+        head = cls.from_checkpoint(config, target, tensors)
+        head.load_tensors(tensors, path)
+        return head
+
+    @classmethod
+    def holds_layer(cls, config: dict, names: set[str]) -> bool:
+        """A DeepSeek target folder holds ``model.layers.L.eh_proj`` (L = its layer count)."""
+        return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in names
 
     def kv_cache_spec(self):
         return [m.kv_cache_spec() for m in self.modules() if isinstance(m, MLAttention)]
@@ -102,21 +112,3 @@ class DeepseekMtpHead(DraftHead):
         head = self.layer.shared_head
         lm_head = head.head if hasattr(head, "head") else self.shared.lm_head
         return lm_head(head.norm(logits_hidden)).float()
-
-
-def load_deepseek_mtp(path, target, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> DeepseekMtpHead:
-    """The MTP layer of a DeepSeek folder (the target's, or a head folder with the same names
-    and config), sharing ``target``'s embedding / lm_head where the folder has none."""
-    from specdec.models import checkpoint
-    from specdec.models.deepseek import DEEPSEEK_KEYS
-    from specdec.models.heads import _read_tensors
-
-    def build() -> DeepseekMtpHead:
-        config = ModelConfig.from_folder(path, DEEPSEEK_KEYS)
-        tensors = _read_tensors(path, DeepseekMtpHead.layer_skipper(config))
-        head = DeepseekMtpHead.from_checkpoint(config, target, tensors)
-        head.load_tensors(tensors, path)
-        return head
-
-    return checkpoint.naming_folder(path, build).to(device=device, dtype=dtype).eval()

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.models import checkpoint
 from specdec.models.config import ModelConfig
-from specdec.models.heads import DraftHead
+from specdec.models.heads.base import DraftHead, read_tensors
 from specdec.models.layers.norm import OffsetRMSNorm
 from specdec.models.qwen3_5 import (
     QWEN3_5_KEYS,
@@ -59,6 +60,22 @@ class Qwen3_5MtpHead(DraftHead):
     def skips(cls, name: str) -> bool:
         return not name.startswith(PREFIX)
 
+    @classmethod
+    def load(cls, path, target, aux_layer_ids=None):
+        """The MTP layer (``mtp.*``) of a Qwen3.5 / Qwen3-Next folder; every ``mtp.*`` tensor
+        must be present with its shape (ValueError naming them)."""
+        arch = (checkpoint.load_config(path).get("architectures") or [None])[0]
+        config = ModelConfig.from_folder(path, ARCHS.get(arch, QWEN3_5_KEYS))
+        tensors = read_tensors(path, cls.skips)
+        head = cls(config, target)
+        head.load_tensors(tensors, path)
+        return head
+
+    @classmethod
+    def holds_layer(cls, config: dict, names: set[str]) -> bool:
+        """A Qwen3.5 / Qwen3-Next target folder holds ``mtp.fc``."""
+        return PREFIX + "fc.weight" in names
+
     def kv_cache_spec(self):
         return [self.mtp.layers[0].self_attn.kv_cache_spec()]
 
@@ -68,21 +85,3 @@ class Qwen3_5MtpHead(DraftHead):
                             m.pre_fc_norm_hidden(hidden)), dim=-1))
         out = m.norm(m.layers[0](x, self._rope(positions, x.dtype), kv))
         return out, out
-
-
-def load_qwen3_5_mtp(path, target, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> Qwen3_5MtpHead:
-    """The MTP layer (``mtp.*``) of a Qwen3.5 / Qwen3-Next folder, sharing ``target``'s embedding and
-    lm_head; every ``mtp.*`` tensor must be present with its shape (ValueError naming them)."""
-    from specdec.models import checkpoint
-    from specdec.models.heads import _read_tensors
-
-    def build() -> Qwen3_5MtpHead:
-        arch = (checkpoint.load_config(path).get("architectures") or [None])[0]
-        config = ModelConfig.from_folder(path, ARCHS.get(arch, QWEN3_5_KEYS))
-        tensors = _read_tensors(path, Qwen3_5MtpHead.skips)
-        head = Qwen3_5MtpHead(config, target)
-        head.load_tensors(tensors, path)
-        return head
-
-    return checkpoint.naming_folder(path, build).to(device=device, dtype=dtype).eval()

@@ -1,0 +1,209 @@
+"""The decoder skeleton every target family fills in plain PyTorch (gpt-fast style) with HF
+parameter names: token embedding, a stack of layers, the final norm, the lm_head, aux hidden
+states, tensor-parallel sharding and the HF-folder loader. A family (``llama.py``,
+``qwen3.py``, ``minimax_m2.py``, ``deepseek.py``, ``qwen3_5.py``) is a subclass supplying its
+layers, norm, rotary, config check and checkpoint names; ``DecoderLayer`` is the pre-norm block
+most of them stack.
+
+The engine's contract (every target family keeps it):
+- ``forward(input_ids, positions, kv=None, aux_layer_ids=()) -> (hidden, aux)``: with
+  ``kv=None`` inputs are batched ``[B, T]`` and attention is dense causal (training,
+  reference); with ``kv`` (a ``PagedKV``) inputs are flat ``[N]``.
+- ``compute_logits(hidden [..., H]) -> float32 [..., V]``.
+- ``kv_cache_spec() -> list[KVCacheSpec | LinearStateSpec]``: what each layer keeps per token
+  or per request (the engine allocates the cache from it, so heads, head dims and windows
+  follow the model).
+- ``load_pretrained(path, dtype, device)``: the HF folder, shard by shard.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec import kernels
+from specdec.distributed import TPContext
+from specdec.models import checkpoint
+from specdec.models.config import ModelConfig
+from specdec.models.layers.moe import MOE_CONFIG_KEYS
+from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.parallel import shard_model
+from specdec.models.layers.rotary import Rope, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(attn_in); out = h + mlp(norm(h))``.
+
+    ``attn_in`` defaults to ``input_layernorm(x)`` (or ``x`` when built with
+    ``input_layernorm=False``, the EAGLE-1 layer); a head can pass its own (EAGLE-3 feeds
+    ``[norm(embeds), norm(hidden)]`` of width ``2H``). ``self_attn``: an ``Attention`` or an
+    ``MLAttention``; ``mlp``: an MLP or a MoE.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 input_layernorm: bool = True):
+        super().__init__()
+        if input_layernorm:
+            self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer, whose cache the layer keeps."""
+        return self.self_attn
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv=None,
+                attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_in is None:
+            attn_in = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        norm = self.post_attention_layernorm
+        h, normed = kernels.add_rms_norm(x, self.self_attn(attn_in, rope, kv), norm.weight,
+                                         norm.eps)  # one kernel where Triton runs
+        return h + self.mlp(normed)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Target model; parameter names are HF's (``model.embed_tokens.weight``,
+    ``model.layers.{i}.*``, ``model.norm.weight``, ``lm_head.weight``).
+
+    What a family supplies: ``build_layer`` (its layer ``i``, with a ``mixer`` whose
+    ``kv_cache_spec`` the engine reads), ``NORM`` (the final norm's class), ``build_rotary``,
+    ``check_config`` (refuses or fills its config keys before anything is built),
+    ``CONFIG_KEYS`` (the config keys it reads beyond ``ModelConfig``'s), ``IGNORED_TENSORS``
+    (checkpoint names it skips, as vLLM does), ``MTP_AFTER_LAYERS`` and ``checkpoint_name``
+    (HF name on disk -> parameter name).
+    """
+
+    tp = TPContext()  # this rank's TP group once layers.parallel.shard_model sharded the model
+    CONFIG_KEYS: frozenset[str] = MOE_CONFIG_KEYS
+    # rotary caches some exporters save; MiMo's MTP layers (the head loader reads them)
+    IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|model\.mtp_layers\..*")
+    # the folder stores MTP layers as ``model.layers.{L..}``, after the target's L layers: they
+    # are the head's, skipped here
+    MTP_AFTER_LAYERS = False
+    NORM: type[nn.Module] = RMSNorm
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.check_config(config)
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(self.build_layer(i)
+                                          for i in range(config.num_hidden_layers))
+        self.model.norm = self.NORM(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = self.build_rotary()
+
+    @staticmethod
+    def check_config(config: ModelConfig) -> None:
+        """Refuse what the family does not implement (naming the key), fill its defaults."""
+
+    def build_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx`` of this family."""
+        raise NotImplementedError
+
+    def build_rotary(self) -> RotaryEmbedding:
+        """The rope of every attention layer (here: all ``head_dim`` channels)."""
+        c = self.config
+        return RotaryEmbedding(c.head_dim, c.rope, c.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the decoder.
+
+        input_ids: [B, T] int64 (kv=None) or [N] (kv given); positions: same shape (or [T]).
+        Returns ``hidden [..., H]`` (after the final norm) and ``aux [..., len(aux_layer_ids), H]``
+        (None when no ids): aux for id ``i`` is the residual stream at the INPUT of layer ``i``
+        (id 0 = the embeddings), vLLM's convention for EAGLE-3. Under sequence parallelism
+        (kv given) the layers run on this rank's N/T tokens; both outputs are gathered.
+        """
+        for i in aux_layer_ids:
+            if not 0 <= i < self.config.num_hidden_layers:
+                raise ValueError(f"aux_layer_ids contains {i}: allowed "
+                                 f"0..{self.config.num_hidden_layers - 1}")
+        tp = self.tp
+        if tp.sp and kv is None:
+            raise ValueError("sequence parallelism runs the paged (kv) path only; the dense "
+                             "kv=None forward needs sequence_parallel=False")
+        x = tp.shard(self.model.embed_tokens(input_ids))
+        rope = self.rope(positions, x.dtype)
+        inputs = []  # each layer's input: a list, which compile_dynamic's symbolic ids index
+        for layer in self.model.layers:
+            inputs.append(x)
+            x = layer(x, rope, kv)
+        stacked = (tp.gather(torch.stack([inputs[i] for i in aux_layer_ids], dim=-2))
+                   if aux_layer_ids else None)
+        return tp.gather(self.model.norm(x)), stacked
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary tables every layer of this forward uses."""
+        return self.rotary.tables(positions, dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> float32 logits [..., vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def kv_cache_spec(self) -> list:
+        """Per layer: a ``KVCacheSpec`` (paged attention) or a ``LinearStateSpec``."""
+        return [layer.mixer.kv_cache_spec() for layer in self.model.layers]
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into (None: skipped); a family renames
+        first, then calls this."""
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None  # a tied model's copy of the embedding
+        if self.MTP_AFTER_LAYERS and name.startswith("model.layers.") and \
+                int(name.split(".")[2]) >= self.config.num_hidden_layers:
+            return None  # the MTP layers, stored after the target's (the head reads them)
+        return None if self.IGNORED_TENSORS.fullmatch(name) else name
+
+    def expected_tensors(self) -> dict[str, torch.Size]:
+        """Name -> shape of every tensor a checkpoint holds (no ``lm_head.weight`` when tied)."""
+        shapes = {k: v.shape for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            del shapes["lm_head.weight"]
+        return shapes
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype``)."""
+        tensors = {k: v for k, v in self.state_dict().items() if k in self.expected_tensors()}
+        checkpoint.save_folder(path, self.config.to_hf_dict(), tensors, dtype)
+
+    @classmethod
+    def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu",
+                        config: ModelConfig | None = None,
+                        tp: TPContext | None = None) -> DecoderForCausalLM:
+        """Load an HF folder (one file, shards with an index, or ``pytorch_model.bin``) shard
+        by shard into the model's parameters, cast to ``dtype``; every parameter must be
+        found, and every tensor used or known to be skipped. ``tp`` (size > 1): the model is
+        built on the meta device, sharded (``layers.parallel.shard_model``) and only this
+        rank's slice of each tensor is read."""
+        if config is None:
+            config = checkpoint.naming_folder(
+                path, lambda: ModelConfig.from_folder(path, cls.CONFIG_KEYS))
+        slices = None
+        if tp is not None and tp.size > 1:
+            with torch.device("meta"):
+                model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+            slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp))
+            model = model.to_empty(device=device)
+            if config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+        else:
+            model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+        state = model.state_dict()  # views of the parameters (merged ones as their parts)
+        checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
+                             rename=model.checkpoint_name,
+                             weight_block_size=config.weight_block_size,
+                             shard=None if slices is None else slices.get)
+        return model.to(device=device).eval()
