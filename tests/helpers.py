@@ -16,7 +16,7 @@ import torch
 import uvicorn
 from safetensors.torch import load_file, save_file
 
-from specdec.cli import main
+from specdec.commands.cli import main
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig

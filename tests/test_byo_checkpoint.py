@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from specdec.cli import main
+from specdec.commands.cli import main
 from specdec.engine.llm import DEFAULT_MODEL, LLM
 from specdec.entrypoints.serve import build_server_app
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.cli import main
-from specdec.flags import speculative_config
+from specdec.commands.cli import main
+from specdec.commands.flags import speculative_config
 from specdec.engine.llm import LLM
 
 PROMPT = "def fibonacci(n):"
@@ -164,8 +164,8 @@ def test_the_commands_leave_the_backend_to_the_devices_default(monkeypatch):
     device cuda and pass no backend, so LLM resolves cuda_graph; the bench sweep's default is
     the device's default too."""
     from specdec.bench import itl
-    from specdec.cli import build_parser
-    from specdec.flags import engine_kwargs
+    from specdec.commands.cli import build_parser
+    from specdec.commands.flags import engine_kwargs
     from specdec.graphs import resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

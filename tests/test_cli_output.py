@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from specdec import cli, generate_command
-from specdec.flags import speculative_config
+from specdec.commands import cli, generate as generate_command
+from specdec.commands.flags import speculative_config
 from specdec.bench import itl
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import RequestOutput
@@ -28,8 +28,8 @@ def env80() -> dict:
 
 
 def specdec(*argv, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout, env=env80(), cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "specdec.commands.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env80(), cwd=ROOT)
 
 
 def fake_results(k: int = 3, methods=itl.METHODS, concs=(1, 4, 64), itl_of=None) -> dict:

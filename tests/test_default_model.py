@@ -45,7 +45,7 @@ def test_shipped_heads_are_lossless(prompts, plain, method, padded):
 
 
 def test_generate_command_runs_on_the_embedded_model():
-    run = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt",
+    run = subprocess.run([sys.executable, "-m", "specdec.commands.cli", "generate", "--prompt",
                           "def fibonacci(n):", "--max-tokens", "16"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.cli import main
+from specdec.commands.cli import main
 from specdec.engine.llm import LLM
 
 LONG_JOB = dict(prompts=[[1, 2, 3]] * 64, max_tokens=400, ignore_eos=True)

@@ -320,8 +320,8 @@ def test_sigterm_lets_the_running_request_finish():
 def test_bench_serve_launch_quick(tmp_path):
     """Poisson arrivals on a server with the replay backend: prefill chunks join decodes, and
     every step (all fit a capture key here) replays a graph, as /metrics reports."""
-    run = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "serve", "--launch",
-                          "--quick", "--repeats", "2", "--graph-backend", "replay",
+    run = subprocess.run([sys.executable, "-m", "specdec.commands.cli", "bench", "serve",
+                          "--launch", "--quick", "--repeats", "2", "--graph-backend", "replay",
                           "--request-rate", "50", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

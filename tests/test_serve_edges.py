@@ -351,8 +351,8 @@ def test_engine_threads_sets_the_engine_process_torch_threads():
     """--engine-threads N: the engine process runs N torch threads (read back from its
     torch and printed at start-up); below 1 is refused naming the flag."""
     port = bench_serve.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--method", "none",
-                             "--max-model-len", "64", "--engine-threads", "1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.commands.cli", "serve", "--method",
+                             "none", "--max-model-len", "64", "--engine-threads", "1", "--port",
                              str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -361,6 +361,6 @@ def test_engine_threads_sets_the_engine_process_torch_threads():
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--engine-threads",
-                          "0"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "specdec.commands.cli", "serve",
+                          "--engine-threads", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--engine-threads=0" in bad.stderr

@@ -31,7 +31,8 @@ from rich.console import Console
 
 from specdec.bench import metrics, plots, report
 from specdec.bench import sweep as bench_sweep
-from specdec.flags import DEFAULT_K, METHODS, UsageError, ints, speculative_config
+from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError,
+                                    add_speculation_arguments, ints, speculative_config)
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
@@ -191,9 +192,9 @@ def free_port() -> int:
 def launch(serve_args: list[str], timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
     """Start ``specdec serve`` on a free port; -> (process, base URL) once /health answers."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port),
-                             *serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.commands.cli", "serve", "--port",
+                             str(port), *serve_args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "specdec serve", timeout_s)
 
 
@@ -349,15 +350,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "makes the prompts (default: the embedded model's)")
     from specdec.graphs import BACKENDS
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
-    g.add_argument("--method", choices=METHODS, default=None,
-                   help="drafter of the launched server (default eagle3)")
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help=f"K (default {DEFAULT_K})")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM-style dict; its keys override --method/-k/--no-padded "
-                        "(default: none)")
-    g.add_argument("--no-padded", action="store_true",
-                   help="ragged drafter batch (default: padded)")
+    add_speculation_arguments(g, DEFAULT_METHOD)
     g.add_argument("--graph-backend", choices=BACKENDS, default=None,
                    help="the launched server's step wrapper (default: its default, cuda_graph on "
                         "CUDA, else eager); "
@@ -398,7 +391,7 @@ def run_from_args(args) -> int:
     start = time.perf_counter()
     try:
         if args.launch:
-            method = args.method or "eagle3"
+            method = args.method or DEFAULT_METHOD
             spec = speculative_config(method, args.num_speculative_tokens or DEFAULT_K,
                                       not args.no_padded, args.speculative_config)
             k = spec["num_speculative_tokens"] if spec else 0

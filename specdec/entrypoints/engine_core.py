@@ -141,14 +141,20 @@ def default_engine_threads() -> int:
 def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     """The engine process's main: ``num_threads`` torch threads, build the LLM, say ready,
     then apply messages and step until ``("shutdown",)`` or the API process goes away (the
-    pipe closes)."""
+    pipe closes). ``llm_kwargs["stub_tokens_per_step"]``: a ``StubLLM`` instead (benchmarks
+    of the served path)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the API drains
     import torch
     torch.set_num_threads(num_threads)
     from specdec.engine.llm import DEFAULT_MODEL
-    from specdec.flags import UsageError, build_llm
+    from specdec.commands.flags import UsageError, build_llm
+    stub = llm_kwargs.pop("stub_tokens_per_step", None)  # a benchmark tool: stub_engine.py
     try:
-        llm = build_llm(**llm_kwargs)
+        if stub is None:
+            llm = build_llm(**llm_kwargs)
+        else:
+            from specdec.entrypoints.stub_engine import StubLLM
+            llm = StubLLM.from_kwargs(stub, llm_kwargs)
     except UsageError as e:
         conn.send(("error", str(e)))
         return

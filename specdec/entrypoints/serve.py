@@ -8,8 +8,9 @@ import json
 import signal
 import sys
 
-from specdec.flags import (DEFAULT_K, METHODS, UsageError, add_engine_arguments, default_method,
-                           engine_kwargs, speculative_config)
+from specdec.commands.flags import (DEFAULT_K, UsageError, add_engine_arguments,
+                                    add_speculation_arguments, default_method, engine_kwargs,
+                                    speculative_config)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
@@ -21,13 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded model)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as model (default: --model, or specdec-default)")
-    p.add_argument("--method", choices=METHODS, default=None,
-                   help="drafter (default: eagle3 if the model has an eagle3 head, else none)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help=f"K, draft tokens per step (default {DEFAULT_K})")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM-style dict; its keys override --method/-k/--no-padded")
-    p.add_argument("--no-padded", action="store_true", help="ragged drafter batch")
+    add_speculation_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests per batch")
@@ -47,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of the engine process (default: the CPUs this process "
                         "may use, less one for the API process; at least 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stub-engine", type=int, default=None, metavar="TOKENS_PER_STEP",
+                   help="benchmark tool: a stub engine (no model) whose steps take no time and "
+                        "give each request TOKENS_PER_STEP tokens of its prompt "
+                        "(benchmarks/bench_served_stub.py)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
@@ -101,12 +100,15 @@ def run_from_args(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
+    if args.stub_engine is not None and args.stub_engine < 1:
+        raise UsageError(f"--stub-engine={args.stub_engine}: allowed an int >= 1")
     spec = engine_spec(args)
     threads = args.engine_threads or default_engine_threads()
+    stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
     engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,
                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                **engine_kwargs(args)), num_threads=threads,
+                                **engine_kwargs(args), **stub), num_threads=threads,
                            max_waiting=args.max_waiting)
     try:
         info = engine.start_process()

@@ -7,17 +7,17 @@
     specdec bench serve --launch --quick --out /tmp/bench-serve
 
 A bad flag or a bad speculative config prints one line on stderr and exits with status 2.
-This module only dispatches: ``specdec.generate_command`` (generate), ``specdec.bench``
+This module only dispatches: ``specdec.commands.generate`` (generate), ``specdec.bench``
 (bench, bench serve), ``specdec.entrypoints.serve`` (serve); what they share (method names,
-engine flags, building an LLM, UsageError) is in ``specdec.flags``.
+engine flags, building an LLM, UsageError) is in ``specdec.commands.flags``.
 """
 
 import argparse
 import importlib.metadata
 import sys
 
-from specdec.flags import OneLineParser, UsageError, document_defaults
-from specdec.generate_command import add_generate_parser
+from specdec.commands.flags import OneLineParser, UsageError, document_defaults
+from specdec.commands.generate import add_generate_parser
 
 
 def add_bench_parser(sub) -> None:

@@ -9,8 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.config import default_aux_layer_ids
-from specdec.flags import (DEFAULT_K, DEFAULT_METHOD, METHODS, UsageError, add_engine_arguments,
-                           build_llm, default_method, engine_kwargs, speculative_config)
+from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
+                                    add_speculation_arguments, build_llm, default_method,
+                                    engine_kwargs, speculative_config)
 
 
 def method_label(spec: dict | None) -> tuple[str, str, str]:
@@ -179,17 +180,7 @@ def add_generate_parser(sub) -> None:
                    help="the prompt text (required; run through the model's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--method", choices=METHODS, default=None,
-                   help="drafter; torchair-mtp = mtp with graph_mode torchair; "
-                        f"default: {DEFAULT_METHOD} if the model has an eagle3 head, else none")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help=f"K, draft tokens per step (default {DEFAULT_K})")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='vLLM-style dict, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'; '
-                        "its keys override --method/-k/--no-padded (default: none)")
-    p.add_argument("--no-padded", action="store_true",
-                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
-                        "default: padded)")
+    add_speculation_arguments(p)
     p.add_argument("--model", default=None, metavar="PATH",
                    help="target folder; heads are found in its sibling mtp/, eagle/, eagle3/ "
                         "(default: the embedded model)")

@@ -1,9 +1,8 @@
 """What the ``specdec`` subcommands share, below all of them: the one list of method names,
-the engine flags, building an ``LLM`` from flags, and the one-line usage error.
+the speculative and engine flags, building an ``LLM`` from flags, and the one-line usage error.
 
-``specdec.cli`` (dispatch), ``specdec.bench`` (the ITL harnesses) and
-``specdec.entrypoints.serve`` import from here; ``specdec.cli`` re-exports every name for
-code that imports them from there.
+``specdec.commands`` (dispatch, generate), ``specdec.bench`` (the ITL harnesses) and
+``specdec.entrypoints.serve`` import from here.
 """
 
 import argparse
@@ -87,6 +86,25 @@ def default_device() -> str:
     """cuda when this torch has a CUDA device, else cpu."""
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_speculation_arguments(
+        p, method_default: str = f"{DEFAULT_METHOD} if the model has an eagle3 head, else none"
+) -> None:
+    """--method, -k, --speculative-config, --no-padded on a parser or argument group
+    (generate, serve, bench serve); ``method_default`` says what no --method means."""
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter; torchair-mtp = mtp with graph_mode torchair; "
+                        f"default: {method_default}")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"K, draft tokens per step (default {DEFAULT_K})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM-style dict, e.g. "
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'; '
+                        "its keys override --method/-k/--no-padded (default: none)")
+    p.add_argument("--no-padded", action="store_true",
+                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
+                        "default: padded)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

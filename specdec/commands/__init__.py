@@ -1,0 +1,2 @@
+"""The ``specdec`` command: dispatch (``cli``), the flags its subcommands share (``flags``) and
+``specdec generate`` (``generate``)."""
