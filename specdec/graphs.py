@@ -93,24 +93,37 @@ class _Captured:
                 static.copy_(a)
 
 
+def _taking(fn: Callable, inputs_type: type) -> Callable:
+    """``fn`` taking its tensors positionally: packed into ``inputs_type`` (a NamedTuple)."""
+    def step(*args: torch.Tensor, **static):
+        return fn(inputs_type(*args), **static)
+    return step
+
+
 class StepGraph:
     """``StepGraph(fn, backend)(bucket, *args, **static)``: ``fn(*args, **static)`` through
-    the backend.
+    the backend; ``run`` picks, for one step, whether that is the captured, compiled or eager
+    call.
 
     ``bucket`` (hashable, e.g. (Np, Bp)) and the static values key the captured graphs; every
     positional arg must be a tensor whose shape is fixed by the bucket (a Python value there
     would be baked into a captured graph silently: pass it as a static value instead).
     On ``compile_dynamic`` there are no keys: ``bucket`` is ignored, int static values are
     symbolic and dynamo's guards pick the graph.
+    ``inputs_type``: a NamedTuple class that ``fn`` takes its tensors as (its one positional
+    argument); the wrapper still passes them positionally (it keys and copies per tensor).
     """
 
-    def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor"):
+    def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor",
+                 inputs_type: type | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
         if backend in COMPILING:
             compilers = torch._dynamo.list_backends(exclude_tags=())
             if compile_backend not in compilers:
                 raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
+        if inputs_type is not None:
+            fn = _taking(fn, inputs_type)
         self.fn = fn
         self.backend = backend
         self.captured: dict[tuple, _Captured] = {}  # cuda_graph / replay, by key
@@ -121,15 +134,16 @@ class StepGraph:
             # recompilations to be warned about; dynamo counts them per code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         if backend == "compile":
-            self.run = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile_backend)
+            self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
+                                          backend=compile_backend)
         elif backend == "compile_dynamic":
             options = {"freezing": True} if compile_backend == "inductor" else None
-            self.run = _shapes_symbolic_only(torch.compile(
+            self.compiled = _shapes_symbolic_only(torch.compile(
                 fn, fullgraph=True, dynamic=True, backend=compile_backend, options=options))
         elif backend == "torchair":
-            self.run = platform.compile_graph(fn, compile_backend)
+            self.compiled = platform.compile_graph(fn, compile_backend)
         else:
-            self.run = fn
+            self.compiled = fn
         self.calls = 0  # calls that went through the backend (graph replays on cuda_graph)
 
     def __call__(self, bucket, *args: torch.Tensor, **static):
@@ -139,23 +153,23 @@ class StepGraph:
                             f"into a captured graph); got {bad}")
         self.calls += 1
         if self.backend == "eager":  # nothing to set up: every call is the steady state
-            return self.run(*args, **static)
+            return self.compiled(*args, **static)
         if self.backend == "compile_dynamic":
-            return self.run(*args, **static)
+            return self.compiled(*args, **static)
         key = (bucket, *sorted(static.items()))
         captures = self.backend in ("cuda_graph", "replay")
         if key not in self.seen:  # compile / capture outside the sync guards
             self.seen.add(key)
             with unguarded():
                 if not captures:
-                    return self.run(*args, **static)
+                    return self.compiled(*args, **static)
                 if self.backend == "cuda_graph" and self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 entry = self.captured[key] = _Captured(
                     functools.partial(self.fn, **static), args, self.backend == "cuda_graph",
                     self.pool)
         elif not captures:
-            return self.run(*args, **static)
+            return self.compiled(*args, **static)
         else:
             entry = self.captured[key]
             entry.load(args)
@@ -165,6 +179,21 @@ class StepGraph:
                 for out, new in zip(entry.outputs, _as_tuple(entry.fn(*entry.inputs))):
                     out.copy_(new)
         return entry.outputs if len(entry.outputs) > 1 else entry.outputs[0]
+
+    def run(self, inputs: tuple[torch.Tensor, ...], *, capturable: bool, bucket: tuple,
+            captured: dict, own: dict, **static):
+        """One step: the one place that picks captured, compiled or eager.
+
+        ``inputs``: the step's tensors; ``captured`` / ``own``: the host bounds (static values)
+        of a captured step of this key and this step's own (tight) ones; ``static``: the other
+        static values. A ``capturable`` step (``StepPlan.capturable``) runs through the backend
+        keyed by ``bucket`` with the captured bounds; any other step runs compiled on
+        ``compile_dynamic`` (every step, no keys), else eagerly, with its own bounds."""
+        if capturable:
+            return self(bucket, *inputs, **captured, **static)
+        if self.backend == "compile_dynamic":
+            return self(None, *inputs, **own, **static)
+        return self.fn(*inputs, **own, **static)
 
 
 GRAPH_MODE_BACKENDS = {"eager": "eager", "torchair": "torchair", "full_cuda_graph": "cuda_graph"}

@@ -95,13 +95,28 @@ class StepPlan:
         return self.num_tokens_padded == 0
 
 
-def largest_step(padder: BatchPadder, num_speculative_tokens: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> tuple[int, int]:
-    """(tokens, requests) of the largest padded step a planner can return: the step buffers'
-    and the proposer's sizes."""
-    reqs = padder.dispatch(padder.pad_for_sequence_parallel(max_num_seqs)).num_tokens
-    tokens = padder.dispatch(padder.pad_for_sequence_parallel(max_num_batched_tokens + 1))
-    return max(tokens.num_tokens, reqs * (1 + num_speculative_tokens)), reqs
+@dataclass(frozen=True, slots=True)
+class StepSizes:
+    """The sizes a step is built for, computed once by ``LLM`` and handed down (runner, step
+    buffers, proposer). Example: capture sizes [1, 2, 4, 8], K = 3, 3 sequences, a 20-token
+    budget -> ``StepSizes.of(padder, 3, 3, 20, 64)``: max_num_reqs 4 (3 padded to a capture
+    size), max_num_tokens 21 (the budget + 1 spare token, above every capture size, more than
+    a uniform step's 4 x (1 + 3) = 16); with 8 sequences the uniform step sets it: 32."""
+
+    num_speculative_tokens: int  # K; 0 without a drafter
+    max_num_seqs: int  # request slots (token-table rows)
+    max_num_tokens: int  # Np of the largest padded step a planner can return
+    max_num_reqs: int  # Bp of that step (max_num_seqs padded)
+    max_model_len: int
+
+    @classmethod
+    def of(cls, padder: BatchPadder, num_speculative_tokens: int, max_num_seqs: int,
+           max_num_batched_tokens: int, max_model_len: int) -> "StepSizes":
+        reqs = padder.dispatch(padder.pad_for_sequence_parallel(max_num_seqs)).num_tokens
+        tokens = padder.dispatch(padder.pad_for_sequence_parallel(max_num_batched_tokens + 1))
+        return cls(num_speculative_tokens, max_num_seqs,
+                   max(tokens.num_tokens, reqs * (1 + num_speculative_tokens)), reqs,
+                   max_model_len)
 
 
 class StepPlanner:

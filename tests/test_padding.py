@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specdec.dp import DPContext
-from specdec.padding import BatchDescriptor, BatchPadder, StepPlanner, default_capture_sizes
+from specdec.padding import (BatchDescriptor, BatchPadder, StepPlanner, StepSizes,
+                             default_capture_sizes)
 
 
 def test_docstring_example_sp_pads_six_to_eight_with_tp4():
@@ -91,3 +92,13 @@ def test_a_plan_fits_its_step(k, b, extra, uniform, tp, sp, mixed):
     if sp and tp > 1:
         assert plan.num_tokens_padded % tp == 0 and plan.num_reqs_padded % tp == 0
     assert plan.num_tokens_across_dp == (plan.num_tokens_padded,)
+
+
+def test_step_sizes_worked_example():
+    """StepSizes' docstring: capture sizes [1, 2, 4, 8], K = 3, 3 sequences, a 20-token
+    budget -> Bp 4 (3 padded), Np 21 (the budget + 1 spare token, above every capture size,
+    more than a uniform step's 4 x (1 + 3)); with 8 sequences the uniform step sets Np: 32."""
+    sizes = StepSizes.of(BatchPadder([1, 2, 4, 8], 1, False), 3, 3, 20, 64)
+    assert (sizes.max_num_reqs, sizes.max_num_tokens) == (4, 21)
+    assert (sizes.num_speculative_tokens, sizes.max_num_seqs, sizes.max_model_len) == (3, 3, 64)
+    assert StepSizes.of(BatchPadder([1, 2, 4, 8], 1, False), 3, 8, 20, 64).max_num_tokens == 32

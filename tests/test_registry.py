@@ -8,7 +8,7 @@ import torch
 from specdec.config import GRAPH_MODES, METHODS, MTP_ALIASES, SpeculativeConfig
 from specdec.graphs import default_backend, resolve_backend
 from specdec.proposers.base import DraftModelProposer, Proposer
-from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
@@ -16,7 +16,7 @@ from specdec.proposers.registry import PROPOSERS, get_proposer_class
 EXPECTED = {  # written out independently of the registry's table
     "mtp": MtpProposer,
     "eagle": EagleProposer,
-    "eagle3": EagleProposer,
+    "eagle3": Eagle3Proposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
 }
 

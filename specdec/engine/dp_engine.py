@@ -23,6 +23,10 @@ Ranks start with the ``spawn`` method: a script calling this (or ``LLM(data_para
 Worked example: 5 prompts, N=2, no assignment -> rank 0 runs prompts [0, 2, 4], rank 1 [1, 3];
 ``run.outputs`` lists the 5 outputs in prompt order. Request ids are the prompt indices, so
 per-request files (extract_hidden_states) do not collide across ranks.
+
+``LLM`` asks here which process it is (``parallel_role``: one rank's engine, a torchrun rank,
+or the launcher of the ranks) and, for the last two, ``generate_across_ranks`` runs its
+``generate``; ``LLM.__init__`` itself only ever builds one rank's engine.
 """
 
 import os
@@ -38,9 +42,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from specdec.distributed import Grid, TPContext, backend_for, init_grid
+import torch.distributed as dist
+
+from specdec.distributed import Grid, TPContext, backend_for, env_rank, init_grid
 from specdec.dp import DPContext
-from specdec.engine.llm import LLM, RequestOutput, StepRecord
+from specdec.engine.config import EngineConfig
+from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.sequence import SamplingParams
 
 DEATH_GRACE_S = 3.0  # how long a rank's failure waits for a peer's death to show
@@ -67,6 +74,90 @@ class DPRun:
     outputs: list[RequestOutput]  # in prompt order
     ranks: list[RankResult] = field(default_factory=list)  # TP rank 0 of each DP rank, by DP rank
     tp_peers: list[RankResult] = field(default_factory=list)  # TP ranks > 0, by world rank
+
+
+@dataclass
+class ParallelRole:
+    """Which process an ``LLM`` is: one rank's engine (``dp``/``tp`` given, from a torchrun
+    grid, or single), or the launcher of the rank processes (builds no engine)."""
+
+    launcher: bool  # generate() spawns data_parallel_size x tensor_parallel_size ranks
+    dp: DPContext | None  # None: a single rank (or the launcher)
+    tp: TPContext
+    grid: Grid | None = None  # a torchrun rank's groups (closed at exit)
+
+    @property
+    def torchrun(self) -> bool:
+        return self.grid is not None
+
+
+def parallel_role(cfg: EngineConfig, dp: DPContext | None, tp: TPContext | None
+                  ) -> ParallelRole:
+    """Check the parallel arguments of ``LLM`` and say which process this is. Under torchrun
+    (RANK / WORLD_SIZE = data x tensor parallel ranks) join the grid, and on an accelerator
+    take the local rank's device (``cfg.device`` updated)."""
+    dp_size, tp_size = cfg.data_parallel_size, cfg.tensor_parallel_size
+    if dp_size > 1 and dp is not None:
+        raise ValueError("pass dp=DPContext (this process is one rank) or "
+                         "data_parallel_size > 1 (launch the ranks), not both")
+    if dp is not None and not isinstance(dp, DPContext):
+        raise TypeError(f"dp={dp!r}: must be a DPContext or None")
+    if tp is not None and (not isinstance(tp, TPContext) or tp.size != tp_size):
+        raise ValueError(f"tp={tp!r}: must be a TPContext of size tensor_parallel_size="
+                         f"{tp_size} or None")
+    env = env_rank()
+    if dp is None and tp is None and dp_size * tp_size > 1 and env is not None \
+            and env[1] == dp_size * tp_size:
+        grid = init_grid(dp_size, tp_size, env[0], device_type=cfg.device.type,
+                         timeout=cfg.data_parallel_timeout,
+                         sequence_parallel=cfg.sequence_parallel)
+        if cfg.device.type != "cpu":  # one accelerator per local rank
+            count = getattr(torch, cfg.device.type).device_count()
+            cfg.device = torch.device(cfg.device.type, env[2] % count)
+        return ParallelRole(False, grid.dp, grid.tp, grid)
+    launcher = dp is None and tp is None and (dp_size > 1 or tp_size > 1)
+    return ParallelRole(launcher, dp, tp or TPContext())
+
+
+def generate_across_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams]
+                          ) -> list[RequestOutput]:
+    """``llm.generate`` of a launcher or a torchrun rank: the outputs of every prompt (checked
+    token ids), in prompt order."""
+    if llm.role.torchrun:
+        return _generate_on_torchrun_ranks(llm, ids, per_prompt)
+    groups: dict[int, list[int]] = {}  # one DP job per distinct SamplingParams
+    for i, params in enumerate(per_prompt):
+        key = next((j for j in groups if per_prompt[j] == params), i)
+        groups.setdefault(key, []).append(i)
+    jobs = [DPJob(llm.init_kwargs, [ids[i] for i in idx], per_prompt[first])
+            for first, idx in groups.items()]
+    runs = run_data_parallel(jobs, llm.config.data_parallel_size,
+                             timeout=llm.config.data_parallel_timeout,
+                             tp_size=llm.config.tensor_parallel_size)
+    outputs = [None] * len(ids)
+    for idx, run in zip(groups.values(), runs):
+        for i, out in zip(idx, run.outputs):
+            outputs[i] = out
+    return outputs
+
+
+def _generate_on_torchrun_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams]
+                                ) -> list[RequestOutput]:
+    """Under torchrun: DP rank d runs prompts d, d+D, ... (TP rank 0 steps, its peers serve);
+    every rank returns every output, in prompt order (one all_gather_object)."""
+    grid, mine = llm.role.grid, {}
+    if grid.tp.rank == 0:
+        reqs = {i: llm.add_request(ids[i], per_prompt[i], str(i))
+                for i in range(grid.dp.rank, len(ids), grid.dp.size)}
+        while llm.step() is not None:
+            pass
+        mine = {i: RequestOutput.of(r, llm.tokenizer) for i, r in reqs.items()}
+    else:
+        llm.serve()
+    everyone = [None] * grid.world.size()
+    dist.all_gather_object(everyone, mine, group=grid.world)
+    merged = {i: out for part in everyone for i, out in part.items()}
+    return [merged[i] for i in range(len(ids))]
 
 
 def round_robin(num_prompts: int, dp_size: int) -> list[list[int]]:
@@ -210,6 +301,7 @@ def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
     dp = DPContext(grid.dp.rank, grid.dp.size, grid.dp.group)  # a fresh log per job
     tp = TPContext(grid.tp.rank, grid.tp.size, grid.tp.group,
                    kwargs.get("sequence_parallel", False), dp.record)
+    from specdec.engine.llm import LLM  # the rank's engine (llm.py imports this module)
     llm = LLM(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
     if tp.rank > 0:
         return RankResult(rank, {}, [], llm.serve())
@@ -222,5 +314,5 @@ def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
         collectives.append(dp.collectives[start:])
         if rec is None:
             break
-    outputs = {i: llm._output(r) for i, r in reqs.items()}
+    outputs = {i: RequestOutput.of(r, llm.tokenizer) for i, r in reqs.items()}
     return RankResult(rank, outputs, llm.steps, collectives)

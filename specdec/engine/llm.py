@@ -2,20 +2,21 @@
 
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from specdec.checks import check_bool
-from specdec.distributed import TPContext, env_rank, init_grid
+from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
+from specdec.engine.dp_engine import generate_across_ranks, parallel_role
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
+from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, check_tp_backend
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
@@ -24,44 +25,11 @@ from specdec.models.heads import SharedWeights
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.moe import has_cross_rank_layers
 from specdec.models.layers.parallel import check_shardable
-from specdec.padding import BatchPadder, largest_step
-from specdec.proposers.extract_hidden_states import check_output_dir
+from specdec.padding import BatchPadder, StepSizes
 from specdec.proposers.factory import build_proposer, load_checked_head
 from specdec.syncs import count_host_syncs, forbid_host_sync
 
 CHECK_HOST_SYNCS_ENV = "SPECDEC_CHECK_HOST_SYNCS"  # "1": check every step (the tests set it)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens
-    text: str | None
-    finish_reason: str
-    num_drafted: list[int]  # per draft position: [drafted at position 1, 2, ..., K]
-    num_accepted: list[int]  # per draft position: [accepted at position 1, 2, ..., K]
-    num_decode_steps: int  # target steps that verified drafts
-    error: str | None = None  # what failed, when finish_reason is "error"
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens per verifying step: 1 + accepted / steps (1.0 = nothing accepted)."""
-        return 1.0 + sum(self.num_accepted) / max(self.num_decode_steps, 1)
-
-
-@dataclass
-class StepRecord:
-    """What one engine step cost (host wall time, seconds)."""
-
-    num_reqs: int
-    num_tokens: int
-    seconds: float
-    draft_seconds: float  # of which in the drafter (host wall time)
-    host_syncs: int | None  # in the device part of the step; None unless syncs are checked
-    collectives: int  # DP collectives issued during the step
-    new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
-    captured: bool = False  # the target step replayed a graph (compiled or captured)
 
 
 # compile_dynamic's warm-up: phases of prompt lengths added before each step (each phase then
@@ -84,52 +52,29 @@ class LLM:
                  target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str = "inductor",
                  check_host_syncs: bool | None = None):
+        """Check everything (on a launcher too, before any rank starts), then build this
+        rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
+        dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
-        cfg = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-                           dtype, device, seed, capture_sizes, tensor_parallel_size,
-                           sequence_parallel, data_parallel_size, data_parallel_timeout)
-        if data_parallel_size > 1 and dp is not None:
-            raise ValueError("pass dp=DPContext (this process is one rank) or "
-                             "data_parallel_size > 1 (launch the ranks), not both")
-        if dp is not None and not isinstance(dp, DPContext):
-            raise TypeError(f"dp={dp!r}: must be a DPContext or None")
-        if tp is not None and (not isinstance(tp, TPContext) or tp.size != tensor_parallel_size):
-            raise ValueError(f"tp={tp!r}: must be a TPContext of size tensor_parallel_size="
-                             f"{tensor_parallel_size} or None")
-        # a rank of a torchrun launch (RANK/WORLD_SIZE = data x tensor parallel ranks)
-        ranks, env = data_parallel_size * tensor_parallel_size, env_rank()
-        self.torchrun = dp is None and tp is None and ranks > 1 and env is not None \
-            and env[1] == ranks
-        self.grid = None  # the torchrun ranks' groups (closed at exit)
-        if self.torchrun:
-            self.grid = init_grid(data_parallel_size, tensor_parallel_size, env[0],
-                                  device_type=cfg.device.type, timeout=data_parallel_timeout,
-                                  sequence_parallel=sequence_parallel)
-            dp, tp = self.grid.dp, self.grid.tp
-            if cfg.device.type != "cpu":  # one accelerator per local rank
-                count = getattr(torch, cfg.device.type).device_count()
-                cfg.device = torch.device(cfg.device.type, env[2] % count)
-        self.config = cfg
+        cfg = self.config = EngineConfig(
+            max_model_len, max_num_seqs, max_num_batched_tokens, block_size, dtype, device,
+            seed, capture_sizes, tensor_parallel_size, sequence_parallel, data_parallel_size,
+            data_parallel_timeout)
+        self.role = parallel_role(cfg, dp, tp)
+        self.launcher, self.tp, self.device = self.role.launcher, self.role.tp, cfg.device
         self.data_parallel_size = data_parallel_size
-        self.device = cfg.device
-        # everything below is checked here, on the parent too, before any DP rank starts
         self.spec = parse_speculative_config(speculative_config)
-        # launched here: every rank (spawned by generate) builds its own engine
-        self.launcher = dp is None and tp is None and (data_parallel_size > 1
-                                                       or tensor_parallel_size > 1)
-        self.tp = tp or TPContext()
         # a launcher checks on a host copy; only the ranks put weights on the accelerator
         load_on = torch.device("cpu") if self.launcher else cfg.device
-        target, tokenizer, model = load_target(model, target, tokenizer, cfg.dtype, load_on,
-                                               tp=self.tp)
+        target, self.tokenizer, model = load_target(model, target, tokenizer, cfg.dtype,
+                                                    load_on, tp=self.tp)
         cfg.check_model(target.config)
-        self.max_model_len = max_model_len = cfg.max_model_len
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
         self.target = target.eval()
-        self.tokenizer = tokenizer
+        self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         head = None
@@ -139,54 +84,57 @@ class LLM:
                 draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=load_on)
-            if self.spec.method == "extract_hidden_states":
-                check_output_dir(self.spec)
         cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()),
                          state_slots=1 + k)
-        dp_size = dp.size if dp is not None else data_parallel_size
-        cross_rank = dp_size > 1 and any(has_cross_rank_layers(m) for m in (target, head)
-                                         if m is not None)
-        self.graph_backend = resolve_backend(self.spec.graph_mode if self.spec else None,
-                                             graph_backend, self.device,
-                                             tensor_parallel_size=tensor_parallel_size,
-                                             cross_rank=cross_rank)
+        dp_size = self.role.dp.size if self.role.dp is not None else data_parallel_size
+        self.graph_backend = resolve_backend(
+            self.spec.graph_mode if self.spec else None, graph_backend, self.device,
+            tensor_parallel_size=tensor_parallel_size,
+            cross_rank=dp_size > 1 and any(has_cross_rank_layers(m) for m in (target, head)
+                                           if m is not None))
         if check_host_syncs is None:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
-        if self.launcher:  # generate() launches the ranks; each builds its own engine
-            check_shardable(target, tensor_parallel_size)  # refused here, before any rank
-            check_tp_backend(TPContext(0, tensor_parallel_size), self.graph_backend)
-            return
-        self.dp = dp or DPContext()
-        if self.tp.record is None:
-            self.tp.record = self.dp.record
-        self.padder = BatchPadder(capture_sizes, tensor_parallel_size, sequence_parallel)
-        num_blocks = cfg.num_kv_blocks
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   self.allocator, num_speculative_tokens=k)
-        proposer, aux_ids = None, ()
-        if self.spec is not None:
-            _, max_reqs = largest_step(self.padder, k, max_num_seqs, max_num_batched_tokens)
-            proposer, aux_ids = build_proposer(
-                self.spec, target, model_dir=model, draft_head=head, max_num_seqs=max_reqs,
-                block_size=block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-                dtype=cfg.dtype, device=self.device, graph_backend=self.graph_backend,
-                compile_backend=compile_backend)
-        use_cpu_gemm_layout(target, head)  # before graph capture / compilation
-        self.runner = ModelRunner(
-            target, proposer, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            block_size=block_size, num_kv_blocks=num_blocks, aux_layer_ids=aux_ids,
-            padder=self.padder, dp=self.dp, device=self.device, dtype=cfg.dtype,
-            graph_backend=self.graph_backend, compile_backend=compile_backend, seed=seed,
-            tp=self.tp)
-        self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
-        if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
-            dist.barrier(group=self.tp.group)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
         self._next_id = 0
+        self.graph_warmup_seconds = 0.0
+        if self.launcher:  # refused here, before any rank starts
+            check_shardable(target, tensor_parallel_size)
+            check_tp_backend(TPContext(0, tensor_parallel_size), self.graph_backend)
+            return
+        self._build_engine(head, model, k, compile_backend)
+
+    def _build_engine(self, head, model: Path | None, k: int, compile_backend: str) -> None:
+        """This rank's scheduler, proposer and runner over the checked target and head, sized
+        once (``StepSizes``); then capture / compile the step graphs."""
+        cfg = self.config
+        self.dp = self.role.dp or DPContext()
+        if self.tp.record is None:
+            self.tp.record = self.dp.record
+        self.padder = BatchPadder(cfg.capture_sizes, cfg.tensor_parallel_size,
+                                  cfg.sequence_parallel)
+        sizes = StepSizes.of(self.padder, k, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                             cfg.max_model_len)
+        num_blocks = cfg.num_kv_blocks
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.max_model_len, self.allocator, num_speculative_tokens=k)
+        proposer, aux_ids = None, ()
+        if self.spec is not None:
+            proposer, aux_ids = build_proposer(
+                self.spec, self.target, head, sizes, block_size=cfg.block_size,
+                num_kv_blocks=num_blocks, dtype=cfg.dtype, device=self.device,
+                graph_backend=self.graph_backend, compile_backend=compile_backend)
+        use_cpu_gemm_layout(self.target, head)  # before graph capture / compilation
+        self.runner = ModelRunner(
+            self.target, proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
+            aux_layer_ids=aux_ids, padder=self.padder, dp=self.dp, device=self.device,
+            dtype=cfg.dtype, graph_backend=self.graph_backend, compile_backend=compile_backend,
+            seed=cfg.seed, tp=self.tp)
+        self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
+        if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
+            dist.barrier(group=self.tp.group)
         if self.graph_backend == "compile_dynamic" and self.dp.size == 1 and (
                 self.spec is None or self.spec.method != "extract_hidden_states"):
             self.graph_warmup_seconds += self._warm_up_code_paths()
@@ -408,24 +356,8 @@ class LLM:
         for params in per_prompt:
             params.check_vocab(self.vocab_size)
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        if self.torchrun:
-            return self._generate_on_ranks(ids, per_prompt)
-        if self.launcher:  # N ranks, prompts split round-robin, prompt order back
-            from specdec.engine.dp_engine import DPJob, run_data_parallel
-            groups: dict[int, list[int]] = {}  # one DP job per distinct SamplingParams
-            for i, params in enumerate(per_prompt):
-                key = next((j for j in groups if per_prompt[j] == params), i)
-                groups.setdefault(key, []).append(i)
-            jobs = [DPJob(self.init_kwargs, [prompts[i] for i in idx], per_prompt[first])
-                    for first, idx in groups.items()]
-            runs = run_data_parallel(jobs, self.data_parallel_size,
-                                     timeout=self.config.data_parallel_timeout,
-                                     tp_size=self.config.tensor_parallel_size)
-            outputs = [None] * len(prompts)
-            for idx, run in zip(groups.values(), runs):
-                for i, out in zip(idx, run.outputs):
-                    outputs[i] = out
-            return outputs
+        if self.launcher or self.role.torchrun:
+            return generate_across_ranks(self, ids, per_prompt)
         reqs = [self._queue(x, params, None) for x, params in zip(ids, per_prompt)]
         try:
             while self.step() is not None:
@@ -434,25 +366,7 @@ class LLM:
             for r in reqs:
                 self.scheduler.abort(r, "abort")
             raise
-        return [self._output(r) for r in reqs]
-
-    def _generate_on_ranks(self, ids: list[list[int]], per_prompt: list[SamplingParams]
-                           ) -> list[RequestOutput]:
-        """Under torchrun: DP rank d runs prompts d, d+D, ... (TP rank 0 steps, its peers
-        serve); every rank returns every output, in prompt order (one all_gather_object)."""
-        mine = {}
-        if self.tp.rank == 0:
-            reqs = {i: self._queue(ids[i], per_prompt[i], str(i))
-                    for i in range(self.dp.rank, len(ids), self.dp.size)}
-            while self.step() is not None:
-                pass
-            mine = {i: self._output(r) for i, r in reqs.items()}
-        else:
-            self.serve()
-        everyone = [None] * self.grid.world.size()
-        dist.all_gather_object(everyone, mine, group=self.grid.world)
-        merged = {i: out for part in everyone for i, out in part.items()}
-        return [merged[i] for i in range(len(ids))]
+        return [RequestOutput.of(r, self.tokenizer) for r in reqs]
 
     @staticmethod
     def _sampling_params(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:
@@ -480,10 +394,3 @@ class LLM:
             return list(sampling_params)
         raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
                         "of them (one per prompt), or None")
-
-    def _output(self, r: Request) -> RequestOutput:
-        out = r.output_token_ids
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return RequestOutput(r.request_id, r.token_ids[:r.num_prompt_tokens], out, text,
-                             r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding,
-                             r.error)

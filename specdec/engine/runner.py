@@ -33,7 +33,7 @@ from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import StepGraph
 from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
-from specdec.padding import BatchPadder, StepPlan, StepPlanner, largest_step
+from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
 
 
@@ -68,17 +68,16 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, target, proposer, *, num_speculative_tokens: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+    def __init__(self, target, proposer, sizes: StepSizes, *,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0,
                  tp: TPContext | None = None):
         self.target = target
         self.proposer = proposer
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.num_speculative_tokens = k = sizes.num_speculative_tokens
+        self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
+        self.max_model_len = max_model_len = sizes.max_model_len
         self.block_size = block_size
         self.aux_layer_ids = aux_layer_ids
         self.dp = dp
@@ -86,7 +85,7 @@ class ModelRunner:
         self.device = device
         # linear-attention layers: 1 + K state slots per request row, plus the trash row
         self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device,
-                          state_rows=max_num_seqs + 1, state_slots=1 + num_speculative_tokens)
+                          state_rows=max_num_seqs + 1, state_slots=1 + k)
         # one row per request slot, plus a trash row of zeros for padding rows (their backup
         # token is 0, a valid id)
         self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,
@@ -105,19 +104,19 @@ class ModelRunner:
                              f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
                              "collectives cannot run inside a captured or compiled step")
         check_tp_backend(self.tp, graph_backend)
-        k = num_speculative_tokens
         # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
         # capturing backends; the compiling ones would stall serving on an inductor compile
         # per key, so run them eager
         self.planner = StepPlanner(padder, dp, k,
                                    allow_capture=graph_backend not in ("eager", "compile_dynamic"),
                                    capture_mixed=graph_backend in ("replay", "cuda_graph"))
-        max_tokens, max_reqs = largest_step(padder, k, max_num_seqs, max_num_batched_tokens)
-        self.buffers = StepBuffers(max_tokens, max_reqs, k, -(-max_model_len // block_size),
-                                   device, header=header_words(dp.size))
+        self.buffers = StepBuffers(sizes.max_num_tokens, sizes.max_num_reqs, k,
+                                   -(-max_model_len // block_size), device,
+                                   header=header_words(dp.size))
         # TP: the driver's step inputs reach its peers through one broadcast per step
         self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
-        self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend)
+        self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
+                                      inputs_type=StepInputs)
         self.last_step_captured = False  # whether the last execute() replayed a graph
 
     def warm_up_graphs(self) -> float:
@@ -215,61 +214,48 @@ class ModelRunner:
         return 1 + self.num_speculative_tokens if plan.uniform_decode else plan.num_tokens_padded
 
     # ---- device side -----------------------------------------------------------------------
-    def target_logits(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                      block_table, logits_indices, rows, num_draft_tokens, max_seq_len: int,
-                      max_query_len: int):
-        """Target forward over [Np] tokens -> (logits [Bp, K+1, V] float32, hidden [Np, H],
-        aux [Np, A, H] or None)."""
-        attn = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_table,
-                                 max_seq_len, rows, num_draft_tokens, max_query_len)
-        hidden, aux = self.target(input_ids, positions, kv=self.kv.bind(attn),
+    def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int):
+        """Target forward over x's [Np] tokens -> (logits [Bp, K+1, V] float32, hidden
+        [Np, H], aux [Np, A, H] or None)."""
+        attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
+                                 max_seq_len, x.rows, x.num_draft_tokens, max_query_len)
+        hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
-        logits = self.target.compute_logits(hidden[logits_indices.flatten()])
+        logits = self.target.compute_logits(hidden[x.logits_indices.flatten()])
         k = self.num_speculative_tokens
-        return logits.view(logits_indices.shape[0], k + 1, -1), hidden, aux
+        return logits.view(x.logits_indices.shape[0], k + 1, -1), hidden, aux
 
-    def target_step(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                    block_table, logits_indices, draft_token_ids, num_draft_tokens,
-                    discard_mask, rows, temperature, top_p, rng_key, *, max_seq_len: int,
-                    max_query_len: int, variant: str) -> tuple[torch.Tensor, ...]:
+    def target_step(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
+                    variant: str) -> tuple[torch.Tensor, ...]:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         forward, verification (greedy, or rejection sampling with counter-based random numbers,
         with or without the top-p sort: ``variant``), token-table update, each row's
         linear-attention state slot moved to its last accepted token. -> (sampled [Bp, K+1]
         int32, hidden [Np, H][, aux [Np, A, H]])."""
-        logits, hidden, aux = self.target_logits(input_ids, positions, slot_mapping,
-                                                 query_start_loc, seq_lens, block_table,
-                                                 logits_indices, rows, num_draft_tokens,
-                                                 max_seq_len, max_query_len)
+        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len)
         if variant == "greedy":
-            sampled = greedy_verify(logits, draft_token_ids, num_draft_tokens)
+            sampled = greedy_verify(logits, x.draft_token_ids, x.num_draft_tokens)
         else:
-            counters = (seq_lens - num_draft_tokens).long()  # position row 0 samples
-            sampled = rejection_sample(logits, draft_token_ids, num_draft_tokens, temperature,
-                                       rng_key, counters, top_p if variant == "top_p" else None)
-        sampled = self._finish_sampled(sampled, discard_mask, rows, seq_lens, num_draft_tokens)
-        self.kv.accept(rows, sampled)
+            counters = (x.seq_lens - x.num_draft_tokens).long()  # position row 0 samples
+            sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
+                                       x.temperature, x.rng_key, counters,
+                                       x.top_p if variant == "top_p" else None)
+        sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, x.seq_lens,
+                                       x.num_draft_tokens)
+        self.kv.accept(x.rows, sampled)
         return (sampled, hidden) + ((aux,) if aux is not None else ())
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (sampled_token_ids [B, K+1] int32, -1 for discarded rows; drafts [B, K] int32)."""
         x, plan = batch.inputs, batch.plan
-        step_args = (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
-                     x.block_table, x.logits_indices, x.draft_token_ids, x.num_draft_tokens,
-                     x.discard_mask, x.rows, x.temperature, x.top_p, x.rng_key)
         self.last_step_captured = plan.capturable
-        if self.last_step_captured:
-            np_, bp = plan.num_tokens_padded, plan.num_reqs_padded
-            out = self.target_graph(
-                (np_, bp), *step_args, max_seq_len=batch.graph_seq_len, variant=batch.variant,
-                max_query_len=batch.graph_query_len)
-        elif self.target_graph.backend == "compile_dynamic":  # every step, its own bounds
-            out = self.target_graph(None, *step_args, max_seq_len=batch.max_seq_len,
-                                    max_query_len=batch.max_query_len, variant=batch.variant)
-        else:
-            out = self.target_step(*step_args, max_seq_len=batch.max_seq_len,
-                                   max_query_len=batch.max_query_len, variant=batch.variant)
+        out = self.target_graph.run(
+            x, capturable=plan.capturable,
+            bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
+            captured={"max_seq_len": batch.graph_seq_len, "max_query_len": batch.graph_query_len},
+            own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len},
+            variant=batch.variant)
         sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
         self.last_draft_seconds = 0.0
         b = plan.num_reqs

@@ -8,15 +8,16 @@ gives the leading ``[Np]`` / ``[Bp]`` slices the padded step runs on; a captured
 bucket Bp reads exactly those addresses.
 """
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 
-@dataclass
-class StepInputs:
-    """Views of the buffers for one step: N = num_tokens_padded, B = num_reqs_padded."""
+class StepInputs(NamedTuple):
+    """Views of the buffers for one step: N = num_tokens_padded, B = num_reqs_padded. The
+    target step's inputs (``ModelRunner.target_step``), passed positionally through its
+    StepGraph."""
 
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64

@@ -14,11 +14,13 @@ static-shape *padded step* per step: for Np tokens and Bp requests,
     first pass of the head over the target's layout -> draft 1 from the logits at the samples
     draft loop: seq_lens -= num_rejected (once), then K-1 steps of one token per row
 
-Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`): a capturable
-step (``plan.capturable``: a uniform decode, or a mixed step where the backend captures those)
-runs it through the configured backend -- torch.compile / torchair, or a CUDA graph per
-(Np, Bp, attention bound) key -- every other padded step runs the same function eagerly
-(with ``compile_dynamic``, every padded step runs it compiled, with its own bounds).
+Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`, whose ``run``
+picks for each step, as for the runner's target step): a capturable step (``plan.capturable``:
+a uniform decode, or a mixed step where the backend captures those) runs it through the
+configured backend -- torch.compile / torchair, or a CUDA graph per (Np, Bp, attention bound)
+key -- every other padded step runs the same function eagerly (with ``compile_dynamic``, every
+padded step runs it compiled, with its own bounds). The ragged path reuses the first pass and
+the draft loop.
 """
 
 import torch
@@ -42,7 +44,7 @@ from specdec.kernels.ragged import (
     valid_counts_ragged,
 )
 from specdec.padding import StepPlan
-from specdec.proposers.inputs import DraftInputs
+from specdec.proposers.inputs import DraftInputs, PaddedStepInputs
 
 
 class Proposer:
@@ -121,7 +123,8 @@ class DraftModelProposer(Proposer):
         self.seq_lens = buf(torch.int32)
         self.slot_mapping = buf(torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
-        self.step_graph = StepGraph(self.padded_step, graph_backend, compile_backend)
+        self.step_graph = StepGraph(self.padded_step, graph_backend, compile_backend,
+                                    inputs_type=PaddedStepInputs)
 
     # ---- the per-method hooks ---------------------------------------------------------------
     def draft_features(self, x: DraftInputs) -> torch.Tensor:
@@ -144,20 +147,21 @@ class DraftModelProposer(Proposer):
         if not self.config.is_padded:
             return self._propose_ragged(x)
         plan, a = x.plan, x.attn
-        args = (x.input_ids, x.positions, self.draft_features(x), a.slot_mapping,
-                a.query_start_loc, a.seq_lens, a.block_table, x.sampled_token_ids,
-                x.discard_mask, x.cu_num_draft_tokens, x.token_table, x.rows,
-                torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
-        if plan.capturable:
-            return self.step_graph((plan.num_tokens_padded, plan.num_reqs_padded), *args,
-                                   max_seq_len=x.graph_seq_len, max_query_len=x.graph_query_len,
-                                   loop_seq_len=self.loop_seq_len(x.graph_seq_len))
-        if self.step_graph.backend == "compile_dynamic":  # every step, its own bounds
-            return self.step_graph(None, *args, max_seq_len=a.max_seq_len,
-                                   max_query_len=a.max_query_len,
-                                   loop_seq_len=self.loop_seq_len(a.max_seq_len))
-        return self.padded_step(*args, max_seq_len=a.max_seq_len, max_query_len=a.max_query_len,
-                                loop_seq_len=self.loop_seq_len(a.max_seq_len))
+        inputs = PaddedStepInputs(
+            x.input_ids, x.positions, self.draft_features(x), a.slot_mapping, a.query_start_loc,
+            a.seq_lens, a.block_table, x.sampled_token_ids, x.discard_mask,
+            x.cu_num_draft_tokens, x.token_table, x.rows,
+            torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
+        return self.step_graph.run(
+            inputs, capturable=plan.capturable,
+            bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
+            captured=self.step_bounds(x.graph_seq_len, x.graph_query_len),
+            own=self.step_bounds(a.max_seq_len, a.max_query_len))
+
+    def step_bounds(self, max_seq_len: int, max_query_len: int | None) -> dict:
+        """The padded step's host bounds (its static values) from the first pass's."""
+        return {"max_seq_len": max_seq_len, "max_query_len": max_query_len,
+                "loop_seq_len": self.loop_seq_len(max_seq_len)}
 
     def loop_seq_len(self, max_seq_len: int) -> int:
         """The host bound on seq_lens over draft steps 2..K, given the first pass's bound
@@ -165,35 +169,42 @@ class DraftModelProposer(Proposer):
         max_model_len would be a guard, and a recompile when sequences near the end)."""
         return min(max_seq_len + self.num_speculative_tokens - 1, self.max_model_len)
 
-    def padded_step(self, target_ids, positions, features, slot_mapping, query_start_loc,
-                    seq_lens, block_table, sampled, discard, cu_num_draft_tokens, token_table,
-                    rows, num_reqs, *, max_seq_len: int, max_query_len: int | None,
+    def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
                     loop_seq_len: int) -> torch.Tensor:
         """The whole padded draft step, a static-shape step function -> drafts [Bp, K] int32.
 
-        target_ids, positions, slot_mapping [Np]; features [Np, ...] (draft_features);
-        query_start_loc [Bp+1]; seq_lens, discard, cu_num_draft_tokens, rows [Bp];
-        block_table [Bp, M]; sampled [Bp, K+1]; token_table [R, L]; num_reqs: 0-dim int32 B.
         Every shape depends on (Np, Bp) and the three host bounds only (max_seq_len,
         max_query_len: the first pass's; loop_seq_len: steps 2..K's); nothing here reads a
         value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         """
-        n, bp = target_ids.shape[0], sampled.shape[0]
+        n, bp = x.target_ids.shape[0], x.sampled.shape[0]
         next_ids, _, sample_idx, num_rejected = self.prepare_padded(
-            sampled, discard, cu_num_draft_tokens, query_start_loc, token_table, rows, seq_lens)
-        real = torch.arange(bp, device=sampled.device) < num_reqs
+            x.sampled, x.discard, x.cu_num_draft_tokens, x.query_start_loc, x.token_table,
+            x.rows, x.seq_lens)
+        real = torch.arange(bp, device=x.sampled.device) < x.num_reqs
         sample_idx = torch.where(real, sample_idx, n - 1).to(torch.int64)
-        ids = shift_first_pass_input_ids(target_ids, sample_idx, next_ids)
-        attn = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_table,
+        attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
                                  max_seq_len, max_query_len=max_query_len)
+        token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
+                                        next_ids)
+        drafts = [token] + self.draft_loop_steps(
+            token, hidden, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
+            x.block_table, loop_seq_len)
+        return torch.stack(drafts, dim=1)
+
+    def first_pass(self, target_ids: torch.Tensor, positions: torch.Tensor,
+                   features: torch.Tensor, attn: AttentionMetadata, sample_idx: torch.Tensor,
+                   next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's first pass over N tokens (padded: the target's layout; ragged: the kept
+        tokens, padded to Np) and draft 1. target_ids, positions [N] int64; features [N, ...]
+        (draft_features); attn over the N tokens; sample_idx [S] int64, each request's sample
+        index (its last kept token); next_ids [S] int32, the next token placed there.
+        -> (draft 1 [S] int32, the head's output at sample_idx [S, H])."""
+        ids = shift_first_pass_input_ids(target_ids, sample_idx, next_ids)
         logits_h, next_h = self.head(ids, positions, self.first_pass_hidden(features),
                                      kv=self.kv.bind(attn))
-        token = self.sample(logits_h[sample_idx])
-        drafts = [token] + self.draft_loop_steps(
-            token, next_h[sample_idx], positions[sample_idx], seq_lens, num_rejected, num_reqs,
-            block_table, loop_seq_len)
-        return torch.stack(drafts, dim=1)
+        return self.sample(logits_h[sample_idx]), next_h[sample_idx]
 
     def _propose_ragged(self, x: DraftInputs) -> torch.Tensor:
         """disable_padded_drafter_batch=True: read the acceptance on the host (a sync by
@@ -211,20 +222,18 @@ class DraftModelProposer(Proposer):
         keep = r.token_indices.to(dev)
         kept = keep.shape[0]
         sample_idx = r.sample_indices.to(dev, torch.int64)
-        next_t = torch.tensor(next_ids, dtype=torch.int32).to(dev)
-        ids = shift_first_pass_input_ids(_pad_rows(x.input_ids[keep], n), sample_idx, next_t)
         kept_positions = x.positions[keep]
         slots = torch.cat([a.slot_mapping[keep], a.slot_mapping.new_full((n - kept,), -1)])
         # (a request keeps at most its tokens: the target's bound holds)
         attn = AttentionMetadata(slots, r.new_query_start_loc.to(dev), r.new_seq_lens.to(dev),
                                  a.block_table[:b], a.max_seq_len,
                                  max_query_len=a.max_query_len)
-        hidden = self.first_pass_hidden(_pad_rows(self.draft_features(x)[keep], n))
-        logits_h, next_h = self.head(ids, _pad_rows(kept_positions, n), hidden,
-                                     kv=self.kv.bind(attn))
-        token = self.sample(logits_h[sample_idx])
+        token, hidden = self.first_pass(
+            _pad_rows(x.input_ids[keep], n), _pad_rows(kept_positions, n),
+            _pad_rows(self.draft_features(x)[keep], n), attn, sample_idx,
+            torch.tensor(next_ids, dtype=torch.int32).to(dev))
         drafts = [token] + self.draft_loop_steps(
-            _pad_rows(token, bp), _pad_rows(next_h[sample_idx], bp), kept_positions[sample_idx],
+            _pad_rows(token, bp), _pad_rows(hidden, bp), kept_positions[sample_idx],
             attn.seq_lens, None, b, a.block_table, self.loop_seq_len(a.max_seq_len))
         return torch.stack([d[:b] for d in drafts], dim=1)
 

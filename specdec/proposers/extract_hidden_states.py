@@ -45,10 +45,11 @@ def check_output_dir(config) -> Path:
 
 
 class ExtractHiddenStatesProposer(Proposer):
-    def __init__(self, config, *, num_aux_layers: int, hidden_size: int, dtype: torch.dtype,
-                 **sizes):
+    def __init__(self, config, *, output_dir: Path, num_aux_layers: int, hidden_size: int,
+                 dtype: torch.dtype, **sizes):
+        """output_dir: ``check_output_dir(config)``'s folder (created here)."""
         super().__init__(config, **sizes)
-        self.output_dir = check_output_dir(config)
+        self.output_dir = output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # [rows + 1 (trash), max_model_len, A, H]: the states of every prompt position
         self.states = torch.zeros(self.max_num_seqs + 1, self.max_model_len, num_aux_layers,

@@ -3,25 +3,18 @@
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from specdec.config import SpeculativeConfig
-from specdec.models import checkpoint
-from specdec.models.heads import (
-    DEEPSEEK_ARCH,
-    MTP_ARCH,
-    QWEN3_5_ARCH,
-    QWEN3_5_MTP_ARCHS,
-    QWEN3_NEXT_ARCH,
-    DraftHead,
-    load_head,
-)
+from specdec.models.heads import DraftHead, load_head
+from specdec.models.heads.registry import MTP_TARGETS, holds_mtp_layers
+from specdec.padding import StepSizes
+from specdec.proposers.extract_hidden_states import check_output_dir
 from specdec.proposers.registry import get_proposer_class
 
 
 def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
-    """``speculative_config.model``; else for ``mtp`` the target folder itself when it is a
-    MiMo checkpoint holding ``model.mtp_layers.*`` (as vLLM takes the target as the MTP model);
+    """``speculative_config.model``; else for ``mtp`` the target folder itself when it holds
+    its MTP layer (``holds_mtp_layers``), as vLLM takes the target as the MTP model;
     else ``<target folder>/../<method>`` (the embedded default model's sibling heads)."""
     if spec.model is not None:
         path = Path(spec.model)
@@ -32,8 +25,8 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
-        where = (f"; the target folder {str(model_dir)!r} is not a {MTP_ARCH}, "
-                 f"{DEEPSEEK_ARCH}, {QWEN3_5_ARCH} or {QWEN3_NEXT_ARCH} checkpoint holding "
+        archs = f"{', '.join(MTP_TARGETS[:-1])} or {MTP_TARGETS[-1]}"
+        where = (f"; the target folder {str(model_dir)!r} is not a {archs} checkpoint holding "
                  "its MTP layer"
                  if spec.method == "mtp" and spec.model is None else "")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
@@ -41,40 +34,17 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     return path
 
 
-def holds_mtp_layers(path: str | Path) -> bool:
-    """Whether ``path`` is a target checkpoint holding its own MTP layers: MiMo
-    (``model.mtp_layers.*``), DeepSeek-V3 (``model.layers.L.eh_proj``, L = its layer count) or
-    Qwen3.5 / Qwen3-Next (``mtp.fc``); names from the files' headers."""
-    path = Path(path)
-    try:
-        config = checkpoint.load_config(path)
-        arch = (config.get("architectures") or [None])[0]
-        if arch == MTP_ARCH:
-            return any(n.startswith("model.mtp_layers.") for n in _tensor_names(path))
-        if arch == DEEPSEEK_ARCH:
-            return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in \
-                _tensor_names(path)
-        if arch in QWEN3_5_MTP_ARCHS:
-            return "mtp.fc.weight" in _tensor_names(path)
-        return False
-    except (ValueError, OSError, RuntimeError, SafetensorError):
-        return False  # unreadable: the head loader names the problem if this folder is used
-
-
-def _tensor_names(path: Path) -> set[str]:
-    """The folder's tensor names, no tensor read (meta tensors of the stored shapes)."""
-    return {name for name, _ in checkpoint.iter_tensors(path, shape_only=lambda _: True)}
-
-
 def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
                       draft_head, dtype: torch.dtype, device: torch.device):
     """The head ``spec`` needs (``draft_head``, else loaded from its folder; None for
-    extract_hidden_states), checked against the method and the aux layers.
+    extract_hidden_states, whose output folder is checked instead), checked against the method
+    and the aux layers: the one check of the speculative parts, before anything is built.
 
     EAGLE-3 aux layer ids, as vLLM picks them: the head config's, else the speculative
     config's ``draft_model_config``, else vLLM's default (2, L // 2, L - 3); the head's become
     the config's (a configured list of another length is an error naming the field)."""
     if spec.method == "extract_hidden_states":
+        check_output_dir(spec)
         head, where = None, None
     elif draft_head is not None:
         if not isinstance(draft_head, DraftHead):
@@ -103,25 +73,24 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
     return head
 
 
-def build_proposer(spec: SpeculativeConfig, target, *, model_dir, draft_head,
-                   max_num_seqs: int, block_size: int, num_kv_blocks: int,
-                   max_model_len: int, dtype: torch.dtype, device: torch.device,
-                   graph_backend: str = "eager", compile_backend: str = "inductor"):
-    """-> (proposer, aux_layer_ids the target must return).
-
-    max_num_seqs: the largest *padded* request count of a step.
-    """
-    head = load_checked_head(spec, target, model_dir=model_dir, draft_head=draft_head,
-                             dtype=dtype, device=device)
+def build_proposer(spec: SpeculativeConfig, target, head: DraftHead | None, sizes: StepSizes,
+                   *, block_size: int, num_kv_blocks: int, dtype: torch.dtype,
+                   device: torch.device, graph_backend: str = "eager",
+                   compile_backend: str = "inductor"):
+    """The proposer for ``spec`` over ``head`` (``load_checked_head``'s, None for
+    extract_hidden_states), sized by ``sizes`` (its rows: the largest padded request count)
+    -> (proposer, aux_layer_ids the target must return)."""
     aux_ids = spec.aux_layer_ids(target.config.num_hidden_layers) \
         if spec.uses_aux_hidden_states else ()
     cls = get_proposer_class(spec)
-    sizes = dict(max_num_seqs=max_num_seqs, block_size=block_size,
-                 max_model_len=max_model_len, vocab_size=target.config.vocab_size, device=device)
+    kw = dict(max_num_seqs=sizes.max_num_reqs, block_size=block_size,
+              max_model_len=sizes.max_model_len, vocab_size=target.config.vocab_size,
+              device=device)
     if spec.method == "extract_hidden_states":
-        proposer = cls(spec, num_aux_layers=len(aux_ids),
-                       hidden_size=target.config.hidden_size, dtype=dtype, **sizes)
+        output_dir = Path(spec.draft_model_config["output_dir"])  # load_checked_head checked it
+        proposer = cls(spec, output_dir=output_dir, num_aux_layers=len(aux_ids),
+                       hidden_size=target.config.hidden_size, dtype=dtype, **kw)
     else:
         proposer = cls(spec, head=head, num_kv_blocks=num_kv_blocks, dtype=dtype,
-                       graph_backend=graph_backend, compile_backend=compile_backend, **sizes)
+                       graph_backend=graph_backend, compile_backend=compile_backend, **kw)
     return proposer, aux_ids

@@ -1,6 +1,8 @@
-"""What the model runner hands a proposer each step (all device tensors unless noted)."""
+"""What the model runner hands a proposer each step (``DraftInputs``) and the padded draft
+step's tensors (``PaddedStepInputs``); all device tensors unless noted."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,3 +27,22 @@ class DraftInputs:
     rows: torch.Tensor  # [Bp] int64, each request's row in token_table
     graph_seq_len: int  # host: the attention bound of a captured step (>= every seq_len)
     graph_query_len: int  # host: a captured step's bound on tokens per request
+
+
+class PaddedStepInputs(NamedTuple):
+    """The padded draft step's tensors (``DraftModelProposer.padded_step``), passed
+    positionally through its StepGraph: Np tokens, Bp requests (B real)."""
+
+    target_ids: torch.Tensor  # [Np] int64, the target's input tokens
+    positions: torch.Tensor  # [Np] int64
+    features: torch.Tensor  # [Np, ...] the target states the first pass reads (draft_features)
+    slot_mapping: torch.Tensor  # [Np] int64
+    query_start_loc: torch.Tensor  # [Bp+1] int32
+    seq_lens: torch.Tensor  # [Bp] int32, the target step's
+    block_table: torch.Tensor  # [Bp, M] int32
+    sampled: torch.Tensor  # [Bp, K+1] int32
+    discard: torch.Tensor  # [Bp] bool
+    cu_num_draft_tokens: torch.Tensor  # [Bp] int32
+    token_table: torch.Tensor  # [R, L] int32
+    rows: torch.Tensor  # [Bp] int64
+    num_reqs: torch.Tensor  # 0-dim int32: B

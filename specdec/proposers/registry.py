@@ -3,14 +3,14 @@ picks the step wrapper's backend (`specdec.graphs`)."""
 
 from specdec.config import SpeculativeConfig
 from specdec.proposers.base import Proposer
-from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
 
 PROPOSERS: dict[str, type[Proposer]] = {
     "mtp": MtpProposer,
     "eagle": EagleProposer,
-    "eagle3": EagleProposer,
+    "eagle3": Eagle3Proposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
 }
 
