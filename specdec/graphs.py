@@ -27,7 +27,9 @@ wrapper gives each of them every backend:
                  key, fn run eagerly on the static inputs): proves the capture logic on CPU
 
 The key of a call is (bucket, static values). With cuda_graph/replay the returned tensors are
-the key's static outputs: read them before the next call with the same key.
+the key's static outputs: read them before the next call with the same key. ``graphs`` counts
+the graphs a wrapper made: a key captured, or each graph dynamo compiled during its calls (a
+new key or code path, or a guard that failed).
 """
 
 import functools
@@ -44,6 +46,11 @@ COMPILING = ("compile", "compile_dynamic", "torchair")
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
+
+
+def _dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process (a few dict reads)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _shapes_symbolic_only(compiled: Callable) -> Callable:
@@ -145,6 +152,7 @@ class StepGraph:
         else:
             self.compiled = fn
         self.calls = 0  # calls that went through the backend (graph replays on cuda_graph)
+        self.graphs = 0  # graphs made: keys captured, graphs dynamo compiled in its calls
 
     def __call__(self, bucket, *args: torch.Tensor, **static):
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
@@ -155,21 +163,22 @@ class StepGraph:
         if self.backend == "eager":  # nothing to set up: every call is the steady state
             return self.compiled(*args, **static)
         if self.backend == "compile_dynamic":
-            return self.compiled(*args, **static)
+            return self._compiled(*args, **static)
         key = (bucket, *sorted(static.items()))
         captures = self.backend in ("cuda_graph", "replay")
         if key not in self.seen:  # compile / capture outside the sync guards
             self.seen.add(key)
             with unguarded():
                 if not captures:
-                    return self.compiled(*args, **static)
+                    return self._compiled(*args, **static)
+                self.graphs += 1
                 if self.backend == "cuda_graph" and self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 entry = self.captured[key] = _Captured(
                     functools.partial(self.fn, **static), args, self.backend == "cuda_graph",
                     self.pool)
         elif not captures:
-            return self.compiled(*args, **static)
+            return self._compiled(*args, **static)
         else:
             entry = self.captured[key]
             entry.load(args)
@@ -179,6 +188,13 @@ class StepGraph:
                 for out, new in zip(entry.outputs, _as_tuple(entry.fn(*entry.inputs))):
                     out.copy_(new)
         return entry.outputs if len(entry.outputs) > 1 else entry.outputs[0]
+
+    def _compiled(self, *args: torch.Tensor, **static):
+        """The compiled call; ``graphs`` counts what dynamo compiled during it."""
+        before = _dynamo_graphs()
+        out = self.compiled(*args, **static)
+        self.graphs += _dynamo_graphs() - before
+        return out
 
     def run(self, inputs: tuple[torch.Tensor, ...], *, capturable: bool, bucket: tuple,
             captured: dict, own: dict, **static):

@@ -12,8 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import torch
-import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from specdec.commands.cli import main
@@ -210,6 +211,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.app = app
+        import uvicorn  # lazily: tests/test_cuda.py imports this module on GPU images without it
+
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -224,6 +227,25 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "server did not shut down"
+
+
+def metrics(url: str) -> dict:
+    """{sample name + labels: value} from a server's /metrics, parsed by prometheus_client."""
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def uniform_flags(llm, monkeypatch) -> list[bool]:
+    """Filled per step of ``llm`` from now on: whether the runner planned it as a uniform
+    decode (``monkeypatch`` wraps its execute)."""
+    flags, execute = [], llm.runner.execute
+
+    def recording(batch):
+        flags.append(batch.plan.uniform_decode)
+        return execute(batch)
+    monkeypatch.setattr(llm.runner, "execute", recording)
+    return flags
 
 
 def folder_builder(builders: dict, tmp_path_factory):

@@ -6,6 +6,8 @@ import torch
 
 from specdec import LLM, SamplingParams
 
+from helpers import uniform_flags
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self,",
@@ -126,3 +128,20 @@ def test_captured_mixed_and_sampled_steps_equal_eager(method):
     llm = build(method, "cuda_graph", **kw)
     assert run_arrivals(llm) == eager
     assert all(s.captured for s in llm.steps if s.num_reqs)
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_uniform_decodes_capture_nothing_after_start_up(method, monkeypatch):
+    """Start-up captures every bucket's uniform decode in each sampling variant: greedy and
+    sampled decode steps capture nothing more; steps with a prefill chunk capture their
+    (Np, Bp, bound) keys at first use, each counted once in its step's record."""
+    kw = dict(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=32)
+    llm = build(method, "cuda_graph", **kw)
+    graph, uniform = llm.runner.target_graph, uniform_flags(llm, monkeypatch)
+    warm_up = set(graph.seen)
+    assert {dict(key[1:])["variant"] for key in warm_up} == {"greedy", "sampled", "top_p"}
+    run_arrivals(llm)
+    decodes = [s for s, flag in zip(llm.steps, uniform, strict=True) if flag]
+    assert decodes and all(s.captured and not s.new_graphs for s in decodes)
+    made = sum(s.new_graphs.get("target", 0) for s in llm.steps)
+    assert made == len(graph.seen - warm_up) > 0

@@ -6,19 +6,27 @@ inputs and outputs per bucket, captured once) without a graph. Each must equal t
 engine token for token, drafts included, over steps of varying acceptance.
 """
 
+import asyncio
+import random
+
+import httpx
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 from hypothesis import given
 from hypothesis import strategies as st
 
+from specdec.engine import llm as llm_module
 from specdec.engine.llm import LLM
-from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, graph_seq_len
+from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
+from specdec.entrypoints.serve import build_server_app
 from specdec.graphs import StepGraph
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
+
+from helpers import ServerThread, metrics, uniform_flags
 
 K = 3
 AUX = [0, 1, 1]
@@ -109,24 +117,23 @@ def run_sampled(llm, params):
 @pytest.mark.parametrize("method", ["eagle3", None])
 def test_sampled_steps_are_captured_and_equal_eager(target, heads, method):
     """Sampled decode steps (T 0.7, top-p 0.9, seeded and unseeded) run through the captured
-    target step: the same tokens and acceptance as eager, and most steps replayed."""
+    target step, captured at construction: the same tokens and acceptance as eager, and most
+    steps replayed; steps with a prefill chunk capture their own keys."""
     eager = run_sampled(make_llm(target, heads, method), SAMPLED)
     llm = make_llm(target, heads, method, graph_backend="replay")
     graph = llm.runner.target_graph
-    warm_up = set(graph.captured)  # construction captures the greedy buckets
-    assert all(("variant", "greedy") in key for key in warm_up)
+    warm_up = set(graph.captured)  # construction captures every bucket in each variant
+    assert {dict(key[1:])["variant"] for key in warm_up} == set(VARIANTS)
     assert run_sampled(llm, SAMPLED) == eager
-    decode_steps = [s for s in llm.steps if s.num_reqs and s.num_tokens == s.num_reqs * (
-        1 + (K if method else 0))]
+    decode_steps = [s for s in llm.steps if s.num_reqs and not is_mixed(s, K if method else 0)]
     assert len(decode_steps) >= 6 and all(s.captured for s in decode_steps)
-    assert request_buckets(graph, "top_p")
-    assert {key for key in graph.captured if ("variant", "greedy") in key} == warm_up
-    # a greedy-only run never touches the sampled variants
+    assert not any(s.new_graphs for s in llm.steps)  # prefill steps: not capture sizes here
+    # a greedy-only run captures greedy keys only
     greedy = make_llm(target, heads, method, graph_backend="replay")
     run(greedy, PROMPTS, 20)
     assert greedy.runner.target_graph.calls > 0
-    assert not request_buckets(greedy.runner.target_graph, "top_p") | request_buckets(
-        greedy.runner.target_graph, "sampled")
+    assert all(("variant", "greedy") in key for key in set(greedy.runner.target_graph.captured)
+               - warm_up)
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
@@ -323,25 +330,117 @@ def greedy_arrivals(llm):
     return [r.output_token_ids for r in reqs]
 
 
+@pytest.fixture(scope="module")
+def warmed(target, heads):
+    """method -> its compile_dynamic engine, built once for the module (a warm-up compiles
+    tens of graphs) -> (LLM, graphs dynamo compiled while building it)."""
+    engines = {}
+
+    def get(method):
+        if method not in engines:
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+            llm = make_llm(target, heads, method, graph_backend="compile_dynamic")
+            engines[method] = llm, dynamo_utils.counters["stats"]["unique_graphs"] - graphs
+        return engines[method]
+    return get
+
+
 @pytest.mark.parametrize("method", [None, "eagle3"])
-def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(target, heads, method):
-    """Construction compiles the greedy code paths (``WARMUP_PHASES``); then greedy requests
-    arriving among decodes, up to max_model_len, compile nothing more, every step runs
-    through the one wrapper, and tokens, drafts and acceptance (sampled requests too, which
-    compile at first use) equal the eager engine's."""
-    llm = make_llm(target, heads, method, graph_backend="compile_dynamic")
-    assert llm.graph_warmup_seconds > 0 and not llm.steps
+def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(warmed, target, heads,
+                                                                     method):
+    """Construction compiles the code paths of every sampling variant (``warmup_phases``),
+    each graph counted by its wrapper; then requests arriving among decodes, up to
+    max_model_len, greedy and sampled, compile nothing more, every step runs through the one
+    wrapper, and tokens, drafts and acceptance equal the eager engine's."""
+    llm, compiled = warmed(method)
+    assert llm.graph_warmup_seconds > 0
+    assert sum(g.graphs for g in step_graphs(llm)) == compiled > 0
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    calls = graph_calls(llm)
+    calls, first = graph_calls(llm), len(llm.steps)
     got = greedy_arrivals(llm)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
-    steps = sum(1 for s in llm.steps if s.num_reqs)
+    steps = sum(1 for s in llm.steps[first:] if s.num_reqs)
     assert graph_calls(llm)[0] - calls[0] == steps
     if method is not None:
         assert graph_calls(llm)[1] - calls[1] == steps
     eager = make_llm(target, heads, method)
     assert got == greedy_arrivals(eager)
     assert run_arrivals(llm) == run_arrivals(eager)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def step_graphs(llm) -> list[StepGraph]:
+    proposer = llm.runner.proposer
+    return [llm.runner.target_graph] + ([proposer.step_graph] if proposer else [])
+
+
+CLIENT_SAMPLING = [{}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.7}]
+
+
+def client_requests(llm) -> list[tuple[list[int], SamplingParams]]:
+    """What clients may send: prompts of every length up to two step budgets and one (every
+    prefill chunk length; a last chunk of one token), in a block per sampling variant (greedy,
+    sampled, sampled with top-p), then the variants mixed; one request decoding to
+    max_model_len."""
+    out = []
+    for sampling in CLIENT_SAMPLING + [None]:
+        for n in range(1, 2 * llm.scheduler.max_num_batched_tokens + 2):
+            kw = CLIENT_SAMPLING[n % 3] if sampling is None else sampling
+            out.append(([1 + i % 6 for i in range(n)],
+                        SamplingParams(max_tokens=1 + n % 5, ignore_eos=True, **kw)))
+    out.append(([1, 2, 3] * 4, SamplingParams(max_tokens=llm.max_model_len, ignore_eos=True)))
+    return out
+
+
+def drive(llm, requests, seed=0):
+    """Bursts of 1..max_num_seqs requests, mid-decode too, under a cap on the running batch
+    that changes every few steps (so steps run 1..max_num_seqs requests) -> the steps."""
+    rnd, pending, first = random.Random(seed), list(requests), len(llm.steps)
+    cap, s = 1, llm.scheduler
+    while pending or s.has_unfinished():
+        cap = rnd.randint(1, s.max_num_seqs) if rnd.random() < 0.2 else cap
+        if len(s.running) + len(s.waiting) < cap:
+            for _ in range(rnd.randint(1, s.max_num_seqs)):
+                if pending:
+                    llm.add_request(*pending.pop(0))
+        llm.step()
+    return llm.steps[first:]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_compile_dynamic_compiles_nothing_after_start_up(warmed, method):
+    """Every shape a client can produce (1..max_num_seqs requests, prompts of every chunk
+    length, arrivals mid-decode, each sampling variant and mixes, max_model_len) runs on the
+    graphs of start-up: the engine's counter and dynamo's agree at zero."""
+    llm, _ = warmed(method)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    steps = drive(llm, client_requests(llm))
+    assert [s.new_graphs for s in steps if s.new_graphs] == []
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert {s.num_reqs for s in steps} >= set(range(1, llm.scheduler.max_num_seqs + 1))
+
+
+def test_compile_dynamic_counts_each_graph_it_compiles():
+    """A wrapper's ``graphs`` counts dynamo's graphs: one per code path, and one more for
+    a size of 1 (dynamo specializes it)."""
+    graph = StepGraph(lambda x: x * 2, "compile_dynamic", "eager")
+    for size in (3, 5, 1, 4, 1):
+        graph(None, torch.ones(size))
+    assert graph.graphs == 2
+
+
+def test_replay_captures_no_uniform_decode_after_start_up_and_counts_mixed_steps(
+        target, heads, monkeypatch):
+    """replay (the CUDA-graph code path): uniform decode steps of every sampling variant were
+    captured at start-up; a step with a prefill chunk captures its (Np, Bp, bound) key at
+    first use, and each such capture is counted once, by the wrapper that made it."""
+    llm = make_llm(target, heads, "eagle3", graph_backend="replay")
+    keys, uniform = [set(g.seen) for g in step_graphs(llm)], uniform_flags(llm, monkeypatch)
+    steps = drive(llm, client_requests(llm))
+    decodes = [s for s, flag in zip(steps, uniform, strict=True) if flag]
+    assert len(decodes) > 50 and all(s.captured for s in decodes)
+    assert [s.new_graphs for s in decodes if s.new_graphs] == []
+    for name, graph, before in zip(("target", "draft"), step_graphs(llm), keys):
+        assert sum(s.new_graphs.get(name, 0) for s in steps) == len(graph.seen - before) > 0
 
 
 def test_compile_dynamic_graph_serves_every_size_of_a_path():
@@ -359,11 +458,13 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 
-def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model():
+def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model(monkeypatch):
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
     the frozen weights' prepacked matmuls) for the CPU steps of the embedded model give the
     eager engine's tokens: greedy requests with no compile after construction, then sampled
-    ones (their variant compiles at first use)."""
+    ones (warmed greedy only here, to keep the inductor compiles few: their variant compiles
+    at first use)."""
+    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
     prompts = [list(range(3, 3 + n)) for n in (7, 30, 2, 12, 19)]
 
     def arrivals(llm, params):
@@ -382,3 +483,44 @@ def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model():
     assert arrivals(llm, greedy) == arrivals(eager, greedy)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     assert arrivals(llm, sampled) == arrivals(eager, sampled)
+
+
+async def send_waves(url: str, llm) -> None:
+    """Waves of 1..max_num_seqs + 1 concurrent completions (prompts of every chunk length,
+    each sampling variant), then one decoding to max_model_len; every one must succeed."""
+    requests = client_requests(llm)[::3]
+    async with httpx.AsyncClient(base_url=url, timeout=120) as h:
+        async def one(prompt, params):
+            body = {"prompt": prompt, "max_tokens": params.max_tokens, "ignore_eos": True,
+                    "temperature": params.temperature, "top_p": params.top_p}
+            assert (await h.post("/v1/completions", json=body)).status_code == 200
+
+        size = 1
+        while requests:
+            wave, requests = requests[:size], requests[size:]
+            await asyncio.gather(*(one(*r) for r in wave))
+            size = size % (llm.scheduler.max_num_seqs + 1) + 1
+
+
+@pytest.mark.parametrize("backend", ["compile_dynamic", "replay"])
+def test_served_graphs_after_start_up_are_counted_in_metrics(warmed, target, heads, backend):
+    """/metrics counts each step graph made after start-up, per step graph: none on a warmed
+    compile_dynamic engine under concurrent requests of every variant; on replay, exactly
+    the keys its steps with prefill chunks captured (an in-process server over the LLM)."""
+    llm = (warmed("eagle3")[0] if backend == "compile_dynamic"
+           else make_llm(target, heads, "eagle3", graph_backend="replay"))
+    keys, graphs = [len(g.seen) for g in step_graphs(llm)], dynamo_utils.counters["stats"][
+        "unique_graphs"]
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        asyncio.run(send_waves(server.url, llm))
+        m = metrics(server.url)
+    finally:
+        server.close()
+    made = [m[f'specdec:graph_compiles_after_startup_total{{"graph": "{name}"}}']
+            for name in ("target", "draft")]
+    if backend == "compile_dynamic":
+        assert made == [0, 0] and dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    else:
+        assert made == [len(g.seen) - n for g, n in zip(step_graphs(llm), keys)]
+        assert made[0] > 0

@@ -13,13 +13,12 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import LLM
 from specdec.entrypoints.serve import build_server_app
 
-from helpers import ServerThread
+from helpers import ServerThread, metrics
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):"]
@@ -44,13 +43,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-
-
-def metrics(url: str) -> dict:
-    """{sample name + labels: value} from /metrics, parsed by prometheus_client."""
-    text = httpx.get(f"{url}/metrics").text
-    return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 # ---- correctness -------------------------------------------------------------------------------

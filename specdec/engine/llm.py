@@ -16,7 +16,7 @@ from specdec.engine.dp_engine import generate_across_ranks, parallel_role
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
-from specdec.engine.outputs import RequestOutput, StepRecord
+from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, check_tp_backend
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
@@ -25,19 +25,30 @@ from specdec.models.heads import SharedWeights
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.moe import has_cross_rank_layers
 from specdec.models.layers.parallel import check_shardable
-from specdec.padding import BatchPadder, StepSizes
+from specdec.padding import BatchPadder, StepPlan, StepSizes
 from specdec.proposers.factory import build_proposer, load_checked_head
 from specdec.syncs import count_host_syncs, forbid_host_sync
 
 CHECK_HOST_SYNCS_ENV = "SPECDEC_CHECK_HOST_SYNCS"  # "1": check every step (the tests set it)
 
 
-# compile_dynamic's warm-up: phases of prompt lengths added before each step (each phase then
-# runs to the end): one request (a prefill, then decodes of one token); two equal prompts
-# together; three, then a longer prefill chunk among their decodes. Together they take each
-# query-row layout of the torch paged attention (``row_shape``) with one request and with
-# several, for plain decoding and for a 1 + K verification.
-WARMUP_PHASES = (((8,),), ((6, 6),), ((6, 6, 6), (), (17,)))
+# compile_dynamic's warm-up, run once per sampling variant (WARMUP_SAMPLING) before the first
+# real request: phases of arrivals (prompt lengths added before each step; each phase then runs
+# to the end). Dynamo specializes a size or int of 1 and guards each branch of the torch paged
+# attention's row layout (``row_shape``), so each step shape below is a graph of its own: a
+# 1-token prompt alone (N = 1, seq_len 1) and its decodes; a longer prompt alone; two 1-token
+# prompts (seq_len 1) and their decodes; two equal prompts (request-major rows); a chunk among
+# decodes (segments); max_num_seqs - 1 one-token prompts with a 5-token one (token-major rows
+# though a request has several tokens); a prompt one token past the step budget, whose 1-token
+# last chunk runs alone, then beside a 1-token prompt (seq_len > 1).
+def warmup_phases(max_num_seqs: int, max_num_batched_tokens: int) -> tuple:
+    """compile_dynamic's warm-up phases (above) for these sizes: steps of prompt lengths."""
+    chunked = max_num_batched_tokens + 1
+    return (((1,),), ((8,),), ((1, 1),), ((6, 6),), ((6, 6, 6), (), (17,)),
+            ((1,) * (max_num_seqs - 1) + (5,),), ((chunked,),), ((chunked,), (1,)))
+
+
+WARMUP_SAMPLING = ({}, {"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.5})
 
 
 class LLM:
@@ -97,6 +108,7 @@ class LLM:
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
         self.padded = self.spec is None or self.spec.is_padded
         self.steps: list[StepRecord] = []
+        self._warming_up = False  # throwaway requests run (extract_hidden_states writes no file)
         self._next_id = 0
         self.graph_warmup_seconds = 0.0
         if self.launcher:  # refused here, before any rank starts
@@ -133,10 +145,10 @@ class LLM:
             dtype=cfg.dtype, graph_backend=self.graph_backend, compile_backend=compile_backend,
             seed=cfg.seed, tp=self.tp)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
+        self._graphs_at_last_step = self._count_graphs()  # start-up's graphs are not counted
         if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
             dist.barrier(group=self.tp.group)
-        if self.graph_backend == "compile_dynamic" and self.dp.size == 1 and (
-                self.spec is None or self.spec.method != "extract_hidden_states"):
+        if self.graph_backend == "compile_dynamic" and self.dp.size == 1:
             self.graph_warmup_seconds += self._warm_up_code_paths()
 
     @property
@@ -154,23 +166,50 @@ class LLM:
         return f"{self.graph_backend}: {n} step graphs captured in {seconds}"
 
     def _warm_up_code_paths(self) -> float:
-        """compile_dynamic: compile the greedy step's code paths that serving meets on
-        throwaway requests, before the first real one (``WARMUP_PHASES``); other paths
-        (a sampling variant, a DP rank's) compile at their first use. -> seconds spent."""
-        start = time.perf_counter()
-        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        """compile_dynamic: compile the step's code paths that serving meets, for each
+        sampling variant, on throwaway requests before the first real one (``warmup_phases``);
+        a DP rank's paths compile at their first use. -> seconds spent."""
+        start, self._warming_up = time.perf_counter(), True
+        # an eager forward first (an idle DP rank's): what a layer keeps from its first eager
+        # call (the rotary tables) is then there for every compile, so no later eager call (a
+        # ragged draft, another engine in this process) fails the graphs' guards
+        self.runner.dummy_run(StepPlan(0, 0, 1, 1, False, (1,)))
         longest = max(1, self.max_model_len - 5)
-        for phase in WARMUP_PHASES:
-            for arrivals in phase:
-                for n in arrivals:
-                    self._queue([i % self.vocab_size for i in range(1, min(n, longest) + 1)],
-                                params, None)
-                self.step()
-            while self.scheduler.has_unfinished():
-                self.step()
+        phases = warmup_phases(self.scheduler.max_num_seqs,
+                               self.scheduler.max_num_batched_tokens)
+        try:
+            for sampling in WARMUP_SAMPLING:
+                params = SamplingParams(max_tokens=4, ignore_eos=True, **sampling)
+                for phase in phases:
+                    self._warm_up_phase(phase, params, longest)
+        finally:
+            self._warming_up = False
         self.steps.clear()
         self._next_id = 0
         return time.perf_counter() - start
+
+    def _warm_up_phase(self, phase: tuple, params: SamplingParams, longest: int) -> None:
+        """One warm-up phase: its arrivals before each step, then steps to the end."""
+        for arrivals in phase:
+            for n in arrivals:
+                self._queue([i % self.vocab_size for i in range(1, min(n, longest) + 1)],
+                            params, None)
+            self.step()
+        while self.scheduler.has_unfinished():
+            self.step()
+
+    def _count_graphs(self) -> tuple[int, ...]:
+        """Graphs made so far by each step graph (``STEP_GRAPHS``: the target step's, the
+        draft step's; 0 where there is none)."""
+        draft = getattr(self.runner.proposer, "step_graph", None)
+        return self.runner.target_graph.graphs, draft.graphs if draft is not None else 0
+
+    def _new_graphs(self) -> dict[str, int]:
+        """Graphs each step graph compiled or captured since the last call (a few ints)."""
+        counts, last = self._count_graphs(), self._graphs_at_last_step
+        self._graphs_at_last_step = counts
+        return {name: now - before for name, now, before in zip(STEP_GRAPHS, counts, last)
+                if now != before}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -279,7 +318,7 @@ class LLM:
             new_tokens[s.request.request_id] = self._update(s, row, draft)
         rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
                          self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
-                         new_tokens, self.runner.last_step_captured)
+                         new_tokens, self.runner.last_step_captured, self._new_graphs())
         self.steps.append(rec)
         return rec
 
@@ -312,7 +351,7 @@ class LLM:
                 r.num_accepted[j] += j < accepted
         was_prefilling = r.is_prefilling
         r.num_computed_tokens += s.num_tokens - (d - accepted)
-        if was_prefilling and self.runner.proposer is not None:
+        if was_prefilling and self.runner.proposer is not None and not self._warming_up:
             self.runner.proposer.on_prefill_done(r)
         emitted = 0
         for tok in valid:

@@ -32,6 +32,9 @@ class RequestOutput:
                    r.error)
 
 
+STEP_GRAPHS = ("target", "draft")  # the step graphs of a StepRecord's new_graphs
+
+
 @dataclass
 class StepRecord:
     """What one engine step cost (host wall time, seconds)."""
@@ -44,3 +47,6 @@ class StepRecord:
     collectives: int  # DP collectives issued during the step
     new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens emitted
     captured: bool = False  # the target step replayed a graph (compiled or captured)
+    # step graph ("target", "draft": STEP_GRAPHS) -> graphs it compiled or captured in this
+    # step (after start-up each one stalled the step); only graphs that made one
+    new_graphs: dict[str, int] = field(default_factory=dict)

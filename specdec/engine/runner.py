@@ -17,7 +17,7 @@ counter-based random numbers (``counter_rng``), so a replay needs no generator s
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -121,10 +121,12 @@ class ModelRunner:
 
     def warm_up_graphs(self) -> float:
         """Capture the step wrappers of every capture bucket up to the largest step, largest
-        first (its memory pool then serves the smaller ones), on all-padding steps, before the
-        first real step (cuda_graph / replay). Compiling backends compile each bucket at its
-        first use instead (an inductor compile per bucket would make start-up minutes long);
-        either way outside the sync guards. -> seconds spent."""
+        first (its memory pool then serves the smaller ones), in each sampling variant, on
+        all-padding steps, before the first real step (cuda_graph / replay): uniform decodes
+        then capture nothing at serving time; mixed steps capture their (Np, Bp, bound) key at
+        its first use. Compiling backends compile each bucket at its first use instead (an
+        inductor compile per bucket would make start-up minutes long); either way outside the
+        sync guards. -> seconds spent."""
         if self.target_graph.backend not in ("cuda_graph", "replay"):
             return 0.0
         start, k = time.perf_counter(), self.num_speculative_tokens
@@ -132,7 +134,8 @@ class ModelRunner:
         buckets = [b for b in padder.capture_sizes if b <= self.buffers.max_reqs]
         for bp in reversed(buckets):
             plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),), True)
-            self.execute(self.prepare([], plan))
+            for variant in VARIANTS:
+                self.execute(replace(self.prepare([], plan), variant=variant))
         return time.perf_counter() - start
 
     # ---- host side -------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Prometheus metrics of the server (``GET /metrics``), named like vLLM's with a ``specdec:`` prefix.
 
-Per-step figures (tokens, step time, drafter time, host syncs) update after every step; the
-speculative counters per draft position update when a request finishes (or is aborted), from
-the request's own counts, so they are exact once a run is over.
+Per-step figures (tokens, step time, drafter time, host syncs, step graphs compiled or captured
+after start-up) update after every step; the speculative counters per draft position update
+when a request finishes (or is aborted), from the request's own counts, so they are exact once
+a run is over.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from specdec.engine.outputs import STEP_GRAPHS
 
 STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -38,6 +41,12 @@ class ServerMetrics:
         self.captured_steps = Counter("specdec:captured_steps", "engine steps whose target "
                                       "step replayed a captured (or compiled) graph",
                                       registry=r)
+        self.new_graphs = Counter("specdec:graph_compiles_after_startup", "step graphs "
+                                  "compiled or captured after start-up, by step graph (target, "
+                                  "draft): each one stalled the running streams",
+                                  ["graph"], registry=r)
+        for name in STEP_GRAPHS:  # exported as 0 until one is made
+            self.new_graphs.labels(name)
         self.host_syncs = Counter("specdec:host_syncs", "host-device syncs inside steps "
                                   "(counted on the ragged path; padded: 0 by construction)",
                                   registry=r)
@@ -69,6 +78,8 @@ class ServerMetrics:
         self.steps.observe(rec.seconds)
         self.draft_seconds.inc(rec.draft_seconds)
         self.captured_steps.inc(rec.captured)
+        for name, n in rec.new_graphs.items():
+            self.new_graphs.labels(name).inc(n)
         if rec.host_syncs is not None:  # counted only when the engine checks them
             self.host_syncs.inc(rec.host_syncs)
         self.generation_tokens.inc(sum(rec.new_tokens.values()))
