@@ -12,8 +12,9 @@ pytest.importorskip("uvicorn")
 
 
 def test_stub_server_streams_exact_chunks_and_counts_cpu():
-    """4 requests of 8 tokens at 2 streams, 4 tokens per step: every stream gets [4, 4], with
-    the client in this process and split over 2 forked ones."""
+    """4 requests of 8 tokens at 2 streams, 4 tokens per step: every stream gets its two
+    steps' tokens ([4, 4], or [8] merged), with the client in this process and split over 2
+    forked ones."""
     prompts = [[100 + i] * 16 for i in range(4)]
     with stub_bench.stub_server(4, 2, 32) as (url, pids):
         body = stub_bench.stream_body(url, 8)
@@ -22,7 +23,8 @@ def test_stub_server_streams_exact_chunks_and_counts_cpu():
         assert (row["requests"], row["tokens"]) == (4, 4 * 8)
         for rec in row["records"]:
             assert rec["output_tokens"] == 8
-            assert [n for _, n in rec["chunks"]] == [4, 4]  # one chunk per stub step
+            # one chunk per stub step, or whole steps merged when the handler lagged
+            assert [n for _, n in rec["chunks"]] in ([4, 4], [8])
         assert row["tokens_per_s"] > 0
         assert row["steps"] >= 4  # /metrics counted the engine's steps (2 per request)
         assert set(row["cpu_s"]) == {"engine", "api", "client"}

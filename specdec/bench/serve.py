@@ -57,15 +57,15 @@ DEFINITIONS = {
 
 
 # ---- one request ----------------------------------------------------------------------------
-async def stream_one(client, url: str, body: dict) -> dict:
+async def stream_one(session, url: str, body: dict) -> dict:
     """POST a streaming completion; -> {send, chunks: [(arrival, tokens)], output_tokens}."""
     send = time.perf_counter()
     chunks, done_tokens, usage = [], 0, None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:  # one SSE line per iteration
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             t = time.perf_counter()
             event = json.loads(line[6:])
@@ -103,14 +103,15 @@ def request_figures(rec: dict) -> dict:
 async def run_once(base_url: str, body: dict, prompts: list[list[int]], concurrency: int,
                    request_rate: float | None, seed: int) -> tuple[list[dict], float, float]:
     """Send every prompt; -> (request records, first send, last arrival) in perf_counter s."""
-    import httpx
+    import aiohttp
     sem = asyncio.Semaphore(concurrency)
     gaps = random.Random(seed)
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600.0), read_bufsize=2**20,
+            connector=aiohttp.TCPConnector(limit=concurrency + 4)) as session:
         async def one(prompt):
             async with sem:
-                return await stream_one(client, f"{base_url}/v1/completions",
+                return await stream_one(session, f"{base_url}/v1/completions",
                                         {**body, "prompt": prompt})
 
         tasks = []
@@ -379,6 +380,7 @@ def options(args) -> dict:
 
 def run_from_args(args) -> int:
     try:
+        import aiohttp  # noqa: F401
         import httpx  # noqa: F401
     except ImportError:
         raise UsageError("specdec bench serve needs the serve extra: "

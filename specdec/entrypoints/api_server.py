@@ -317,7 +317,7 @@ class Generation:
     async def __aiter__(self):
         try:
             while not self.finished:
-                chunk = await self.handle.chunks.get()
+                chunk = await self.handle.next_chunk()
                 if chunk.error is not None:
                     self.finished = True
                     raise ApiError(500, chunk.error)

@@ -2,7 +2,7 @@
 
 HTTP handlers ``submit`` requests and read ``TokenChunk`` objects from their handles; each
 engine step sends every request that got tokens one chunk (a speculative step can bring
-several tokens). The engine itself is an ``EngineCore`` (``specdec.entrypoints.engine_core``),
+several tokens), and a handler that lags reads the chunks queued meanwhile as one. The engine itself is an ``EngineCore`` (``specdec.entrypoints.engine_core``),
 reached one of two ways:
 
 * ``AsyncEngine(llm)``: an LLM built in this process, stepped in one worker thread; adds and
@@ -49,6 +49,21 @@ class RequestHandle:
     prompt_token_ids: list[int]
     params: SamplingParams
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _held: TokenChunk | None = field(default=None, init=False, repr=False)  # an error, due next
+
+    async def next_chunk(self) -> TokenChunk:
+        """The next chunk, merged with every chunk queued behind it: a reader that lags the
+        engine (several steps arrived since its last read) gets their tokens in one chunk,
+        so it writes one event, not one per step. Lossless: the tokens in order, the last
+        chunk's finish reason; an error never rides on tokens, it comes as its own chunk."""
+        chunk, self._held = self._held or await self.chunks.get(), None
+        while chunk.finish_reason is None and chunk.error is None and not self.chunks.empty():
+            after = self.chunks.get_nowait()
+            if after.error is not None:
+                self._held = after
+                break
+            chunk = TokenChunk(chunk.token_ids + after.token_ids, after.finish_reason)
+        return chunk
 
 
 class _Frontend:
