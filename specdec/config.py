@@ -17,7 +17,10 @@ MTP_ALIASES = (
     "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
     "inkling_mtp", "glm5_next_mtp",
 )
-METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states")
+METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states", "ngram")
+# Methods that draft on the host from the request's own tokens: no head, no draft step.
+HOST_DRAFT_METHODS = ("ngram",)
+NGRAM_DEFAULT_N = 5  # vLLM's prompt_lookup_min/max when neither is given
 # The step wrapper backend (specdec.graphs) of capturable steps: "eager": none;
 # "torchair": one compiled graph per bucket (torchair on Ascend, torch.compile elsewhere;
 # "torchair" + "mtp" is Torchair-MTP); "full_cuda_graph": the target step and the draft step
@@ -36,6 +39,10 @@ class SpeculativeConfig:
     draft_model_config: dict = field(default_factory=dict)  # draft HF config overrides
     model: str | None = None  # path of the draft head folder
     graph_mode: str | None = None  # one of GRAPH_MODES; None: the device's default backend
+    # ngram (vLLM's keys): the n-gram sizes matched against the request's tokens; one given
+    # sets both, neither gives NGRAM_DEFAULT_N (as vLLM)
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -67,6 +74,7 @@ class SpeculativeConfig:
             # A ragged batch has a data-dependent token count: it cannot replay a full graph.
             raise ValueError(f"disable_padded_drafter_batch=True cannot run with "
                              f"graph_mode={self.graph_mode!r}; allowed: 'eager'")
+        self._check_prompt_lookup()
         ids = self.aux_layer_ids_configured
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
@@ -82,6 +90,24 @@ class SpeculativeConfig:
             if ids is None:
                 raise ValueError("method='extract_hidden_states' needs "
                                  "draft_model_config.eagle_aux_hidden_state_layer_ids")
+
+    def _check_prompt_lookup(self) -> None:
+        """ngram's n-gram sizes: ints >= 1, min <= max; one given sets the other (vLLM)."""
+        given = {name: getattr(self, name) for name in ("prompt_lookup_min", "prompt_lookup_max")
+                 if getattr(self, name) is not None}
+        if self.method != "ngram":
+            if given:
+                raise ValueError(f"{sorted(given)[0]}={next(iter(given.values()))!r} is a key "
+                                 f"of method='ngram', not method={self.method!r}")
+            return
+        for name, value in given.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: allowed an int >= 1")
+        lo = self.prompt_lookup_min or self.prompt_lookup_max or NGRAM_DEFAULT_N
+        hi = self.prompt_lookup_max or self.prompt_lookup_min or NGRAM_DEFAULT_N
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
@@ -104,6 +130,11 @@ class SpeculativeConfig:
     def is_padded(self) -> bool:
         """True for the default padded drafter batch (no host-device sync)."""
         return not self.disable_padded_drafter_batch
+
+    @property
+    def drafts_on_host(self) -> bool:
+        """ngram: drafts come from the request's own tokens on the host, no head."""
+        return self.method in HOST_DRAFT_METHODS
 
     @property
     def uses_aux_hidden_states(self) -> bool:

@@ -232,6 +232,23 @@ def test_mtp_speculative_greedy_equals_plain(k, ragged, q35_dir, cycle_plain):
         assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_ngram_on_the_hybrid_target_equals_plain(ragged, q35_dir, cycle_plain):
+    """ngram on a near-cycle target: 0..K drafts per request, padded with filler tokens
+    whose recurrent states land in slots past the accepted ones and never become current;
+    the tokens are plain greedy's, and some drafts were accepted, some rejected."""
+    llm = LLM(model=str(q35_dir("qwen3_5_mtp_cycle")), max_num_seqs=4, max_model_len=256,
+              check_host_syncs=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                  "disable_padded_drafter_batch": ragged})
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == cycle_plain
+    accepted, drafted = (sum(sum(getattr(o, f)) for o in outs)
+                         for f in ("num_accepted", "num_drafted"))
+    assert 0 < accepted < drafted
+
+
 def _row_state(llm, row: int) -> list[torch.Tensor]:
     """Every linear layer's (conv, ssm) state at the row's current slot."""
     state = llm.runner.kv.state

@@ -11,6 +11,7 @@ from specdec.proposers.base import DraftModelProposer, Proposer
 from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
+from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
 
 EXPECTED = {  # written out independently of the registry's table
@@ -18,6 +19,7 @@ EXPECTED = {  # written out independently of the registry's table
     "eagle": EagleProposer,
     "eagle3": Eagle3Proposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
+    "ngram": NgramProposer,
 }
 
 
@@ -33,8 +35,10 @@ def test_every_method_resolves_to_one_class_in_every_graph_mode(method, graph_mo
         return
     cls = get_proposer_class(c)
     assert cls is EXPECTED[c.method]
-    assert issubclass(cls, DraftModelProposer) == (c.method != "extract_hidden_states")
-    assert issubclass(cls, Proposer)
+    assert issubclass(cls, DraftModelProposer) == (c.method not in ("extract_hidden_states",
+                                                                      "ngram"))
+    # ngram drafts on the host from token ids: none of the device-side preparation
+    assert issubclass(cls, Proposer) == (c.method != "ngram")
 
 
 def test_the_table_is_exactly_the_config_methods():

@@ -40,7 +40,7 @@ from specdec.bench.plots import (percentile_band, plot_footer, row_label,  # noq
 from specdec.bench.report import (TABLE_COLUMNS, _f, results_table,  # noqa: F401
                                   skipped_lines, slower_hint, table_title)
 from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # noqa: F401
-                                 QUICK_SWEEP, SCHEMA_VERSION, BenchConfig, Engine,
+                                 QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig, Engine,
                                  PromptSource, ReqStats, build_engines, check_sweep,
                                  check_syncs, comparison_warnings, copy_bandwidth,
                                  environment, expand, load_sweep, load_warnings, measure,
@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-backend", dest="graph_backend",
                    help=f"step wrapper of padded steps: {', '.join(BACKENDS)} (default: cuda_graph "
                         "on CUDA, else eager; ragged steps always run eager)")
+    p.add_argument("--workload", choices=WORKLOADS,
+                   help="prompts: stdlib (held-out stdlib windows) or repeat (a window, then "
+                        "its start again: a rewrite-this-code request; default: stdlib)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

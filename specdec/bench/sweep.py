@@ -24,7 +24,7 @@ from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL
 from specdec.engine.sequence import SamplingParams
 from specdec.graphs import BACKENDS
-from specdec.models.synthetic import SHAPES, build_synthetic, weight_bytes
+from specdec.models.synthetic import HEAD_METHODS, SHAPES, build_synthetic, weight_bytes
 from specdec.platform import torch_device
 from specdec.train import data
 
@@ -36,12 +36,16 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
-                     max_num_batched_tokens=None)
+                     max_num_batched_tokens=None, workload="stdlib")
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in the README's Benchmarks section; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
                    repeats=4)
 LIST_KEYS = ("methods", "modes", "k", "concurrency", "prompt_len", "output_len")
+# prompts: "stdlib": held-out stdlib windows; "repeat": a window, then the same window again
+# cut off (the shape of a request to rewrite or edit a given code block: the output repeats
+# the input, which draft-free lookup predicts)
+WORKLOADS = ("stdlib", "repeat")
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -106,6 +110,8 @@ def check_sweep(sweep: dict) -> dict:
             raise UsageError(f"sweep {key}={v!r}: allowed an int >= {low}")
     if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
         raise UsageError(f"sweep temperature={s['temperature']!r}: allowed a number >= 0")
+    if s["workload"] not in WORKLOADS:
+        raise UsageError(f"sweep workload={s['workload']!r}: allowed {list(WORKLOADS)}")
     if s["dtype"] not in DTYPES:
         raise UsageError(f"sweep dtype={s['dtype']!r}: allowed {sorted(DTYPES)}")
     if s["synthetic"] is not None and s["synthetic"] not in SHAPES:
@@ -152,11 +158,17 @@ class PromptSource:
             self.stream = data.encode_stream(tokenizer, data.read_texts(held))
         self.kind = "held-out stdlib files" if self.stream is not None else "random token ids"
 
-    def prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
+    def prompts(self, n: int, length: int, seed: int,
+                workload: str = "stdlib") -> list[list[int]]:
+        """``n`` prompts of ``length`` tokens; ``workload`` "repeat": a window of 2/3 of the
+        length, then its first 1/3 again (``WORKLOADS``)."""
         gen = torch.Generator().manual_seed(seed)
-        if self.stream is None or len(self.stream) <= length:
-            return torch.randint(1, self.vocab_size, (n, length), generator=gen).tolist()
-        return data.sample_windows(self.stream, n, length, gen).tolist()
+        block = length - length // 3 if workload == "repeat" else length
+        if self.stream is None or len(self.stream) <= block:
+            windows = torch.randint(1, self.vocab_size, (n, block), generator=gen).tolist()
+        else:
+            windows = data.sample_windows(self.stream, n, block, gen).tolist()
+        return [w + w[:length - block] for w in windows]
 
 
 # ---- one run ----------------------------------------------------------------------------------
@@ -297,7 +309,7 @@ def synthetic_model(sweep: dict, spec: dict | None) -> dict:
     method = spec["method"] if spec else None
     target, heads = build_synthetic(sweep["synthetic"], dtype=DTYPES[sweep["dtype"]],
                                     device=sweep["device"], init="zeros",
-                                    methods=(method,) if method else ())
+                                    methods=(method,) if method in HEAD_METHODS else ())
     return dict(target=target, draft_head=heads.get(method))
 
 
@@ -336,7 +348,7 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
     """Run each config once, in the given order (one DP spawn for all under DP); -> raw figures
     in that order. ``on_done(config)`` is called as each finishes."""
     def job(c):
-        prompts = source.prompts(c.concurrency, c.prompt_len, prompt_seed)
+        prompts = source.prompts(c.concurrency, c.prompt_len, prompt_seed, sweep["workload"])
         params = SamplingParams(max_tokens=c.output_len, temperature=sweep["temperature"],
                                 ignore_eos=True)
         return prompts, params

@@ -130,14 +130,22 @@ class LLM:
                              cfg.max_model_len)
         num_blocks = cfg.num_kv_blocks
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        # the padded batch feeds every decode 1 + K tokens (filler after fewer drafts)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.max_model_len, self.allocator, num_speculative_tokens=k)
+                                   cfg.max_model_len, self.allocator, num_speculative_tokens=k,
+                                   fill_drafts=self.padded)
         proposer, aux_ids = None, ()
         if self.spec is not None:
             proposer, aux_ids = build_proposer(
                 self.spec, self.target, head, sizes, block_size=cfg.block_size,
                 num_kv_blocks=num_blocks, dtype=cfg.dtype, device=self.device,
                 graph_backend=self.graph_backend, compile_backend=compile_backend)
+        # ngram drafts on the host from each request's tokens (``_apply``); the runner runs
+        # the target step alone for it
+        self.host_drafter = proposer if self.spec is not None and self.spec.drafts_on_host \
+            else None
+        if self.host_drafter is not None:
+            proposer = None
         use_cpu_gemm_layout(self.target, head)  # before graph capture / compilation
         self.runner = ModelRunner(
             self.target, proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
@@ -350,7 +358,7 @@ class LLM:
                 r.num_drafted[j] += 1
                 r.num_accepted[j] += j < accepted
         was_prefilling = r.is_prefilling
-        r.num_computed_tokens += s.num_tokens - (d - accepted)
+        r.num_computed_tokens += s.num_tokens - s.num_filler - (d - accepted)
         if was_prefilling and self.runner.proposer is not None and not self._warming_up:
             self.runner.proposer.on_prefill_done(r)
         emitted = 0
@@ -361,7 +369,8 @@ class LLM:
             if reason:
                 self.scheduler.finish(r, reason)
                 return emitted
-        r.spec_token_ids = list(draft)
+        r.spec_token_ids = (list(draft) if self.host_drafter is None
+                            else self.host_drafter.propose(r.token_ids))
         return emitted
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:

@@ -54,6 +54,12 @@ def sampling_variant(params) -> str:
     return "top_p" if any(p.top_p < 1.0 for p in params) else "sampled"
 
 
+def first_sampled_positions(x: StepInputs) -> torch.Tensor:
+    """[Bp] int64: the position of each request's first sampled token (its last known token's
+    position + 1; the drafts, then any filler, follow the known token)."""
+    return x.positions[x.logits_indices[:, 0]] + 1
+
+
 @dataclass
 class StepBatch:
     """One planned step's inputs, on the device (views of the runner's StepBuffers)."""
@@ -148,7 +154,8 @@ class ModelRunner:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes.
         A uniform decode step (every request 1 + K tokens) is capturable, greedy or not."""
         k = self.num_speculative_tokens
-        uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) for s in scheduled)
+        uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) + s.num_filler
+                      for s in scheduled)
         return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform)
 
     def prepare(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> StepBatch:
@@ -166,8 +173,9 @@ class ModelRunner:
         for i, s in enumerate(scheduled):
             r, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
             lo, hi = qsl[i], qsl[i] + n
-            if s.spec_token_ids:  # decode: the last known token, then the drafts to verify
-                h["input_ids"][lo:hi] = [r.token_ids[start]] + s.spec_token_ids
+            d, f = len(s.spec_token_ids), s.num_filler
+            if d or f:  # decode: the last known token, the drafts to verify, filler (token 0)
+                h["input_ids"][lo:hi] = [r.token_ids[start]] + s.spec_token_ids + [0] * f
             else:
                 h["input_ids"][lo:hi] = r.token_ids[start:start + n]
             pos = np.arange(start, start + n)
@@ -176,8 +184,7 @@ class ModelRunner:
             h["slot_mapping"][lo:hi] = blocks[pos // bs] * bs + pos % bs
             qsl[i + 1] = hi
             h["seq_lens"][i] = start + n
-            d = len(s.spec_token_ids)
-            h["logits_indices"][i] = hi - 1 - d + np.minimum(np.arange(k + 1), d)
+            h["logits_indices"][i] = hi - 1 - d - f + np.minimum(np.arange(k + 1), d)
             h["draft_token_ids"][i, :d] = s.spec_token_ids
             h["draft_token_ids"][i, d:] = 0
             h["num_draft_tokens"][i] = d
@@ -220,8 +227,9 @@ class ModelRunner:
     def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int):
         """Target forward over x's [Np] tokens -> (logits [Bp, K+1, V] float32, hidden
         [Np, H], aux [Np, A, H] or None)."""
+        fed = x.seq_lens - first_sampled_positions(x)  # drafts + filler after the known token
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
-                                 max_seq_len, x.rows, x.num_draft_tokens, max_query_len)
+                                 max_seq_len, x.rows, fed.to(torch.int32), max_query_len)
         hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
         logits = self.target.compute_logits(hidden[x.logits_indices.flatten()])
@@ -236,15 +244,14 @@ class ModelRunner:
         linear-attention state slot moved to its last accepted token. -> (sampled [Bp, K+1]
         int32, hidden [Np, H][, aux [Np, A, H]])."""
         logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len)
+        first = first_sampled_positions(x)
         if variant == "greedy":
             sampled = greedy_verify(logits, x.draft_token_ids, x.num_draft_tokens)
         else:
-            counters = (x.seq_lens - x.num_draft_tokens).long()  # position row 0 samples
             sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
-                                       x.temperature, x.rng_key, counters,
+                                       x.temperature, x.rng_key, first,
                                        x.top_p if variant == "top_p" else None)
-        sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, x.seq_lens,
-                                       x.num_draft_tokens)
+        sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         self.kv.accept(x.rows, sampled)
         return (sampled, hidden) + ((aux,) if aux is not None else ())
 
@@ -280,12 +287,11 @@ class ModelRunner:
         self.last_draft_seconds = time.perf_counter() - start
         return sampled[:b], drafts[:b]
 
-    def _finish_sampled(self, sampled, discard_mask, rows, seq_lens, num_draft_tokens):
+    def _finish_sampled(self, sampled, discard_mask, rows, first):
         """-1 for discarded rows; append the valid sampled tokens to the device token table
-        (no host round trip). sampled[r, j] is the token at position seq_len - num_draft + j."""
+        (no host round trip). sampled[r, j] is the token at position first[r] + j."""
         sampled = torch.where(discard_mask[:, None], -1, sampled)
         width = self.token_table.shape[1]
-        first = (seq_lens - num_draft_tokens).to(torch.int64)
         cols = (first[:, None] + torch.arange(sampled.shape[1], device=sampled.device))
         cols = cols.clamp_(max=width - 1)
         rows = rows[:, None].expand_as(cols)

@@ -1,8 +1,10 @@
 """Continuous batching with a per-step token budget and chunked prefill.
 
-Each step, running decode requests come first (1 + their drafts each), then prefill chunks
-fill what is left of the budget. A prefill chunk that stops short of the prompt's end makes a
-*discarded* request: its sampled token is junk, but the drafter still runs on it.
+Each step, running decode requests come first (1 + their drafts each; with ``fill_drafts``
+1 + K each, filler after fewer drafts, so the padded step keeps its uniform shape), then
+prefill chunks fill what is left of the budget. A prefill chunk that stops short of the
+prompt's end makes a *discarded* request: its sampled token is junk, but the drafter still
+runs on it.
 """
 
 from collections import deque
@@ -16,7 +18,8 @@ from specdec.engine.sequence import Request, Status
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens fed to the target this step
-    spec_token_ids: list[int]  # drafts verified this step (the tail of the fed tokens)
+    spec_token_ids: list[int]  # drafts verified this step (fed after the last known token)
+    num_filler: int = 0  # tokens fed after the drafts (never accepted): 1 + K fed in all
 
     @property
     def is_discarded(self) -> bool:
@@ -27,12 +30,14 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 allocator: BlockAllocator, num_speculative_tokens: int):
+                 allocator: BlockAllocator, num_speculative_tokens: int,
+                 fill_drafts: bool = False):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allocator = allocator
         self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
+        self.fill_drafts = fill_drafts  # a decode with < K drafts still feeds 1 + K tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -51,15 +56,18 @@ class Scheduler:
         for req in self.running:
             if budget == 0:
                 break
+            filler = 0
             if req.is_prefilling:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 spec = []
             else:
                 # never verify drafts past max_model_len: the target has no room for them
-                room = self.max_model_len - req.num_tokens
-                spec = req.spec_token_ids[:max(0, min(room, budget - 1))]
-                n = 1 + len(spec)
-            scheduled.append(ScheduledRequest(req, n, spec))
+                fits = min(self.max_model_len - req.num_tokens, budget - 1)
+                spec = req.spec_token_ids[:max(0, fits)]
+                if self.fill_drafts and fits >= self.num_speculative_tokens:
+                    filler = self.num_speculative_tokens - len(spec)
+                n = 1 + len(spec) + filler
+            scheduled.append(ScheduledRequest(req, n, spec, filler))
             self._reserve(req, n)
             budget -= n
         while self.waiting and budget > 0 and self.free_rows:

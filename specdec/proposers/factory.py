@@ -43,7 +43,9 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
     EAGLE-3 aux layer ids, as vLLM picks them: the head config's, else the speculative
     config's ``draft_model_config``, else vLLM's default (2, L // 2, L - 3); the head's become
     the config's (a configured list of another length is an error naming the field)."""
-    if spec.method == "extract_hidden_states":
+    if spec.drafts_on_host:  # ngram: no head
+        head, where = None, None
+    elif spec.method == "extract_hidden_states":
         check_output_dir(spec)
         head, where = None, None
     elif draft_head is not None:
@@ -78,7 +80,7 @@ def build_proposer(spec: SpeculativeConfig, target, head: DraftHead | None, size
                    device: torch.device, graph_backend: str = "eager",
                    compile_backend: str = "inductor"):
     """The proposer for ``spec`` over ``head`` (``load_checked_head``'s, None for
-    extract_hidden_states), sized by ``sizes`` (its rows: the largest padded request count)
+    extract_hidden_states and ngram), sized by ``sizes`` (its rows: the largest padded request count)
     -> (proposer, aux_layer_ids the target must return)."""
     aux_ids = spec.aux_layer_ids(target.config.num_hidden_layers) \
         if spec.uses_aux_hidden_states else ()
@@ -86,7 +88,9 @@ def build_proposer(spec: SpeculativeConfig, target, head: DraftHead | None, size
     kw = dict(max_num_seqs=sizes.max_num_reqs, block_size=block_size,
               max_model_len=sizes.max_model_len, vocab_size=target.config.vocab_size,
               device=device)
-    if spec.method == "extract_hidden_states":
+    if spec.drafts_on_host:
+        proposer = cls(spec, max_model_len=sizes.max_model_len)
+    elif spec.method == "extract_hidden_states":
         output_dir = Path(spec.draft_model_config["output_dir"])  # load_checked_head checked it
         proposer = cls(spec, output_dir=output_dir, num_aux_layers=len(aux_ids),
                        hidden_size=target.config.hidden_size, dtype=dtype, **kw)
