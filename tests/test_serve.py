@@ -47,7 +47,7 @@ def client(server):
 
 # ---- correctness -------------------------------------------------------------------------------
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "ragged"])
-@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3", "ngram"])
 def test_greedy_completions_equal_generate(method, padded):
     spec = {"method": method, "num_speculative_tokens": 3, "disable_padded_drafter_batch": not padded}
     kw = dict(speculative_config=spec, dtype=torch.float64, max_model_len=MAX_MODEL_LEN)
@@ -67,6 +67,46 @@ def test_greedy_completions_equal_generate(method, padded):
         assert asyncio.run(all_at_once()) == expected
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_per_request_spec_decode_metrics_equal_the_engines_counts(method):
+    """--per-request-spec-decode-metrics summary: each response (a stream: the chunk that
+    ends it) carries metrics.speculative_decoding with the drafted / accepted / step counts
+    LLM.generate reports for the same request; the histogram of accepted drafts per step
+    adds up to the steps and, weighted, to the accepted drafts. Off by default."""
+    k = 3
+    kw = dict(speculative_config={"method": method, "num_speculative_tokens": k},
+              dtype=torch.float64, max_model_len=MAX_MODEL_LEN)
+    want = LLM(**kw).generate(PROMPTS, max_tokens=24, ignore_eos=True)
+    s = serve(LLM(**kw), per_request_spec_metrics=True)
+    plain = serve(LLM(**kw))
+    try:
+        for prompt, o in zip(PROMPTS, want):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            got = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()
+            m = got["metrics"]["speculative_decoding"]
+            assert (m["num_spec_tokens"], m["num_spec_steps"], m["num_draft_tokens"],
+                    m["num_accepted_draft_tokens"]) == (
+                k, o.num_decode_steps, sum(o.num_drafted), sum(o.num_accepted))
+            assert m["mean_acceptance_length"] == pytest.approx(o.acceptance_length)
+            hist = m["acceptance_histogram"]
+            assert len(hist) == k + 1 and sum(hist) == m["num_spec_steps"]
+            assert sum(j * n for j, n in enumerate(hist)) == m["num_accepted_draft_tokens"]
+            with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            assert [e.get("metrics") for e in events] == [None] * (len(events) - 1) + [
+                got["metrics"]]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert "metrics" not in httpx.post(f"{plain.url}/v1/completions", json=body,
+                                               timeout=60).json()
+        assert sum(sum(o.num_accepted) for o in want) > 0
+    finally:
+        s.close()
+        plain.close()
 
 
 def test_a_request_seed_gives_the_same_sample_under_concurrent_load(client, server):

@@ -27,7 +27,7 @@ from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, Queu
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     HugeInt, SamplingRequest, TokenizeRequest, check_prompt_ids, check_prompt_length,
-    check_sampling, greedy_top_p, parse, usage)
+    check_sampling, greedy_top_p, parse, spec_decode_metrics, usage)
 from specdec.entrypoints.text import TextStream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -46,6 +46,10 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     max_token_chars: int = 64  # the longest vocabulary entry, in characters
+    num_speculative_tokens: int = 0  # K of the engine (0: no speculation)
+    # --per-request-spec-decode-metrics summary: each response carries its request's
+    # ``metrics.speculative_decoding`` (vLLM's per-request summary)
+    per_request_spec_metrics: bool = False
 
 
 def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
@@ -175,7 +179,7 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         except EngineDeadError as e:
             raise ApiError(500, str(e)) from None
         gen = Generation(engine, handle, TextStream(model.tokenizer, req.stop_strings()))
-        shape = ChatShape(model.name) if chat else CompletionShape(model.name)
+        shape = (ChatShape if chat else CompletionShape)(model)
         if req.stream:
             return StreamingResponse(sse(gen, shape, req), media_type="text/event-stream")
         return JSONResponse(shape.response(await collect(gen, request), req))
@@ -305,6 +309,7 @@ class Generation:
         self.created = int(time.time())
         self.finish_reason: str | None = None  # OpenAI's, once finished
         self.finished = False
+        self.stats = None  # FinishStats, from the engine's last chunk
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -322,6 +327,7 @@ class Generation:
                     self.finished = True
                     raise ApiError(500, chunk.error)
                 done = chunk.finish_reason is not None
+                self.stats = chunk.stats or self.stats
                 text = self.text.add(chunk.token_ids, final=done)
                 reason = FINISH_REASONS[chunk.finish_reason] if done else None
                 if self.text.stopped and not done:
@@ -364,6 +370,8 @@ async def sse(gen: Generation, shape, req: SamplingRequest):
     try:
         async for delta in gen:
             chunk = shape.chunk(gen, delta, first, req)
+            if delta.finish_reason is not None and (metrics := shape.spec_metrics(gen)):
+                chunk["metrics"] = metrics  # on the chunk that ends the request
             if include_usage:
                 chunk["usage"] = (usage(gen.num_prompt_tokens, gen.num_output_tokens)
                                   if continuous else None)
@@ -380,8 +388,19 @@ async def sse(gen: Generation, shape, req: SamplingRequest):
 class CompletionShape:
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model: ServedModel):
+        self.model_name = model.name
+        self.k = model.num_speculative_tokens
+        self.with_spec_metrics = model.per_request_spec_metrics
+
+    def spec_metrics(self, gen: Generation) -> dict | None:
+        """``{"speculative_decoding": ...}`` of a finished request when the server was asked
+        for per-request metrics (and the engine sent its counts), else None."""
+        if not self.with_spec_metrics or gen.stats is None:
+            return None
+        s = gen.stats
+        return {"speculative_decoding": spec_decode_metrics(
+            s.num_drafted, s.num_accepted, s.num_steps_decoding, self.k)}
 
     def _envelope(self, gen: Generation, obj: str, choices: list) -> dict:
         return {"id": f"cmpl-{gen.id}", "object": obj, "created": gen.created,
@@ -394,6 +413,8 @@ class CompletionShape:
             choice["prompt_token_ids"] = gen.handle.prompt_token_ids
         out = self._envelope(gen, self.object, [choice])
         out["usage"] = usage(gen.num_prompt_tokens, gen.num_output_tokens)
+        if (metrics := self.spec_metrics(gen)) is not None:
+            out["metrics"] = metrics
         return out
 
     def final_choice(self, gen: Generation) -> dict:

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specdec.engine.sequence import SamplingParams
-from specdec.entrypoints.engine_core import CoreOutput, EngineCore, EngineInfo, run_engine_process
+from specdec.entrypoints.engine_core import (CoreOutput, EngineCore, EngineInfo, FinishStats,
+                                             run_engine_process)
 
 
 class QueueFullError(RuntimeError):
@@ -39,6 +40,7 @@ class TokenChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # engine reason: "eos", "stop", "length", "abort"
     error: str | None = None  # the engine failed this request (HTTP 500)
+    stats: FinishStats | None = None  # the request's counts, on its last chunk
 
 
 @dataclass
@@ -62,7 +64,8 @@ class RequestHandle:
             if after.error is not None:
                 self._held = after
                 break
-            chunk = TokenChunk(chunk.token_ids + after.token_ids, after.finish_reason)
+            chunk = TokenChunk(chunk.token_ids + after.token_ids, after.finish_reason,
+                               stats=after.stats)
         return chunk
 
 
@@ -140,7 +143,7 @@ class _Frontend:
                 continue
             if u.stats is not None or u.error is not None:
                 del self._handles[u.request_id]
-            handle.chunks.put_nowait(TokenChunk(u.token_ids, u.finish_reason, u.error))
+            handle.chunks.put_nowait(TokenChunk(u.token_ids, u.finish_reason, u.error, u.stats))
 
     def _fail_all(self, message: str) -> None:
         for handle in self._handles.values():

@@ -295,3 +295,19 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def spec_decode_metrics(num_drafted: list[int], num_accepted: list[int], num_steps: int,
+                        k: int) -> dict:
+    """One request's speculative figures in vLLM's per-request summary shape (its response's
+    ``metrics.speculative_decoding``), from the engine's counts per draft position
+    (``num_accepted[j]``: the verifying steps that accepted at least j + 1 drafts, since
+    drafts are accepted as a prefix). ``acceptance_histogram[j]``: steps that accepted
+    exactly j of their drafts, j = 0..K."""
+    drafted, accepted = sum(num_drafted), sum(num_accepted)
+    at_least = [num_steps] + list(num_accepted) + [0] * (k + 1 - len(num_accepted))
+    return {"num_spec_tokens": k, "num_spec_steps": num_steps, "num_draft_tokens": drafted,
+            "num_accepted_draft_tokens": accepted,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": 1.0 + accepted / num_steps if num_steps else 1.0,
+            "acceptance_histogram": [at_least[j] - at_least[j + 1] for j in range(k + 1)]}

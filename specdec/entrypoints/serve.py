@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of the engine process (default: the CPUs this process "
                         "may use, less one for the API process; at least 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-request-spec-decode-metrics", choices=["summary"], default=None,
+                   help="each response (a stream: its last chunk) carries its request's "
+                        "metrics.speculative_decoding, vLLM's per-request summary: drafted, "
+                        "accepted, steps, acceptance rate, length and histogram (default: off)")
     p.add_argument("--stub-engine", type=int, default=None, metavar="TOKENS_PER_STEP",
                    help="benchmark tool: a stub engine (no model) whose steps take no time and "
                         "give each request TOKENS_PER_STEP tokens of its prompt "
@@ -57,13 +61,14 @@ def engine_spec(args) -> dict | None:
     return speculative_config(method, k, not args.no_padded, args.speculative_config)
 
 
-def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab_size: int):
+def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab_size: int,
+                 num_speculative_tokens: int = 0, per_request_spec_metrics: bool = False):
     """What the handlers need of the model (``api_server.ServedModel``)."""
     from specdec.entrypoints.api_server import ServedModel
     from specdec.entrypoints.chat import load_chat_template
     longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
     return ServedModel(name, tokenizer, load_chat_template(model_dir), max_model_len,
-                       vocab_size, longest)
+                       vocab_size, longest, num_speculative_tokens, per_request_spec_metrics)
 
 
 def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
@@ -76,13 +81,16 @@ def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
 
 
 def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s: float = 10.0,
-                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                     per_request_spec_metrics: bool = False):
     """An app serving an already-built single-rank ``LLM`` in this process (the tests use it
     in-process: its engine steps in a worker thread of this process)."""
     from specdec.engine.llm import DEFAULT_MODEL
     from specdec.entrypoints.async_engine import AsyncEngine
+    k = llm.spec.num_speculative_tokens if llm.spec is not None else 0
     model = served_model(name, llm.tokenizer, llm.init_kwargs.get("model") or DEFAULT_MODEL,
-                         llm.max_model_len, llm.target.config.vocab_size)
+                         llm.max_model_len, llm.target.config.vocab_size, k,
+                         per_request_spec_metrics)
     return app_over(AsyncEngine(llm, max_waiting=max_waiting), model, shutdown_timeout_s,
                     max_request_bytes)
 
@@ -115,8 +123,10 @@ def run_from_args(args) -> int:
     except RuntimeError as e:
         raise UsageError(str(e)) from None
     name = args.served_model_name or args.model or "specdec-default"
+    k = spec["num_speculative_tokens"] if spec else 0
     app = app_over(engine, served_model(name, info.tokenizer, info.model_dir,
-                                        info.max_model_len, info.vocab_size),
+                                        info.max_model_len, info.vocab_size, k,
+                                        args.per_request_spec_decode_metrics == "summary"),
                    args.shutdown_timeout, args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
           f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
