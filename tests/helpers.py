@@ -12,9 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from specdec.commands.cli import main
@@ -211,7 +209,7 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.app = app
-        import uvicorn  # lazily: tests/test_cuda.py imports this module on GPU images without it
+        import uvicorn  # the serve stack only where a test serves (not on a torch-only box)
 
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                     timeout_graceful_shutdown=5))
@@ -231,6 +229,8 @@ class ServerThread:
 
 def metrics(url: str) -> dict:
     """{sample name + labels: value} from a server's /metrics, parsed by prometheus_client."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{url}/metrics").text
     return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -56,6 +56,23 @@ def test_generate_on_a_transformers_folder_prints_its_greedy_text(qwen3_dir, cap
     assert llm.tokenizer.decode(expected[:4]) in out  # the CLI printed the same text
 
 
+def test_bench_runs_on_a_folder_whose_tokenizer_has_no_endoftext(qwen3_dir, tmp_path, capsys):
+    """Issue 37, item 1: the benchmark's prompts come from any tokenizer (this one's
+    ``<|endoftext|>`` renamed), and the run ends with its table, exit 0."""
+    folder = tmp_path / "model"
+    shutil.copytree(qwen3_dir, folder)
+    text = (folder / "tokenizer.json").read_text()
+    assert "<|endoftext|>" in text
+    (folder / "tokenizer.json").write_text(text.replace("<|endoftext|>", "<|end|>"))
+    code = main(["bench", "--quick", "--model", str(folder), "--methods", "none,ngram",
+                 "--modes", "padded", "--concurrency", "1", "--output-len", "4", "--repeats",
+                 "1", "--warmup", "0", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0 and "ngram" in out
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {c["method"] for c in results["configs"]} == {"none", "ngram"}
+
+
 def test_serve_chat_uses_the_folders_template(qwen3_dir):
     llm = LLM(model=str(qwen3_dir), max_model_len=128)
     server = ServerThread(build_server_app(llm, "qwen3-tiny"))

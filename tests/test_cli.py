@@ -63,6 +63,18 @@ def test_speculative_config_json_overrides_flags(model, capsys):
     assert code == 0 and "│ mtp " in out and "eagle3" not in out
 
 
+def test_speculative_config_without_k_takes_k_from_the_flag(model, tmp_path, capsys):
+    """A folder without heads (default method none), -k 2 and a JSON naming only the method:
+    K is the flag's (issue 37, item 3)."""
+    shutil.copytree(model, tmp_path / "target")
+    code, out, err = run(capsys, "generate", "--model", str(tmp_path / "target"), "--prompt",
+                         PROMPT, "--max-tokens", "4", "-k", "2", "--speculative-config",
+                         '{"method": "ngram"}')
+    assert code == 0 and "│ ngram  │ 2 │ padded" in out, out + err
+    assert speculative_config("none", 3, True, '{"method": "ngram"}') == {
+        "method": "ngram", "num_speculative_tokens": 3}
+
+
 def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsys):
     code, out, _ = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
                        "--max-tokens", "4")

@@ -102,3 +102,21 @@ def test_module_level_imports_form_no_circle():
     graph = {m: {n for n in imports(p, module_level_only=True) if n in MODULES}
              for m, p in MODULES.items() if p.name != "__init__.py"}
     assert cycle(graph) is None
+
+
+SERVE_STACK = ("uvicorn", "fastapi", "starlette", "aiohttp", "httpx", "openai",
+               "prometheus_client")
+
+
+def test_the_cuda_tests_need_no_serve_stack():
+    """tests/test_cuda.py on a box with torch, triton and pytest alone (a GPU image): the
+    serve stack unimportable, it is collected (and skipped here, on CPU) without an error."""
+    import subprocess
+    import sys
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in SERVE_STACK)
+    code = (f"import sys; {blocked}; import pytest; sys.exit(pytest.main(['tests/test_cuda.py', "
+            "'-q', '-p', 'no:cacheprovider', '-o', 'addopts=', '--collect-only']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=ROOT.parent, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_cuda_graph_steps_equal_eager" in r.stdout

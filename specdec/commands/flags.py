@@ -48,7 +48,8 @@ def document_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(method: str, k: int, padded: bool, override: str | None = None) -> dict | None:
-    """The vLLM-style dict for ``--method/-k/--no-padded``, updated by the ``override`` JSON.
+    """The vLLM-style dict for ``--method/-k/--no-padded``, updated by the ``override`` JSON
+    (K from ``k`` when the JSON gives none, whatever the model).
 
     ``speculative_config("torchair-mtp", 2, True)`` ->
     ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
@@ -70,6 +71,7 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
         if not isinstance(extra, dict):
             raise UsageError(f"--speculative-config must be a JSON object, got {override!r}")
         spec = {**(spec or {}), **extra}
+        spec.setdefault("num_speculative_tokens", k)  # the JSON's K, else -k (or its default)
     return spec
 
 

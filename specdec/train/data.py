@@ -59,12 +59,14 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def encode_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
-    """All texts as one int64 stream, each followed by the eos id."""
+    """All texts as one int64 stream, each followed by the eos id (a newline's ids where the
+    tokenizer has no ``<|endoftext|>``: any user's tokenizer makes the benchmark prompts)."""
     eos = tok.token_to_id(EOS)
+    sep = [eos] if eos is not None else tok.encode("\n").ids
     ids: list[int] = []
     for enc in tok.encode_batch(texts):
         ids.extend(enc.ids)
-        ids.append(eos)
+        ids.extend(sep)
     return torch.tensor(ids, dtype=torch.int64)
 
 
