@@ -17,10 +17,15 @@ MTP_ALIASES = (
     "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
     "inkling_mtp", "glm5_next_mtp",
 )
-METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states", "ngram")
+METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states", "ngram", "suffix")
 # Methods that draft on the host from the request's own tokens: no head, no draft step.
-HOST_DRAFT_METHODS = ("ngram",)
+HOST_DRAFT_METHODS = ("ngram", "suffix")
 NGRAM_DEFAULT_N = 5  # vLLM's prompt_lookup_min/max when neither is given
+# suffix decoding's keys -> (vLLM's default, type, lowest allowed, highest allowed)
+SUFFIX_KEYS = {"suffix_decoding_max_tree_depth": (24, int, 1, None),
+               "suffix_decoding_max_cached_requests": (10000, int, 0, None),
+               "suffix_decoding_max_spec_factor": (1.0, float, 0.0, None),
+               "suffix_decoding_min_token_prob": (0.1, float, 0.0, 1.0)}
 # The step wrapper backend (specdec.graphs) of capturable steps: "eager": none;
 # "torchair": one compiled graph per bucket (torchair on Ascend, torch.compile elsewhere;
 # "torchair" + "mtp" is Torchair-MTP); "full_cuda_graph": the target step and the draft step
@@ -43,6 +48,11 @@ class SpeculativeConfig:
     # sets both, neither gives NGRAM_DEFAULT_N (as vLLM)
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # suffix (vLLM's keys, SUFFIX_KEYS): None = vLLM's default
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -75,6 +85,7 @@ class SpeculativeConfig:
             raise ValueError(f"disable_padded_drafter_batch=True cannot run with "
                              f"graph_mode={self.graph_mode!r}; allowed: 'eager'")
         self._check_prompt_lookup()
+        self._check_suffix_keys()
         ids = self.aux_layer_ids_configured
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
@@ -109,6 +120,27 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
+    def _check_suffix_keys(self) -> None:
+        """suffix's keys in range (vLLM's defaults for the ones not given); refused for other
+        methods."""
+        for name, (default, kind, lo, hi) in SUFFIX_KEYS.items():
+            value = getattr(self, name)
+            if self.method != "suffix":
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} is a key of method='suffix', not "
+                                     f"method={self.method!r}")
+                continue
+            if value is None:
+                setattr(self, name, default)
+                continue
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and (kind is float or isinstance(value, int))
+                  and value >= lo and (hi is None or value <= hi))
+            if not ok:
+                allowed = f"a number in [{lo}, {hi}]" if hi is not None else \
+                    f"{'an int' if kind is int else 'a number'} >= {lo}"
+                raise ValueError(f"{name}={value!r}: allowed {allowed}")
+
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
         if not isinstance(d, dict):
@@ -117,6 +149,10 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - set(allowed))
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; allowed: {allowed}")
+        if d.get("method") == "suffix" and "num_speculative_tokens" not in d:  # as vLLM
+            d = {**d, "num_speculative_tokens": d.get(
+                "suffix_decoding_max_tree_depth", SUFFIX_KEYS[
+                    "suffix_decoding_max_tree_depth"][0])}
         for key in ("method", "num_speculative_tokens"):
             if key not in d:
                 raise ValueError(f"speculative config needs {key!r}; got keys {sorted(d)}")

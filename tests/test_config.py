@@ -53,8 +53,8 @@ def assert_error(exc, field, **kw):
 
 
 def test_unknown_method():
-    msg = assert_error(ValueError, "method", method="suffix")
-    assert "'suffix'" in msg and "eagle3" in msg
+    msg = assert_error(ValueError, "method", method="draft_model")
+    assert "'draft_model'" in msg and "eagle3" in msg
 
 
 def test_method_not_a_string():

@@ -12,6 +12,7 @@ from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
 from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.suffix import SuffixProposer
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
 
 EXPECTED = {  # written out independently of the registry's table
@@ -20,6 +21,7 @@ EXPECTED = {  # written out independently of the registry's table
     "eagle3": Eagle3Proposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
     "ngram": NgramProposer,
+    "suffix": SuffixProposer,
 }
 
 
@@ -36,9 +38,9 @@ def test_every_method_resolves_to_one_class_in_every_graph_mode(method, graph_mo
     cls = get_proposer_class(c)
     assert cls is EXPECTED[c.method]
     assert issubclass(cls, DraftModelProposer) == (c.method not in ("extract_hidden_states",
-                                                                      "ngram"))
-    # ngram drafts on the host from token ids: none of the device-side preparation
-    assert issubclass(cls, Proposer) == (c.method != "ngram")
+                                                                      "ngram", "suffix"))
+    # ngram and suffix draft on the host from token ids: none of the device-side preparation
+    assert issubclass(cls, Proposer) == (c.method not in ("ngram", "suffix"))
 
 
 def test_the_table_is_exactly_the_config_methods():

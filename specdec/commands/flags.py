@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 # --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
-METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states", "ngram")
+METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states", "ngram",
+           "suffix")
 DEFAULT_METHOD, DEFAULT_K = "eagle3", 3
 # the ITL harness sweeps the drafters that draft (extract_hidden_states never does)
 BENCH_METHODS = tuple(m for m in METHODS if m != "extract_hidden_states")

@@ -140,12 +140,14 @@ class LLM:
                 self.spec, self.target, head, sizes, block_size=cfg.block_size,
                 num_kv_blocks=num_blocks, dtype=cfg.dtype, device=self.device,
                 graph_backend=self.graph_backend, compile_backend=compile_backend)
-        # ngram drafts on the host from each request's tokens (``_apply``); the runner runs
-        # the target step alone for it
+        # ngram / suffix draft on the host from each request's tokens (``_apply``; suffix
+        # caches what ends); the runner runs the target step alone for them
         self.host_drafter = proposer if self.spec is not None and self.spec.drafts_on_host \
             else None
         if self.host_drafter is not None:
             proposer = None
+            self.scheduler.on_finish = lambda r: self.host_drafter.finish(
+                r.request_id, r.token_ids, keep=not self._warming_up)
         use_cpu_gemm_layout(self.target, head)  # before graph capture / compilation
         self.runner = ModelRunner(
             self.target, proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
@@ -370,7 +372,7 @@ class LLM:
                 self.scheduler.finish(r, reason)
                 return emitted
         r.spec_token_ids = (list(draft) if self.host_drafter is None
-                            else self.host_drafter.propose(r.token_ids))
+                            else self.host_drafter.propose(r.request_id, r.token_ids))
         return emitted
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:

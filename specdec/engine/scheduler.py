@@ -31,13 +31,14 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
-                 fill_drafts: bool = False):
+                 fill_drafts: bool = False, on_finish=None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allocator = allocator
         self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
         self.fill_drafts = fill_drafts  # a decode with < K drafts still feeds 1 + K tokens
+        self.on_finish = on_finish  # called with each running request that ends, any reason
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -99,6 +100,8 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.release(req.block_ids)
         self.free_rows.append(req.row)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def abort_by_id(self, request_id: str) -> Request | None:
         """``abort`` the unfinished request with that id, reason "abort"; -> the request, or

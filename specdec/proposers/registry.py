@@ -7,13 +7,16 @@ from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
 from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.suffix import SuffixProposer
 
-PROPOSERS: dict[str, type[Proposer] | type[NgramProposer]] = {
+PROPOSERS: dict[str, type[Proposer] | type[NgramProposer] | type[SuffixProposer]] = {
     "mtp": MtpProposer,
     "eagle": EagleProposer,
     "eagle3": Eagle3Proposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
-    "ngram": NgramProposer,  # drafts on the host after each step (LLM._apply), no device step
+    # host drafters: drafts from the token ids after each step (LLM._apply), no device step
+    "ngram": NgramProposer,
+    "suffix": SuffixProposer,
 }
 
 

@@ -1,0 +1,140 @@
+"""Suffix decoding: drafts from a suffix tree over the request's own tokens and over recent
+finished requests (vLLM's ``method: "suffix"`` keys; ArcticInference's rule).
+
+Each tree counts, for every string of up to ``max_tree_depth`` tokens, its occurrences in
+the sequences it holds (``SuffixTree``: a trie of every suffix cut at that depth, counts on
+the nodes). A proposal, for each match length m = 1, 2, ... (the request's last m tokens; it
+stops at the first m the tree does not hold, or, in the request's own tree, holds only as
+the request's end), walks from the matched node to its most frequent child (ties: the
+smaller token id) while the product of child / parent counts stays >= ``min_token_prob``,
+at most ``min(K, floor(m * max_spec_factor))`` tokens. Its score is the sum of those
+products; the best score over m wins (ties: the longer match), then the better of the two
+trees (ties: the request's own). Example (own tree, tokens [1, 2, 3, 1, 2], K = 2, factor 1):
+m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matches [1, 2]
+-> [3, 1] (1/2, 1/2) with score 1.0, the best.
+"""
+
+from specdec.config import SpeculativeConfig
+
+
+class SuffixTree:
+    """Counts of every string of up to ``depth`` tokens in the sequences added, as a trie:
+    node = [count, children {token: node}]. ``extend`` appends tokens to one sequence (its
+    open suffixes grow by one token each); ``remove`` takes a whole sequence out again."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = [0, {}]
+        self._open: dict[object, list] = {}  # sequence key -> nodes of its open suffixes
+
+    def extend(self, key, tokens: list[int]) -> None:
+        """Append ``tokens`` to sequence ``key`` (a new key starts a sequence)."""
+        open_nodes = self._open.setdefault(key, [])
+        for t in tokens:
+            grown = []
+            for node in open_nodes + [self.root]:
+                child = node[1].get(t)
+                if child is None:
+                    child = node[1][t] = [0, {}]
+                child[0] += 1
+                grown.append(child)
+            # a suffix that reached the depth stops growing: keep the deepest depth - 1 open
+            open_nodes[:] = grown[-(self.depth - 1):] if self.depth > 1 else []
+
+    def close(self, key) -> None:
+        """Sequence ``key`` gets no more tokens (its counts stay)."""
+        self._open.pop(key, None)
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take a whole sequence added earlier out of the counts (nodes left at 0 go)."""
+        for start in range(len(tokens)):
+            node = self.root
+            for t in tokens[start:start + self.depth]:
+                child = node[1][t]
+                child[0] -= 1
+                if child[0] == 0:
+                    del node[1][t]
+                    break
+                node = child
+
+    def find(self, tokens: list[int]):
+        """The node of the string ``tokens`` (at most ``depth`` long), or None."""
+        node = self.root
+        for t in tokens:
+            node = node[1].get(t)
+            if node is None:
+                return None
+        return node
+
+
+def best_path(node, limit: int, min_prob: float) -> tuple[float, list[int]]:
+    """From ``node``, follow the most frequent child (ties: the smaller token) while the
+    running product of child / parent counts stays >= ``min_prob``, at most ``limit`` tokens
+    -> (sum of the products, tokens)."""
+    prob, score, out = 1.0, 0.0, []
+    while len(out) < limit and node[1]:
+        token, child = max(node[1].items(), key=lambda kv: (kv[1][0], -kv[0]))
+        prob *= child[0] / node[0]
+        if prob < min_prob:
+            break
+        score += prob
+        out.append(token)
+        node = child
+    return score, out
+
+
+def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
+                min_prob: float, own: bool) -> tuple[float, list[int]]:
+    """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree``
+    (``own``: the tree holds ``tokens`` itself, so a match must occur once more)."""
+    best = (0.0, [])
+    for m in range(1, min(tree.depth, len(tokens)) + 1):
+        node = tree.find(tokens[len(tokens) - m:])
+        if node is None or node[0] < 1 + own:
+            break
+        found = best_path(node, min(k, int(m * factor)), min_prob)
+        if found[1] and found[0] >= best[0]:
+            best = found
+    return best
+
+
+class SuffixProposer:
+    """Drafts by suffix decoding (above), on the host, after each step; keeps each running
+    request's own tree and one tree over the last ``max_cached_requests`` finished ones."""
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.max_model_len = max_model_len
+        self.own: dict[str, tuple[SuffixTree, list[int]]] = {}  # id -> (tree, tokens in it)
+        self.cached = SuffixTree(self.depth)
+        self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
+
+    def propose(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """The next step's drafts of a running request with these tokens (at most K, none
+        past max_model_len)."""
+        tree, seen = self.own.setdefault(request_id, (SuffixTree(self.depth), []))
+        tree.extend(request_id, token_ids[len(seen):])
+        seen.extend(token_ids[len(seen):])
+        k = min(self.num_speculative_tokens, self.max_model_len - len(token_ids))
+        if k <= 0:
+            return []
+        own = tree_drafts(tree, token_ids, k, self.factor, self.min_prob, own=True)
+        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob, own=False)
+        return (other if other[0] > own[0] else own)[1]
+
+    def finish(self, request_id: str, token_ids: list[int], keep: bool = True) -> None:
+        """A request ended: drop its own tree; cache its tokens unless not ``keep`` (an
+        engine's warm-up requests), the oldest out past ``max_cached_requests``."""
+        self.own.pop(request_id, None)
+        if self.max_cached == 0 or not keep:
+            return
+        self.cached.extend(request_id, token_ids)
+        self.cached.close(request_id)
+        self.cached_order.append(list(token_ids))
+        if len(self.cached_order) > self.max_cached:
+            self.cached.remove(self.cached_order.pop(0))
