@@ -26,14 +26,16 @@ from helpers import PROMPTS, dense_greedy, moe_target
 TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
-K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1}
+K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3}
 NUM_LAYERS = 4
 # uneven loads: prompt indices per rank ([] = a rank that is idle for the whole run)
 ASSIGN = {
     2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
-        "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]]},
+        "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]],
+        "ngram": [[0, 3], [1, 2, 4]]},
     3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
-        "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]]},
+        "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]],
+        "ngram": [[2, 3, 4], [0, 1], []]},
 }
 
 
@@ -51,6 +53,8 @@ def llm_kwargs(method, target, out_dir=None, **kw):
         torch.manual_seed(2)
         head = build_head("eagle3", target, eagle_aux_hidden_state_layer_ids=AUX,
                           num_experts=0).to(torch.float64).eval()
+    elif method == "ngram":  # no head: host drafts of 0..K tokens per request and rank
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
     else:
         spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX,
                                       "output_dir": str(out_dir)}
