@@ -220,3 +220,19 @@ def test_speculative_sampling_preserves_the_target_distribution():
 def test_bad_engine_arguments_name_the_field(target, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(target=target, **kwargs)
+
+
+def test_accepted_drafts_count_only_the_tokens_the_request_kept():
+    """Issue 37, item 6: K=20 on a zero-weight target and head (every draft accepted) with
+    max_tokens=8: the one verifying step accepts 20 drafts, the request keeps 7 of them
+    (plus the prefill's token), and the counters say 7, not 20 (acceptance length 8, not
+    more tokens than it emitted)."""
+    from specdec.models.synthetic import build_synthetic
+    target, heads = build_synthetic("llama-tiny", dtype=torch.float32, device="cpu",
+                                    init="zeros", methods=("mtp",))
+    llm = LLM(target=target, draft_head=heads["mtp"], max_model_len=128,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 20})
+    [out] = llm.generate([[1, 2, 3]], max_tokens=8, ignore_eos=True)
+    assert len(out.token_ids) == 8 and out.num_decode_steps == 1
+    assert out.num_drafted == [1] * 20
+    assert out.num_accepted == [1] * 7 + [0] * 13 and out.acceptance_length == 8.0

@@ -351,26 +351,27 @@ class LLM:
         valid = sampled[:next((i for i, t in enumerate(sampled) if t < 0), len(sampled))]
         d = len(s.spec_token_ids)
         accepted = len(valid) - 1
-        if d:
+        was_prefilling = r.is_prefilling
+        r.num_computed_tokens += s.num_tokens - s.num_filler - (d - accepted)
+        if was_prefilling and self.runner.proposer is not None and not self._warming_up:
+            self.runner.proposer.on_prefill_done(r)
+        emitted, reason = 0, None
+        for tok in valid:
+            r.token_ids.append(tok)
+            emitted += 1
+            if reason := self._finish_reason(r, tok):
+                break
+        if d:  # an accepted draft counts once the request kept it (not past its end)
             r.num_steps_decoding += 1
             while len(r.num_drafted) < d:
                 r.num_drafted.append(0)
                 r.num_accepted.append(0)
             for j in range(d):
                 r.num_drafted[j] += 1
-                r.num_accepted[j] += j < accepted
-        was_prefilling = r.is_prefilling
-        r.num_computed_tokens += s.num_tokens - s.num_filler - (d - accepted)
-        if was_prefilling and self.runner.proposer is not None and not self._warming_up:
-            self.runner.proposer.on_prefill_done(r)
-        emitted = 0
-        for tok in valid:
-            r.token_ids.append(tok)
-            emitted += 1
-            reason = self._finish_reason(r, tok)
-            if reason:
-                self.scheduler.finish(r, reason)
-                return emitted
+                r.num_accepted[j] += j < min(accepted, emitted)
+        if reason:
+            self.scheduler.finish(r, reason)
+            return emitted
         r.spec_token_ids = (list(draft) if self.host_drafter is None
                             else self.host_drafter.propose(r.request_id, r.token_ids))
         return emitted
