@@ -103,10 +103,11 @@ def record_steps(llm, monkeypatch) -> list[list[tuple[int, int]]]:
 @pytest.mark.parametrize("conc", [1, 8])
 def test_ngram_greedy_output_equals_plain_decoding(plain_tokens, monkeypatch, conc, padded,
                                                    backend):
-    """Greedy ngram gives plain decoding's tokens. Padded, each decode feeds 1 + K tokens
-    whatever its draft count (filler after 0..K drafts), so with several requests a step
-    holds requests of different counts, 0 included, and stays uniform (captured under
-    replay); ragged feeds 1 + drafts. Drafts were proposed and accepted."""
+    """Greedy ngram gives plain decoding's tokens. Padded with a capturing backend (replay),
+    each decode feeds 1 + K tokens whatever its draft count (filler after 0..K drafts), so
+    with several requests a step holds requests of different counts, 0 included, and stays
+    uniform and captured; eager steps (padded or ragged) feed 1 + drafts, no filler. Drafts
+    were proposed and accepted."""
     llm = LLM(speculative_config={**NGRAM, "disable_padded_drafter_batch": not padded},
               max_num_seqs=conc, graph_backend=backend if padded else "eager",
               check_host_syncs=True)
@@ -115,12 +116,11 @@ def test_ngram_greedy_output_equals_plain_decoding(plain_tokens, monkeypatch, co
     assert [o.token_ids for o in outs] == plain_tokens
     assert sum(sum(o.num_accepted) for o in outs) > 0
     decodes = [(reqs, uniform) for reqs, uniform in steps if all(d + f for d, f in reqs)]
-    if padded:
-        assert all(d + f == K for reqs, _ in decodes for d, f in reqs)
-        if backend == "replay":
-            assert decodes and all(uniform for _, uniform in decodes)
-            assert all(s.captured for s, (reqs, _) in zip(llm.steps, steps, strict=True)
-                       if all(d + f for d, f in reqs))
+    if padded and backend == "replay":
+        assert decodes and all(d + f == K for reqs, _ in decodes for d, f in reqs)
+        assert all(uniform for _, uniform in decodes)
+        assert all(s.captured for s, (reqs, _) in zip(llm.steps, steps, strict=True)
+                   if all(d + f for d, f in reqs))
         if conc > 1:  # a step with no drafts for one request and drafts for another
             counts = [{d for d, _ in reqs} for reqs, _ in decodes]
             assert any(0 in ds and max(ds) > 0 for ds in counts)

@@ -130,10 +130,13 @@ class LLM:
                              cfg.max_model_len)
         num_blocks = cfg.num_kv_blocks
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
-        # the padded batch feeds every decode 1 + K tokens (filler after fewer drafts)
+        # a padded batch whose uniform decodes run a captured or compiled step feeds every
+        # decode 1 + K tokens (filler after fewer drafts: the step keeps its shape); eager
+        # and compile_dynamic steps take any shape, so no filler is computed there
+        fill = self.padded and self.graph_backend not in ("eager", "compile_dynamic")
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_model_len, self.allocator, num_speculative_tokens=k,
-                                   fill_drafts=self.padded)
+                                   fill_drafts=fill)
         proposer, aux_ids = None, ()
         if self.spec is not None:
             proposer, aux_ids = build_proposer(

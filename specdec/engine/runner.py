@@ -71,6 +71,9 @@ class StepBatch:
     max_query_len: int  # host bound on tokens per request (eager attention)
     graph_query_len: int  # the captured step's bound: 1 + K (uniform) or Np (mixed)
     variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
+    # logits rows verified per request: 1 + K, or on an eager single-rank step with host
+    # drafts (ngram, suffix), 1 + the step's most drafts (a step with none computes one row)
+    num_rows: int
 
 
 class ModelRunner:
@@ -215,40 +218,45 @@ class ModelRunner:
         max_seq_len = int(h["seq_lens"][:bp].max())
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
+        rows = 1 + k
+        if self.proposer is None and self.target_graph.backend == "eager" and self.tp.size == 1:
+            rows = 1 + max(len(s.spec_token_ids) for s in scheduled)
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
-                         sampling_variant([s.request.params for s in scheduled]))
+                         sampling_variant([s.request.params for s in scheduled]), rows)
 
     def graph_query_len(self, plan: StepPlan) -> int:
         """A captured step's bound on tokens per request: 1 + K (uniform decode) or Np."""
         return 1 + self.num_speculative_tokens if plan.uniform_decode else plan.num_tokens_padded
 
     # ---- device side -----------------------------------------------------------------------
-    def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int):
-        """Target forward over x's [Np] tokens -> (logits [Bp, K+1, V] float32, hidden
-        [Np, H], aux [Np, A, H] or None)."""
+    def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int,
+                      num_rows: int):
+        """Target forward over x's [Np] tokens -> (logits [Bp, num_rows, V] float32 of each
+        request's first ``num_rows`` verified positions, hidden [Np, H], aux [Np, A, H] or
+        None)."""
         fed = x.seq_lens - first_sampled_positions(x)  # drafts + filler after the known token
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
                                  max_seq_len, x.rows, fed.to(torch.int32), max_query_len)
         hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
-        logits = self.target.compute_logits(hidden[x.logits_indices.flatten()])
-        k = self.num_speculative_tokens
-        return logits.view(x.logits_indices.shape[0], k + 1, -1), hidden, aux
+        logits = self.target.compute_logits(hidden[x.logits_indices[:, :num_rows].flatten()])
+        return logits.view(x.logits_indices.shape[0], num_rows, -1), hidden, aux
 
     def target_step(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
-                    variant: str) -> tuple[torch.Tensor, ...]:
+                    variant: str, num_rows: int) -> tuple[torch.Tensor, ...]:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         forward, verification (greedy, or rejection sampling with counter-based random numbers,
         with or without the top-p sort: ``variant``), token-table update, each row's
-        linear-attention state slot moved to its last accepted token. -> (sampled [Bp, K+1]
-        int32, hidden [Np, H][, aux [Np, A, H]])."""
-        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len)
+        linear-attention state slot moved to its last accepted token. -> (sampled [Bp,
+        num_rows] int32, hidden [Np, H][, aux [Np, A, H]])."""
+        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows)
         first = first_sampled_positions(x)
+        drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
-            sampled = greedy_verify(logits, x.draft_token_ids, x.num_draft_tokens)
+            sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
         else:
-            sampled = rejection_sample(logits, x.draft_token_ids, x.num_draft_tokens,
+            sampled = rejection_sample(logits, drafts, x.num_draft_tokens,
                                        x.temperature, x.rng_key, first,
                                        x.top_p if variant == "top_p" else None)
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
@@ -263,8 +271,10 @@ class ModelRunner:
         out = self.target_graph.run(
             x, capturable=plan.capturable,
             bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
-            captured={"max_seq_len": batch.graph_seq_len, "max_query_len": batch.graph_query_len},
-            own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len},
+            captured={"max_seq_len": batch.graph_seq_len, "max_query_len": batch.graph_query_len,
+                      "num_rows": 1 + self.num_speculative_tokens},
+            own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len,
+                 "num_rows": batch.num_rows},
             variant=batch.variant)
         sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
         self.last_draft_seconds = 0.0
@@ -324,7 +334,8 @@ class ModelRunner:
             elif kind == STEP:
                 batch = StepBatch(plan, self.buffers.view(plan.num_tokens_padded,
                                                           plan.num_reqs_padded),
-                                  *lens, self.graph_query_len(plan), variant)
+                                  *lens, self.graph_query_len(plan), variant,
+                                  1 + self.num_speculative_tokens)  # TP: every row
                 if guard is None:
                     self.execute(batch)
                 else:
