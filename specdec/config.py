@@ -193,7 +193,7 @@ class SpeculativeConfig:
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layers whose outputs feed the head: the configured ids, else vLLM's
-        default (2, L // 2, L - 3). E.g. L = 32 -> (2, 16, 29)."""
+        default (2, L // 2, L - 3), held inside [0, L). E.g. L = 32 -> (2, 16, 29)."""
         n = num_target_layers
         ids = self.aux_layer_ids_configured
         ids = tuple(ids) if ids is not None else default_aux_layer_ids(n)
@@ -205,6 +205,7 @@ class SpeculativeConfig:
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """vLLM's default EAGLE-3 aux layers of an L-layer target: (2, L // 2, L - 3)."""
+    """vLLM's default EAGLE-3 aux layers of an L-layer target: (2, L // 2, L - 3), each held
+    inside [0, L) (vLLM's formula leaves the target below 4 layers: L = 2 -> (1, 1, 0))."""
     n = num_target_layers
-    return (2, n // 2, n - 3)
+    return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))

@@ -73,6 +73,26 @@ def test_bench_runs_on_a_folder_whose_tokenizer_has_no_endoftext(qwen3_dir, tmp_
     assert {c["method"] for c in results["configs"]} == {"none", "ngram"}
 
 
+def test_extract_hidden_states_on_a_two_layer_folder(qwen3_dir, tmp_path, capsys):
+    """Issue 37, item 4: vLLM's default aux layers (2, L/2, L-3) held inside a 2-layer
+    target ((1, 1, 0)); --aux-layer-ids picks others; --speculative-config naming only the
+    method runs with its K of 1."""
+    from safetensors.torch import load_file
+    base = ["generate", "--model", str(qwen3_dir), "--prompt", "def f(", "--max-tokens", "3"]
+    for i, extra in enumerate([["--method", "extract_hidden_states"],
+                               ["--method", "extract_hidden_states", "--aux-layer-ids", "0,1"],
+                               ["--speculative-config", '{"method": "extract_hidden_states"}']]):
+        out = tmp_path / f"hs{i}"
+        assert main(base + extra + ["--output-dir", str(out)]) == 0, capsys.readouterr().err
+        [file] = out.glob("*.safetensors")
+        assert load_file(str(file))["hidden_states"].shape[1] == (2 if i == 1 else 3)
+    capsys.readouterr()
+    assert main(base + ["--method", "extract_hidden_states", "--aux-layer-ids", "0,2",
+                        "--output-dir", str(tmp_path / "bad")]) == 2
+    assert "--aux-layer-ids=0,2: [2] outside the target's layers [0, 2)" in \
+        capsys.readouterr().err
+
+
 def test_serve_chat_uses_the_folders_template(qwen3_dir):
     llm = LLM(model=str(qwen3_dir), max_model_len=128)
     server = ServerThread(build_server_app(llm, "qwen3-tiny"))

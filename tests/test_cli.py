@@ -105,8 +105,11 @@ def test_bad_config_is_one_line_exit_2(model, capsys, argv, match):
 
 
 def test_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
+    """A path that does not exist says so; a folder without config.json says that."""
     code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", PROMPT)
-    assert code == 2 and err.count("\n") == 1 and "config.json" in err
+    assert code == 2 and err.count("\n") == 1 and "does not exist" in err
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", PROMPT)
+    assert code == 2 and err.count("\n") == 1 and "has no config.json" in err
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--method", "medusa"],

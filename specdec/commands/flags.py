@@ -136,6 +136,9 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
         raise UsageError(f"--dp={dp} must be >= 1")
     if dp > 1:  # the data-parallel engine launches the rank processes
         kw["data_parallel_size"] = dp
+    if model is not None and not Path(model).exists():
+        raise UsageError(f"--model={model!r} does not exist (an HF-style target folder is "
+                         "needed)")
     if model is not None and not (Path(model) / "config.json").exists():
         raise UsageError(f"--model={model!r} has no config.json (an HF-style target folder is needed)")
     try:

@@ -1,6 +1,7 @@
 """``specdec generate``: one prompt, its text, and a table of the speculative statistics
 (or, for ``--method extract_hidden_states``, what was written)."""
 
+import json
 import math
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from rich.table import Table
 from specdec.config import default_aux_layer_ids
 from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
                                     add_speculation_arguments, build_llm, default_method,
-                                    engine_kwargs, speculative_config)
+                                    engine_kwargs, ints, speculative_config)
 
 
 def method_label(spec: dict | None) -> tuple[str, str, str]:
@@ -92,9 +93,11 @@ def hidden_states_summary(out, output_dir: str) -> list[str]:
     return lines
 
 
-def extract_hidden_states_config(model: str | None, output_dir: str | None) -> dict:
-    """draft_model_config for ``--method extract_hidden_states``: ``--output-dir`` and vLLM's
-    default aux layers (2, L // 2, L - 3) of the target's L layers."""
+def extract_hidden_states_config(model: str | None, output_dir: str | None,
+                                 aux_layer_ids: list[int] | None = None) -> dict:
+    """draft_model_config for ``--method extract_hidden_states``: ``--output-dir`` and the
+    aux layers: ``--aux-layer-ids``, else vLLM's default (2, L // 2, L - 3) of the target's L
+    layers (held inside [0, L))."""
     from specdec.engine.llm import DEFAULT_MODEL
     from specdec.models.checkpoint import load_config
     if output_dir is None:
@@ -105,8 +108,11 @@ def extract_hidden_states_config(model: str | None, output_dir: str | None) -> d
             "num_hidden_layers"]
     except (ValueError, KeyError) as e:
         raise UsageError(f"--model={model!r}: cannot read num_hidden_layers ({e})") from None
-    return {"output_dir": output_dir,
-            "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(layers))}
+    ids = aux_layer_ids if aux_layer_ids is not None else list(default_aux_layer_ids(layers))
+    if bad := [i for i in ids if not 0 <= i < layers]:
+        raise UsageError(f"--aux-layer-ids={','.join(map(str, ids))}: {bad} outside the "
+                         f"target's layers [0, {layers})")
+    return {"output_dir": output_dir, "eagle_aux_hidden_state_layer_ids": ids}
 
 
 def cmd_generate(args) -> int:
@@ -121,8 +127,11 @@ def cmd_generate(args) -> int:
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
     extracting = spec is not None and spec.get("method") == "extract_hidden_states"
+    if extracting and args.num_speculative_tokens is None and "num_speculative_tokens" not in (
+            json.loads(args.speculative_config) if args.speculative_config else {}):
+        spec["num_speculative_tokens"] = 1  # the method implies it
     if extracting:
-        dmc = extract_hidden_states_config(args.model, args.output_dir)
+        dmc = extract_hidden_states_config(args.model, args.output_dir, args.aux_layer_ids)
         if args.overwrite_output_dir:
             dmc["overwrite_output_dir"] = True
         spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
@@ -188,6 +197,10 @@ def add_generate_parser(sub) -> None:
                    help="--method extract_hidden_states: the (empty) folder its "
                         "<request id>.safetensors files go to (no default: required with "
                         "that method)")
+    p.add_argument("--aux-layer-ids", type=ints, default=None, metavar="IDS",
+                   help="extract_hidden_states: comma list of the target layers whose hidden "
+                        "states are written (default: vLLM's 2, L/2, L-3, held inside the "
+                        "target's L layers)")
     p.add_argument("--overwrite-output-dir", action="store_true",
                    help="--method extract_hidden_states: write into --output-dir even if it "
                         "already holds *.safetensors files (default: refuse)")
