@@ -104,3 +104,18 @@ def test_cli_errors_are_one_line_at_dp_2(capsys, argv, needle):
     code = main(["generate", "--prompt", "x", "--dp", "2", *argv])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind,kwargs", [("data-parallel", "data_parallel_size=2"),
+                                         ("tensor-parallel", "tensor_parallel_size=2")])
+def test_a_script_without_a_main_guard_is_told_what_to_add(tmp_path, kind, kwargs):
+    """Issue 37, item 5: spawn imports the script again in every rank; an unguarded one ends
+    with one line naming the rank kind and the guard to add, and no rank's traceback."""
+    script = tmp_path / "run.py"
+    script.write_text("from specdec import LLM\n"
+                      f"print(LLM({kwargs}).generate(['def f('], max_tokens=2)[0].token_ids)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and f"the {kind} rank processes ran this script again" in last
+    assert 'if __name__ == "__main__":' in last and "bootstrapping" not in r.stderr

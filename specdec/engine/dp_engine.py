@@ -172,10 +172,17 @@ def check_assignment(assignment: list[list[int]], num_prompts: int, dp_size: int
                          f"together hold each prompt index 0..{num_prompts - 1} once")
 
 
+MAIN_GUARD_STATUS = 86  # a rank process ran, while importing it, the script that launches ranks
+
+
 def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0,
                       tp_size: int = 1) -> list[DPRun]:
     """Run each job on ``dp_size`` x ``tp_size`` ranks (one spawn for all jobs); one DPRun per
     job."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        # spawn imports the user's script in each rank; one without a __main__ guard gets
+        # here and could only fail: exit, and the launcher says what to add (_raise_if_dead)
+        os._exit(MAIN_GUARD_STATUS)
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size={tp_size!r}: must be an int >= 1")
     if not isinstance(dp_size, int) or dp_size < (2 if tp_size == 1 else 1):
@@ -202,7 +209,8 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
         for p in procs:
             p.start()
         try:
-            got = _collect(procs, results, len(jobs) * world, timeout)
+            got = _collect(procs, results, len(jobs) * world, timeout,
+                           "tensor-parallel" if dp_size == 1 else "data-parallel")
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -218,8 +226,9 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
     return runs
 
 
-def _collect(procs, results, expected: int, timeout: float) -> dict:
-    """Gather ``expected`` rank results; raise on a rank error, a dead rank or the deadline."""
+def _collect(procs, results, expected: int, timeout: float, kind: str = "data-parallel") -> dict:
+    """Gather ``expected`` rank results; raise on a rank error, a dead rank or the deadline
+    (``kind`` names the ranks: data-parallel or tensor-parallel)."""
     got, deadline = {}, time.monotonic() + timeout
     while len(got) < expected:
         if time.monotonic() > deadline:
@@ -230,7 +239,7 @@ def _collect(procs, results, expected: int, timeout: float) -> dict:
         try:
             msg = results.get(timeout=0.5)
         except queue.Empty:
-            _raise_if_dead(procs)
+            _raise_if_dead(procs, kind)
             continue
         if msg[0] == "error":  # a user error keeps its type (as with one rank)
             _, rank, user_error, tb = msg
@@ -241,7 +250,7 @@ def _collect(procs, results, expected: int, timeout: float) -> dict:
             # rank that died, if one did, rather than the one that noticed
             give_up = time.monotonic() + DEATH_GRACE_S
             while time.monotonic() < give_up:
-                _raise_if_dead(procs)
+                _raise_if_dead(procs, kind)
                 time.sleep(0.1)
             _kill(procs)
             raise RuntimeError(f"data-parallel rank {rank} failed:\n{tb}")
@@ -250,15 +259,21 @@ def _collect(procs, results, expected: int, timeout: float) -> dict:
     return got
 
 
-def _raise_if_dead(procs) -> None:
-    """RuntimeError naming each rank that exited abnormally and how (signal or status)."""
+def _raise_if_dead(procs, kind: str = "data-parallel") -> None:
+    """RuntimeError naming each rank that exited abnormally and how (signal or status); one
+    line saying what to add when the ranks ran the launching script again."""
     dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     if dead:
         _kill(procs)
+        if any(code == MAIN_GUARD_STATUS for _, code in dead):
+            raise RuntimeError(
+                f"the {kind} rank processes ran this script again (multiprocessing's spawn "
+                "imports it in each one): put the code that builds and runs the LLM under "
+                "`if __name__ == \"__main__\":`")
         how = ", ".join(f"rank {r} " + (f"killed by {signal.Signals(-code).name}" if code < 0
                                         else f"exited with status {code}")
                         for r, code in dead)
-        raise RuntimeError(f"data-parallel rank died: {how}")
+        raise RuntimeError(f"{kind} rank died: {how}")
 
 
 def _kill(procs) -> None:
