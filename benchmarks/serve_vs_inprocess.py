@@ -100,7 +100,8 @@ def vllm_client(python: str, url: str, args, conc: int) -> float:
 def specdec_client(url: str, label: str, args, conc: int, out: Path) -> tuple[float, float]:
     """``specdec bench serve`` against ``url`` at ``conc``: (mean ITL ms, tokens/s)."""
     run([sys.executable, "-m", "specdec.commands.cli", "bench", "serve", "--base-url", url,
-         "--model", NAME, "--label", label, "--out", str(out)] + harness_args(args, conc))
+         "--served-model-name", NAME, "--label", label, "--out", str(out)]
+        + harness_args(args, conc))
     return figures(out / "results.json")[conc]
 
 

@@ -1,7 +1,7 @@
 """Endpoint ITL harness: streamed TTFT, ITL, TPOT, E2E and tokens/s of an OpenAI-compatible server.
 
     specdec bench serve --launch --quick --out /tmp/bench-serve          # starts specdec serve
-    specdec bench serve --base-url http://127.0.0.1:8000 --model NAME    # specdec or vllm serve
+    specdec bench serve --base-url http://127.0.0.1:8000 [--model DIR]   # specdec or vllm serve
 
 The prompts are the in-process harness's (``specdec bench``: held-out stdlib windows through
 the embedded tokenizer, sent as token ids), with ``ignore_eos`` and exactly ``output_len``
@@ -31,8 +31,8 @@ from rich.console import Console
 
 from specdec.bench import metrics, plots, report
 from specdec.bench import sweep as bench_sweep
-from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError,
-                                    add_speculation_arguments, ints, speculative_config)
+from specdec.commands.flags import (DEFAULT_K, UsageError, add_speculation_arguments,
+                                    default_method, ints, speculative_config)
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
@@ -242,7 +242,7 @@ def served_model(base_url: str) -> str:
     """The first model of ``/v1/models``."""
     models = served_models(base_url)
     if not models:
-        raise UsageError(f"{base_url}/v1/models lists no model: give --model NAME")
+        raise UsageError(f"{base_url}/v1/models lists no model: give --served-model-name NAME")
     return models[0]["id"]
 
 
@@ -327,9 +327,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--launch", action="store_true",
                         help="start specdec serve on a free port, stop it at the end (this or "
                              "--base-url is required)")
-    p.add_argument("--model", help="the served model name (default: the first of /v1/models)")
+    p.add_argument("--model", metavar="PATH", help="the checkpoint folder, as for generate "
+                   "and serve: its tokenizer makes the prompts, and with --launch the server "
+                   "runs it (default: the embedded model)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model name the requests "
+                   "give (default: the first of the server's /v1/models)")
     p.add_argument("--label", help="the config name in the results (default: the method "
-                                   "with --launch, else the model name)")
+                                   "with --launch, else the served model name)")
     p.add_argument("--quick", action="store_true", help="concurrency 1,4, 32-token prompts, "
                    "32 output tokens, 4 repeats (see the README for its measured duration; "
                    "default: concurrency 1,4,16, 64-token prompts and outputs, 3 repeats)")
@@ -348,20 +352,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                               f"(default {d['warmup']})")
     p.add_argument("--seed", type=int, help=f"prompt seed (default {d['seed']})")
     p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
-                   "makes the prompts (default: the embedded model's)")
+                   "makes the prompts (default: --model's)")
     from specdec.graphs import BACKENDS
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
-    add_speculation_arguments(g, DEFAULT_METHOD)
+    add_speculation_arguments(g)
     g.add_argument("--graph-backend", choices=BACKENDS, default=None,
                    help="the launched server's step wrapper (default: its default, cuda_graph on "
                         "CUDA, else eager); "
                         "replay counts the steps a CUDA graph would capture, on CPU")
-    g.add_argument("--server-model", metavar="PATH",
-                   help="--model of the launched server (default: the embedded model)")
 
 
 def options(args) -> dict:
-    opts = dict(QUICK if args.quick else DEFAULTS, tokenizer=args.tokenizer)
+    opts = dict(QUICK if args.quick else DEFAULTS, tokenizer=args.tokenizer or args.model)
     for key in ("concurrency", "request_rate", "num_prompts", "prompt_len", "output_len",
                 "repeats", "warmup", "seed"):
         if getattr(args, key) is not None:
@@ -392,10 +394,11 @@ def run_from_args(args) -> int:
     proc, spec, k = None, None, 0
     start = time.perf_counter()
     try:
-        if args.launch:
-            method = args.method or DEFAULT_METHOD
-            spec = speculative_config(method, args.num_speculative_tokens or DEFAULT_K,
-                                      not args.no_padded, args.speculative_config)
+        if args.launch:  # the method default of generate and serve: default_method
+            method, k = (default_method(args.model) if args.method is None
+                         else (args.method, DEFAULT_K))
+            k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
+            spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
             k = spec["num_speculative_tokens"] if spec else 0
             serve_args = ["--method", "none", "--max-num-seqs", str(max(opts["concurrency"])),
                           "--max-model-len", str(opts["prompt_len"] + opts["output_len"] + k + 1),
@@ -403,14 +406,14 @@ def run_from_args(args) -> int:
                           str(max(256, max(opts["concurrency"]) * (k + 1)))]
             if spec:
                 serve_args += ["--speculative-config", json.dumps(spec)]
-            if args.server_model:
-                serve_args += ["--model", args.server_model]
+            if args.model:
+                serve_args += ["--model", args.model]
             if args.graph_backend:
                 serve_args += ["--graph-backend", args.graph_backend]
             proc, base_url = launch(serve_args)
         else:
             base_url = args.base_url.rstrip("/")
-        model = args.model or served_model(base_url)
+        model = args.served_model_name or served_model(base_url)
         label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
         server = server_info(base_url, model, args.launch)
         results = bench(opts, base_url, model, label, k, console,
