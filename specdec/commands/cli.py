@@ -37,7 +37,10 @@ def add_bench_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     from specdec.entrypoints import serve
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)",
-                       description=serve.__doc__.split("\n")[0])
+                       description="An OpenAI-compatible server (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /metrics) over a "
+                                   "speculative engine in its own process; SIGTERM drains the "
+                                   "running requests.")
     serve.add_arguments(p)
     p.set_defaults(func=serve.run_from_args)
 
