@@ -169,7 +169,7 @@ class SpeculativeConfig:
 
     @property
     def drafts_on_host(self) -> bool:
-        """ngram: drafts come from the request's own tokens on the host, no head."""
+        """ngram, suffix: drafts come from the request's own tokens on the host, no head."""
         return self.method in HOST_DRAFT_METHODS
 
     @property

@@ -41,6 +41,8 @@ from specdec import platform
 from specdec.syncs import unguarded
 
 BACKENDS = ("eager", "compile", "compile_dynamic", "torchair", "cuda_graph", "replay")
+# backends whose steps take any shape: the others capture or compile uniform decodes per bucket
+SHAPE_FREE_BACKENDS = ("eager", "compile_dynamic")
 COMPILING = ("compile", "compile_dynamic", "torchair")
 
 

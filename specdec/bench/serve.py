@@ -31,8 +31,8 @@ from rich.console import Console
 
 from specdec.bench import metrics, plots, report
 from specdec.bench import sweep as bench_sweep
-from specdec.commands.flags import (DEFAULT_K, UsageError, add_speculation_arguments,
-                                    default_method, ints, speculative_config)
+from specdec.commands.flags import (UsageError, add_speculation_arguments, ints,
+                                    speculation_from_args)
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
@@ -394,11 +394,8 @@ def run_from_args(args) -> int:
     proc, spec, k = None, None, 0
     start = time.perf_counter()
     try:
-        if args.launch:  # the method default of generate and serve: default_method
-            method, k = (default_method(args.model) if args.method is None
-                         else (args.method, DEFAULT_K))
-            k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
-            spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
+        if args.launch:
+            spec = speculation_from_args(args)  # as specdec serve would take these flags
             k = spec["num_speculative_tokens"] if spec else 0
             serve_args = ["--method", "none", "--max-num-seqs", str(max(opts["concurrency"])),
                           "--max-model-len", str(opts["prompt_len"] + opts["output_len"] + k + 1),

@@ -91,6 +91,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def speculation_from_args(args) -> dict | None:
+    """The speculative config of ``add_speculation_arguments``' flags and ``--model``:
+    ``default_method`` when no --method is given, K from -k (else its default); ``serve``
+    and ``bench serve --launch``."""
+    method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
+    return speculative_config(method, k, not args.no_padded, args.speculative_config)
+
+
 def add_speculation_arguments(
         p, method_default: str = f"{DEFAULT_METHOD} if the model has an eagle3 head, else none"
 ) -> None:

@@ -20,7 +20,7 @@ from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, check_tp_backend
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
-from specdec.graphs import resolve_backend
+from specdec.graphs import SHAPE_FREE_BACKENDS, resolve_backend
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.moe import has_cross_rank_layers
@@ -133,7 +133,7 @@ class LLM:
         # a padded batch whose uniform decodes run a captured or compiled step feeds every
         # decode 1 + K tokens (filler after fewer drafts: the step keeps its shape); eager
         # and compile_dynamic steps take any shape, so no filler is computed there
-        fill = self.padded and self.graph_backend not in ("eager", "compile_dynamic")
+        fill = self.padded and self.graph_backend not in SHAPE_FREE_BACKENDS
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_model_len, self.allocator, num_speculative_tokens=k,
                                    fill_drafts=fill)

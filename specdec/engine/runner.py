@@ -31,7 +31,7 @@ from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, 
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
-from specdec.graphs import StepGraph
+from specdec.graphs import SHAPE_FREE_BACKENDS, StepGraph
 from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
@@ -117,7 +117,7 @@ class ModelRunner:
         # capturing backends; the compiling ones would stall serving on an inductor compile
         # per key, so run them eager
         self.planner = StepPlanner(padder, dp, k,
-                                   allow_capture=graph_backend not in ("eager", "compile_dynamic"),
+                                   allow_capture=graph_backend not in SHAPE_FREE_BACKENDS,
                                    capture_mixed=graph_backend in ("replay", "cuda_graph"))
         self.buffers = StepBuffers(sizes.max_num_tokens, sizes.max_num_reqs, k,
                                    -(-max_model_len // block_size), device,
@@ -231,11 +231,11 @@ class ModelRunner:
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int,
-                      num_rows: int):
-        """Target forward over x's [Np] tokens -> (logits [Bp, num_rows, V] float32 of each
-        request's first ``num_rows`` verified positions, hidden [Np, H], aux [Np, A, H] or
-        None)."""
-        fed = x.seq_lens - first_sampled_positions(x)  # drafts + filler after the known token
+                      num_rows: int, first: torch.Tensor):
+        """Target forward over x's [Np] tokens (``first``: ``first_sampled_positions(x)``)
+        -> (logits [Bp, num_rows, V] float32 of each request's first ``num_rows`` verified
+        positions, hidden [Np, H], aux [Np, A, H] or None)."""
+        fed = x.seq_lens - first  # drafts + filler after the known token
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
                                  max_seq_len, x.rows, fed.to(torch.int32), max_query_len)
         hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
@@ -250,8 +250,8 @@ class ModelRunner:
         with or without the top-p sort: ``variant``), token-table update, each row's
         linear-attention state slot moved to its last accepted token. -> (sampled [Bp,
         num_rows] int32, hidden [Np, H][, aux [Np, A, H]])."""
-        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows)
         first = first_sampled_positions(x)
+        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first)
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)

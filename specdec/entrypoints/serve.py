@@ -8,9 +8,9 @@ import json
 import signal
 import sys
 
-from specdec.commands.flags import (DEFAULT_K, UsageError, add_engine_arguments,
-                                    add_speculation_arguments, default_method, engine_kwargs,
-                                    speculative_config)
+from specdec.commands.flags import (UsageError, add_engine_arguments,
+                                    add_speculation_arguments, engine_kwargs,
+                                    speculation_from_args)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
@@ -53,12 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
-
-
-def engine_spec(args) -> dict | None:
-    method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
-    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
-    return speculative_config(method, k, not args.no_padded, args.speculative_config)
 
 
 def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab_size: int,
@@ -110,7 +104,7 @@ def run_from_args(args) -> int:
         raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
     if args.stub_engine is not None and args.stub_engine < 1:
         raise UsageError(f"--stub-engine={args.stub_engine}: allowed an int >= 1")
-    spec = engine_spec(args)
+    spec = speculation_from_args(args)
     threads = args.engine_threads or default_engine_threads()
     stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
     engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,

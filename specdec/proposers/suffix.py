@@ -25,11 +25,13 @@ class SuffixTree:
     def __init__(self, depth: int):
         self.depth = depth
         self.root = [0, {}]
+        self.size = 0  # tokens held, over every sequence
         self._open: dict[object, list] = {}  # sequence key -> nodes of its open suffixes
 
     def extend(self, key, tokens: list[int]) -> None:
         """Append ``tokens`` to sequence ``key`` (a new key starts a sequence)."""
         open_nodes = self._open.setdefault(key, [])
+        self.size += len(tokens)
         for t in tokens:
             grown = []
             for node in open_nodes + [self.root]:
@@ -47,6 +49,7 @@ class SuffixTree:
 
     def remove(self, tokens: list[int]) -> None:
         """Take a whole sequence added earlier out of the counts (nodes left at 0 go)."""
+        self.size -= len(tokens)
         for start in range(len(tokens)):
             node = self.root
             for t in tokens[start:start + self.depth]:
@@ -110,16 +113,15 @@ class SuffixProposer:
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
         self.max_model_len = max_model_len
-        self.own: dict[str, tuple[SuffixTree, list[int]]] = {}  # id -> (tree, tokens in it)
+        self.own: dict[str, SuffixTree] = {}  # running request id -> its tokens' tree
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
 
     def propose(self, request_id: str, token_ids: list[int]) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most K, none
         past max_model_len)."""
-        tree, seen = self.own.setdefault(request_id, (SuffixTree(self.depth), []))
-        tree.extend(request_id, token_ids[len(seen):])
-        seen.extend(token_ids[len(seen):])
+        tree = self.own.setdefault(request_id, SuffixTree(self.depth))
+        tree.extend(request_id, token_ids[tree.size:])  # the tokens since the last step
         k = min(self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
