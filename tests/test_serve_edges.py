@@ -120,19 +120,32 @@ def test_former_500s_are_400_naming_the_field(server, path, body, param):
 
 # ---- 3: OpenAI fields --------------------------------------------------------------------------
 REFUSED = [
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
-     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
+     "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
 ]
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+BAD_LOGPROBS = [  # (path, body, field, what the message says)
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "0 <= logprobs <= 20"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", "take an int"),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "a chat field"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs",
+     "0 <= prompt_logprobs <= 20"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 2}, "logprobs", "true or false"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "logprobs=true"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs",
+     "<= 20"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,says", BAD_LOGPROBS)
+def test_bad_logprob_fields_are_400_naming_the_field(server, path, body, param, says):
+    err = assert_400(post(server, path, body), param)
+    assert says in err["message"], err
 
 
 @pytest.mark.parametrize("path,body,param", REFUSED, ids=[b[2] for b in REFUSED][:-1] + ["image"])

@@ -16,6 +16,7 @@ from specdec.engine.dp_engine import generate_across_ranks, parallel_role
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
+from specdec.engine.logprobs import token_logprobs
 from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, check_tp_backend
 from specdec.engine.scheduler import Scheduler
@@ -231,10 +232,19 @@ class LLM:
         self._check_single_rank("add_request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r}: must be a SamplingParams")
-        params.check_vocab(self.vocab_size)
+        self._check_params(params, "params")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id={request_id!r}: must be a str or None")
         return self._queue(self._prompt_ids(prompt, "prompt"), params, request_id)
+
+    def _check_params(self, params: SamplingParams, name: str) -> None:
+        """What SamplingParams cannot check alone: stop ids in the vocabulary; prompt
+        log-probabilities need a single-rank lm_head (under TP it is a collective)."""
+        params.check_vocab(self.vocab_size)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError(f"{name}.prompt_logprobs={params.prompt_logprobs}: not supported "
+                             f"with tensor_parallel_size={self.config.tensor_parallel_size} "
+                             "(allowed: None); output logprobs are")
 
     def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
         rid = request_id if request_id is not None else str(self._next_id)
@@ -251,11 +261,14 @@ class LLM:
                              f"max_model_len={self.max_model_len}")
         return ids
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Drop an unfinished request between steps and free its KV blocks; -> whether it was
-        found (False: unknown or already finished)."""
+        found (False: unknown or already finished). ``reason``: its finish reason, "abort" or
+        "stop" (a stop string the caller found in its text)."""
         self._check_single_rank("abort_request")
-        return self.scheduler.abort_by_id(request_id) is not None
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"reason={reason!r}: allowed 'abort', 'stop'")
+        return self.scheduler.abort_by_id(request_id, reason) is not None
 
     def _check_single_rank(self, name: str) -> None:
         if self.launcher:
@@ -326,27 +339,74 @@ class LLM:
         width = sampled.shape[1]  # the step's one host read (after the drafter was launched)
         rows = (sampled if drafts is None else torch.cat([sampled, drafts], dim=1)).tolist()
         sampled, drafts = [r[:width] for r in rows], [r[width:] for r in rows]
+        logprobs = self._logprobs(scheduled, sampled)
         new_tokens = {}
-        for s, row, draft in zip(scheduled, sampled, drafts):
-            new_tokens[s.request.request_id] = self._update(s, row, draft)
+        for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
+            new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
         rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
                          self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
                          new_tokens, self.runner.last_step_captured, self._new_graphs())
         self.steps.append(rec)
         return rec
 
-    def _update(self, s, sampled: list[int], draft: list[int]) -> int:
+    def _logprobs(self, scheduled, sampled: list[list[int]]) -> dict[int, list]:
+        """The log-probabilities this step owes the requests that ask: batch index i ->
+        TokenLogprobs of request i's valid sampled tokens (``params.logprobs``). The prompt
+        tokens its prefill chunk predicts (``params.prompt_logprobs``) are filed in
+        ``r.prompt_logprobs`` here. One log-softmax over every row asked for; nothing runs
+        when no request asks."""
+        # (row, token id, top N, batch index): rows of the step's final hidden states (prompt
+        # positions) and of its logits [Bp * rows] (sampled positions)
+        prompt, out = [], []
+        qsl = self.runner.buffers.host["query_start_loc"]
+        width = len(sampled[0]) if sampled else 0
+        for i, s in enumerate(scheduled):
+            r, p = s.request, s.request.params
+            if p.prompt_logprobs is not None and not s.spec_token_ids:
+                start, done = r.num_computed_tokens, len(r.prompt_logprobs)
+                for pos in range(max(start, done - 1),
+                                 min(start + s.num_tokens, r.num_prompt_tokens - 1)):
+                    prompt.append((int(qsl[i]) + pos - start, r.token_ids[pos + 1],
+                                   p.prompt_logprobs, i))
+            if p.logprobs is not None and not s.is_discarded:
+                out += [(i * width + j, tok, p.logprobs, i)
+                        for j, tok in enumerate(sampled[i][:sampled[i].index(-1)
+                                                           if -1 in sampled[i] else width])]
+        if not prompt and not out:
+            return {}
+        parts = []
+        if prompt:  # the prompt positions' logits: only those the requests asked for
+            rows = torch.tensor([e[0] for e in prompt], device=self.device)
+            parts.append(self.target.compute_logits(self.runner.last_hidden[rows]))
+        if out:
+            logits = self.runner.last_logits
+            rows = torch.tensor([e[0] for e in out], device=self.device)
+            parts.append(logits.reshape(-1, logits.shape[-1])[rows])
+        entries = prompt + out
+        lps = token_logprobs(torch.cat(parts),
+                             torch.tensor([e[1] for e in entries], device=self.device),
+                             [e[2] for e in entries])
+        for (_, _, _, i), lp in zip(prompt, lps):
+            scheduled[i].request.prompt_logprobs.append(lp)
+        result: dict[int, list] = {}
+        for (_, _, _, i), lp in zip(out, lps[len(prompt):]):
+            result.setdefault(i, []).append(lp)
+        return result
+
+    def _update(self, s, sampled: list[int], draft: list[int],
+                logprobs: list | None = None) -> int:
         """``_apply`` for one request; if it raises (e.g. extract_hidden_states cannot write
         its file), that request alone is finished with reason "error" and the step goes on."""
         try:
-            return self._apply(s, sampled, draft)
+            return self._apply(s, sampled, draft, logprobs)
         except Exception as e:
             s.request.error = f"{type(e).__name__}: {e}"
             self.scheduler.abort(s.request, "error")
             return 0
 
-    def _apply(self, s, sampled: list[int], draft: list[int]) -> int:
-        """Apply one step's result to a request; returns the number of tokens emitted."""
+    def _apply(self, s, sampled: list[int], draft: list[int], logprobs: list | None) -> int:
+        """Apply one step's result to a request (``logprobs``: its valid sampled tokens',
+        when it asked); returns the number of tokens emitted."""
         r = s.request
         if s.is_discarded:  # a partial prefill chunk: its sampled token is junk
             r.num_computed_tokens += s.num_tokens
@@ -361,6 +421,8 @@ class LLM:
         emitted, reason = 0, None
         for tok in valid:
             r.token_ids.append(tok)
+            if logprobs is not None:
+                r.logprobs.append(logprobs[emitted])
             emitted += 1
             if reason := self._finish_reason(r, tok):
                 break
@@ -407,8 +469,8 @@ class LLM:
         per_prompt = self._sampling_params(len(prompts), sampling_params, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids, seed=seed))
-        for params in per_prompt:
-            params.check_vocab(self.vocab_size)
+        for i, params in enumerate(per_prompt):
+            self._check_params(params, f"sampling_params[{i}]")
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if self.launcher or self.role.torchrun:
             return generate_across_ranks(self, ids, per_prompt)

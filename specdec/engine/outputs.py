@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.sequence import Request
 
 
@@ -16,6 +17,9 @@ class RequestOutput:
     num_accepted: list[int]  # per draft position: [accepted at position 1, 2, ..., K]
     num_decode_steps: int  # target steps that verified drafts
     error: str | None = None  # what failed, when finish_reason is "error"
+    # per generated token / per prompt token (the first: None), when SamplingParams asked
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def acceptance_length(self) -> float:
@@ -29,7 +33,7 @@ class RequestOutput:
         text = tokenizer.decode(out) if tokenizer is not None else None
         return cls(r.request_id, r.token_ids[:r.num_prompt_tokens], out, text,
                    r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding,
-                   r.error)
+                   r.error, r.logprobs, r.prompt_logprobs)
 
 
 STEP_GRAPHS = ("target", "draft")  # the step graphs of a StepRecord's new_graphs

@@ -127,6 +127,7 @@ class ModelRunner:
         self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
                                       inputs_type=StepInputs)
         self.last_step_captured = False  # whether the last execute() replayed a graph
+        self.last_logits = self.last_hidden = None  # the last execute()'s (see there)
 
     def warm_up_graphs(self) -> float:
         """Capture the step wrappers of every capture bucket up to the largest step, largest
@@ -249,7 +250,8 @@ class ModelRunner:
         forward, verification (greedy, or rejection sampling with counter-based random numbers,
         with or without the top-p sort: ``variant``), token-table update, each row's
         linear-attention state slot moved to its last accepted token. -> (sampled [Bp,
-        num_rows] int32, hidden [Np, H][, aux [Np, A, H]])."""
+        num_rows] int32, logits [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux
+        [Np, A, H]])."""
         first = first_sampled_positions(x)
         logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first)
         drafts = x.draft_token_ids[:, :num_rows - 1]
@@ -261,11 +263,13 @@ class ModelRunner:
                                        x.top_p if variant == "top_p" else None)
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         self.kv.accept(x.rows, sampled)
-        return (sampled, hidden) + ((aux,) if aux is not None else ())
+        return (sampled, logits, hidden) + ((aux,) if aux is not None else ())
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (sampled_token_ids [B, K+1] int32, -1 for discarded rows; drafts [B, K] int32)."""
+        """-> (sampled_token_ids [B, K+1] int32, -1 for discarded rows; drafts [B, K] int32);
+        the step's logits [Bp, rows, V] and hidden [Np, H] stay in ``last_logits`` /
+        ``last_hidden``."""
         x, plan = batch.inputs, batch.plan
         self.last_step_captured = plan.capturable
         out = self.target_graph.run(
@@ -276,7 +280,11 @@ class ModelRunner:
             own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len,
                  "num_rows": batch.num_rows},
             variant=batch.variant)
-        sampled, hidden, aux = out[0], out[1], out[2] if len(out) > 2 else None
+        sampled, hidden, aux = out[0], out[2], out[3] if len(out) > 3 else None
+        # the step's raw logits and final hidden states, for the requests that ask for
+        # log-probabilities (``LLM``, after the step's host read; a captured step's static
+        # outputs: read before the next step)
+        self.last_logits, self.last_hidden = out[1], hidden
         self.last_draft_seconds = 0.0
         b = plan.num_reqs
         if self.proposer is None:

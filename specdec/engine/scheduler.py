@@ -103,11 +103,11 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(req)
 
-    def abort_by_id(self, request_id: str) -> Request | None:
-        """``abort`` the unfinished request with that id, reason "abort"; -> the request, or
-        None when no unfinished request has that id."""
+    def abort_by_id(self, request_id: str, reason: str = "abort") -> Request | None:
+        """``abort`` the unfinished request with that id; -> the request, or None when no
+        unfinished request has that id."""
         for req in [*self.waiting, *self.running]:
             if req.request_id == request_id:
-                self.abort(req, "abort")
+                self.abort(req, reason)
                 return req
         return None

@@ -5,6 +5,7 @@ from enum import Enum
 
 from specdec.checks import check_bool, check_float, check_int, check_token_ids
 from specdec.engine.config import SEED_MAX
+from specdec.engine.logprobs import MAX_LOGPROBS, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -17,6 +18,11 @@ class SamplingParams:
     # the key of this request's random numbers (None: one from the engine seed and its id):
     # the same prompt and seed give the same tokens whatever else is in the batch
     seed: int | None = None
+    # log-probabilities of the target distribution (raw logits: before temperature and top-p):
+    # for each output token, its own and the ``logprobs`` most likely ones (0: its own only);
+    # for each prompt token after the first, the same with ``prompt_logprobs``. None: none
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         check_int("max_tokens", self.max_tokens, lo=1)
@@ -30,6 +36,9 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         if self.seed is not None:
             check_int("seed", self.seed, lo=0, hi=SEED_MAX)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Stop ids the model can never emit are a mistake, not a no-op."""
@@ -59,6 +68,15 @@ class Request:
     num_drafted: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     num_steps_decoding: int = 0  # target steps that verified drafts for this request
+    # per output token / per prompt token (the first: None), when params ask for them
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:

@@ -26,8 +26,9 @@ from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, Queu
                                              RequestHandle)
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-    HugeInt, SamplingRequest, TokenizeRequest, check_prompt_ids, check_prompt_length,
-    check_sampling, greedy_top_p, parse, spec_decode_metrics, usage)
+    HugeInt, SamplingRequest, TokenizeRequest, chat_logprobs, check_prompt_ids,
+    check_prompt_length, check_sampling, completion_logprobs, greedy_top_p, parse,
+    spec_decode_metrics, usage, vllm_prompt_logprobs)
 from specdec.entrypoints.text import TextStream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -50,6 +51,7 @@ class ServedModel:
     # --per-request-spec-decode-metrics summary: each response carries its request's
     # ``metrics.speculative_decoding`` (vLLM's per-request summary)
     per_request_spec_metrics: bool = False
+    tokenizer_info: dict | None = None  # GET /tokenizer_info (None: no tokenizer)
 
 
 def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
@@ -101,25 +103,39 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         return Response(metrics.render(), media_type=metrics.content_type)
 
     def precheck(data):
-        """Before pydantic: a prompt too long to fit is refused without walking it."""
+        """Before pydantic: a prompt too long to fit is refused without walking it (each of
+        a list of prompts)."""
         if isinstance(data, dict):
             check_prompt_length(data.get("prompt"), model.max_model_len, model.max_token_chars)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        """One prompt or several (a string, token ids, or a list of either: each its own
+        engine request and choice, in order; usage summed)."""
         data = await body(request, precheck_prompt=True)
         precheck(data)
         req = parse(CompletionRequest, data)
         check_model(req.model)
-        ids = await encode(model, req.prompt)
-        return await serve(request, req, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False)
+        prompts = req.prompts()
+        names = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        ids = [await encode(model, p, name) for p, name in zip(prompts, names)]
+        return await serve(request, req, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False,
+                           prompts_given=prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await body(request))
         check_model(req.model)
         ids = await encode_chat(model, req.messages, add_generation_prompt=True)
-        return await serve(request, req, ids, None, chat=True)
+        return await serve(request, req, [ids], None, chat=True)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the tokenizer's configuration (special tokens, chat template,
+        model_max_length), which evaluation clients read before tokenizing remotely."""
+        if model.tokenizer_info is None:
+            raise ApiError(404, "this model has no tokenizer")
+        return model.tokenizer_info
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -161,28 +177,41 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             raise ApiError(404, f"model={name!r} is not served; this server serves "
                                 f"{model.name!r}", "model")
 
-    async def serve(request: Request, req: SamplingRequest, ids: list[int],
-                    default_max_tokens: int | None, chat: bool):
-        check_prompt_ids(ids, model.vocab_size)
-        max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
-                                    default_max_tokens)
+    async def serve(request: Request, req: SamplingRequest, prompts: list[list[int]],
+                    default_max_tokens: int | None, chat: bool, prompts_given=None):
+        """Check every prompt, then submit one engine request each (all or none)."""
+        logprobs, prompt_logprobs = req.logprob_counts()
         temperature, top_p = req.temperature, req.top_p
         if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token: greedy
             temperature, top_p = 0.0, 1.0
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, ignore_eos=req.ignore_eos,
-                                stop_token_ids=req.all_stop_token_ids(), seed=req.seed)
+        params = []
+        for i, ids in enumerate(prompts):
+            name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            check_prompt_ids(ids, model.vocab_size, name)
+            max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
+                                        default_max_tokens, name)
+            params.append(SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(),
+                seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+        handles = []
         try:
-            handle = engine.submit(ids, params)
-        except QueueFullError as e:
-            raise ApiError(503, str(e)) from None
-        except EngineDeadError as e:
-            raise ApiError(500, str(e)) from None
-        gen = Generation(engine, handle, TextStream(model.tokenizer, req.stop_strings()))
-        shape = (ChatShape if chat else CompletionShape)(model)
+            for ids, p in zip(prompts, params):
+                handles.append(engine.submit(ids, p))
+        except (QueueFullError, EngineDeadError) as e:
+            for h in handles:
+                engine.abort(h.request_id)
+            raise ApiError(503 if isinstance(e, QueueFullError) else 500, str(e)) from None
+        echoed = [None] * len(prompts)
+        if req.echo:  # the prompt as given, or its tokens' text
+            echoed = [p if isinstance(p, str) else await asyncio.to_thread(
+                decode, model, ids) for p, ids in zip(prompts_given, prompts)]
+        gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings()), i, e)
+                for i, (h, e) in enumerate(zip(handles, echoed))]
+        shape = (ChatShape if chat else CompletionShape)(model, req)
         if req.stream:
-            return StreamingResponse(sse(gen, shape, req), media_type="text/event-stream")
-        return JSONResponse(shape.response(await collect(gen, request), req))
+            return StreamingResponse(sse(gens, shape, req), media_type="text/event-stream")
+        return JSONResponse(shape.response(await collect(gens, request)))
 
     return app
 
@@ -262,13 +291,18 @@ def deep_field(raw: bytes) -> str | None:
     return None
 
 
-async def encode(model: ServedModel, prompt) -> list[int]:
+async def encode(model: ServedModel, prompt, name: str = "prompt") -> list[int]:
     if isinstance(prompt, list):
         return prompt
     if model.tokenizer is None:
-        raise ApiError(400, "prompt: a string needs a tokenizer; this model has none, send "
+        raise ApiError(400, f"{name}: a string needs a tokenizer; this model has none, send "
                             "token ids", "prompt")
     return await asyncio.to_thread(lambda: model.tokenizer.encode(prompt).ids)
+
+
+def decode(model: ServedModel, ids: list[int]) -> str:
+    """Token ids' text ("" without a tokenizer: the ids are the output then)."""
+    return model.tokenizer.decode(ids) if model.tokenizer is not None else ""
 
 
 async def encode_chat(model: ServedModel, messages, add_generation_prompt: bool = True,
@@ -298,18 +332,23 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # OpenAI's: "stop", "length", or None while running
+    logprobs: list | None = None  # a TokenLogprob per token, when asked
 
 
 class Generation:
-    """Async iterator of Deltas; a stop string or an early close aborts the engine request."""
+    """Async iterator of Deltas for choice ``index``; a stop string or an early close ends the
+    engine request. ``echo``: the prompt text returned before the completion (or None)."""
 
-    def __init__(self, engine: AsyncEngine, handle: RequestHandle, text: TextStream):
+    def __init__(self, engine: AsyncEngine, handle: RequestHandle, text: TextStream,
+                 index: int = 0, echo: str | None = None):
         self.engine, self.handle, self.text = engine, handle, text
-        self.id = uuid.uuid4().hex
-        self.created = int(time.time())
+        self.index, self.echo = index, echo
         self.finish_reason: str | None = None  # OpenAI's, once finished
         self.finished = False
         self.stats = None  # FinishStats, from the engine's last chunk
+        self.logprobs: list = []  # TokenLogprob per kept output token, when asked
+        self.prompt_logprobs: list | None = None  # per prompt token (first None), when asked
+        self.text_offset = 0  # characters of the logprobs' tokens so far (completions)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -328,59 +367,80 @@ class Generation:
                     raise ApiError(500, chunk.error)
                 done = chunk.finish_reason is not None
                 self.stats = chunk.stats or self.stats
+                before = len(self.text.token_ids)
                 text = self.text.add(chunk.token_ids, final=done)
+                kept = len(self.text.token_ids) - before  # none past a stop string
+                logprobs = chunk.logprobs[:kept] if chunk.logprobs is not None else None
+                self.logprobs += logprobs or []
+                if chunk.prompt_logprobs is not None:
+                    self.prompt_logprobs = chunk.prompt_logprobs
                 reason = FINISH_REASONS[chunk.finish_reason] if done else None
-                if self.text.stopped and not done:
+                if self.text.stopped:
                     reason = "stop"
-                    self.engine.abort(self.handle.request_id)
+                    if not done:  # the engine counts the request as stopped, not aborted
+                        self.engine.abort(self.handle.request_id, "stop")
                 self.finish_reason, self.finished = reason, reason is not None
-                yield Delta(text, chunk.token_ids, reason)
+                yield Delta(text, chunk.token_ids[:kept], reason, logprobs)
         finally:
-            if not self.finished:  # the client went away, or the task was cancelled
-                self.engine.abort(self.handle.request_id)
+            self.close()
+
+    def close(self) -> None:
+        """End the engine request if it still runs (the client went away, a task was
+        cancelled, or a stream of several choices ended early)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.handle.request_id)
 
 
-async def collect(gen: Generation, request: Request) -> Generation:
-    """Run a generation to its end; a client that disconnects meanwhile aborts it."""
-    async def drain():
+async def collect(gens: list[Generation], request: Request) -> list[Generation]:
+    """Run generations to their end; a client that disconnects meanwhile aborts them."""
+    async def drain(gen):
         async for _ in gen:
             pass
 
-    task = asyncio.ensure_future(drain())
+    task = asyncio.ensure_future(asyncio.gather(*(drain(g) for g in gens)))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 task.result()  # re-raises an engine error as ApiError(500)
-                return gen
+                return gens
             if await request.is_disconnected():
                 task.cancel()
                 raise ApiError(499, "client disconnected")
     finally:
         if not task.done():
             task.cancel()
+        for g in gens:
+            g.close()
 
 
-async def sse(gen: Generation, shape, req: SamplingRequest):
-    """``data: {chunk}`` per step, then the usage chunk when asked, then ``data: [DONE]``."""
+async def sse(gens: list[Generation], shape, req: SamplingRequest):
+    """``data: {chunk}`` per step, choice after choice (several prompts run together in the
+    engine; their chunks are written in prompt order), then the usage chunk when asked, then
+    ``data: [DONE]``."""
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts.continuous_usage_stats
-    first = True
     try:
-        async for delta in gen:
-            chunk = shape.chunk(gen, delta, first, req)
-            if delta.finish_reason is not None and (metrics := shape.spec_metrics(gen)):
-                chunk["metrics"] = metrics  # on the chunk that ends the request
-            if include_usage:
-                chunk["usage"] = (usage(gen.num_prompt_tokens, gen.num_output_tokens)
-                                  if continuous else None)
-            first = False
-            yield f"data: {json.dumps(chunk)}\n\n"
+        for gen in gens:
+            first = True
+            async for delta in gen:
+                chunk = shape.chunk(gen, delta, first)
+                if delta.finish_reason is not None and (metrics := shape.spec_metrics(gen)):
+                    chunk["metrics"] = metrics  # on the chunk that ends the request
+                if include_usage:
+                    chunk["usage"] = (usage(gen.num_prompt_tokens, gen.num_output_tokens)
+                                      if continuous else None)
+                first = False
+                yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
-            yield f"data: {json.dumps(shape.usage_chunk(gen))}\n\n"
+            yield f"data: {json.dumps(shape.usage_chunk(gens))}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
+    finally:
+        for g in gens:
+            g.close()
     yield "data: [DONE]\n\n"
 
 
@@ -388,10 +448,15 @@ async def sse(gen: Generation, shape, req: SamplingRequest):
 class CompletionShape:
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, model: ServedModel):
+    def __init__(self, model: ServedModel, req: SamplingRequest):
         self.model_name = model.name
+        self.tokenizer = model.tokenizer
         self.k = model.num_speculative_tokens
         self.with_spec_metrics = model.per_request_spec_metrics
+        self.req = req
+        self.logprobs, self.prompt_logprobs = req.logprob_counts()
+        self.id = uuid.uuid4().hex  # the response's (every choice and chunk of it)
+        self.created = int(time.time())
 
     def spec_metrics(self, gen: Generation) -> dict | None:
         """``{"speculative_decoding": ...}`` of a finished request when the server was asked
@@ -402,52 +467,100 @@ class CompletionShape:
         return {"speculative_decoding": spec_decode_metrics(
             s.num_drafted, s.num_accepted, s.num_steps_decoding, self.k)}
 
-    def _envelope(self, gen: Generation, obj: str, choices: list) -> dict:
-        return {"id": f"cmpl-{gen.id}", "object": obj, "created": gen.created,
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": f"cmpl-{self.id}", "object": obj, "created": self.created,
                 "model": self.model_name, "choices": choices}
 
-    def response(self, gen: Generation, req: SamplingRequest) -> dict:
-        choice = self.final_choice(gen)
-        if req.return_token_ids:
-            choice["token_ids"] = gen.text.token_ids
-            choice["prompt_token_ids"] = gen.handle.prompt_token_ids
-        out = self._envelope(gen, self.object, [choice])
-        out["usage"] = usage(gen.num_prompt_tokens, gen.num_output_tokens)
-        if (metrics := self.spec_metrics(gen)) is not None:
+    def response(self, gens: list[Generation]) -> dict:
+        """The whole response: a choice per prompt; usage summed; ``metrics`` (when on) at the
+        top for one prompt, in each choice for several."""
+        choices = []
+        for gen in gens:
+            choice = self.final_choice(gen)
+            if self.req.return_token_ids:
+                choice["token_ids"] = gen.text.token_ids
+                choice["prompt_token_ids"] = gen.handle.prompt_token_ids
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs,
+                                                                 self.tokenizer)
+            if len(gens) > 1 and (metrics := self.spec_metrics(gen)) is not None:
+                choice["metrics"] = metrics
+            choices.append(choice)
+        out = self._envelope(self.object, choices)
+        out["usage"] = self._usage(gens)
+        if len(gens) == 1 and (metrics := self.spec_metrics(gens[0])) is not None:
             out["metrics"] = metrics
         return out
 
+    @staticmethod
+    def _usage(gens: list[Generation]) -> dict:
+        return usage(sum(g.num_prompt_tokens for g in gens),
+                     sum(g.num_output_tokens for g in gens))
+
     def final_choice(self, gen: Generation) -> dict:
-        return {"index": 0, "text": gen.text.text, "logprobs": None,
+        return {"index": gen.index, "text": (gen.echo or "") + gen.text.text,
+                "logprobs": self._logprobs(gen, gen.text.token_ids, gen.logprobs, True),
                 "finish_reason": gen.finish_reason}
 
-    def chunk(self, gen: Generation, delta: Delta, first: bool, req: SamplingRequest) -> dict:
-        choice = self.chunk_choice(delta, first)
-        if req.return_token_ids:
-            choice["token_ids"] = delta.token_ids
-        return self._envelope(gen, self.chunk_object, [choice])
+    def _logprobs(self, gen: Generation, token_ids: list[int], entries: list | None,
+                  first: bool) -> dict | None:
+        """Completions' logprobs of these tokens (with the echoed prompt's before them on the
+        choice's first chunk), text offsets continuing from the previous chunk's."""
+        if self.logprobs is None:
+            return None
+        if first and gen.echo is not None:
+            prompt = gen.handle.prompt_token_ids
+            token_ids = prompt + token_ids  # no prompt logprobs: aborted before its prefill
+            entries = (gen.prompt_logprobs or [None] * len(prompt)) + entries
+        out, gen.text_offset = completion_logprobs(entries, token_ids, self.tokenizer,
+                                                   gen.text_offset)
+        return out
 
-    def chunk_choice(self, delta: Delta, first: bool) -> dict:
-        return {"index": 0, "text": delta.text, "logprobs": None,
+    def chunk(self, gen: Generation, delta: Delta, first: bool) -> dict:
+        choice = self.chunk_choice(gen, delta, first)
+        if self.req.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        if first and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs,
+                                                             self.tokenizer)
+        return self._envelope(self.chunk_object, [choice])
+
+    def chunk_choice(self, gen: Generation, delta: Delta, first: bool) -> dict:
+        echo = (gen.echo or "") if first else ""
+        return {"index": gen.index, "text": echo + delta.text,
+                "logprobs": self._logprobs(gen, delta.token_ids, delta.logprobs or [], first),
                 "finish_reason": delta.finish_reason}
 
-    def usage_chunk(self, gen: Generation) -> dict:
-        out = self._envelope(gen, self.chunk_object, [])
-        out["usage"] = usage(gen.num_prompt_tokens, gen.num_output_tokens)
+    def usage_chunk(self, gens: list[Generation]) -> dict:
+        out = self._envelope(self.chunk_object, [])
+        out["usage"] = self._usage(gens)
         return out
 
 
 class ChatShape(CompletionShape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def _envelope(self, gen: Generation, obj: str, choices: list) -> dict:
-        return {**super()._envelope(gen, obj, choices), "id": f"chatcmpl-{gen.id}"}
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {**super()._envelope(obj, choices), "id": f"chatcmpl-{self.id}"}
+
+    def _chat_logprobs(self, entries: list | None) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return {"content": chat_logprobs(entries or [], self.tokenizer)}
+
+    def response(self, gens: list[Generation]) -> dict:
+        """As completions', with vLLM's ``prompt_logprobs`` at the top (one prompt)."""
+        out = super().response(gens)
+        if self.req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = out["choices"][0].pop("prompt_logprobs")
+        return out
 
     def final_choice(self, gen: Generation) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": gen.text.text},
-                "logprobs": None, "finish_reason": gen.finish_reason}
+                "logprobs": self._chat_logprobs(gen.logprobs),
+                "finish_reason": gen.finish_reason}
 
-    def chunk_choice(self, delta: Delta, first: bool) -> dict:
+    def chunk_choice(self, gen: Generation, delta: Delta, first: bool) -> dict:
         content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-        return {"index": 0, "delta": content, "logprobs": None,
+        return {"index": 0, "delta": content, "logprobs": self._chat_logprobs(delta.logprobs),
                 "finish_reason": delta.finish_reason}

@@ -41,6 +41,8 @@ class TokenChunk:
     finish_reason: str | None = None  # engine reason: "eos", "stop", "length", "abort"
     error: str | None = None  # the engine failed this request (HTTP 500)
     stats: FinishStats | None = None  # the request's counts, on its last chunk
+    logprobs: list | None = None  # a TokenLogprob per token, when the request asked
+    prompt_logprobs: list | None = None  # on the request's first tokens, when asked
 
 
 @dataclass
@@ -64,8 +66,11 @@ class RequestHandle:
             if after.error is not None:
                 self._held = after
                 break
+            logprobs = (None if chunk.logprobs is None and after.logprobs is None
+                        else (chunk.logprobs or []) + (after.logprobs or []))
             chunk = TokenChunk(chunk.token_ids + after.token_ids, after.finish_reason,
-                               stats=after.stats)
+                               stats=after.stats, logprobs=logprobs,
+                               prompt_logprobs=chunk.prompt_logprobs or after.prompt_logprobs)
         return chunk
 
 
@@ -106,13 +111,14 @@ class _Frontend:
         self._send_add(handle)
         return handle
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request (client gone); the engine frees its KV blocks before its next step.
-        Its stream ends at once with finish_reason "abort"."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Drop a request (client gone; or ``reason`` "stop": its text reached a stop string);
+        the engine frees its KV blocks before its next step and counts it under ``reason``.
+        Its stream ends at once with that finish reason."""
         handle = self._handles.pop(request_id, None)
         if handle is not None:
-            handle.chunks.put_nowait(TokenChunk([], "abort"))
-            self._send_abort(request_id)
+            handle.chunks.put_nowait(TokenChunk([], reason))
+            self._send_abort(request_id, reason)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest
@@ -143,7 +149,8 @@ class _Frontend:
                 continue
             if u.stats is not None or u.error is not None:
                 del self._handles[u.request_id]
-            handle.chunks.put_nowait(TokenChunk(u.token_ids, u.finish_reason, u.error, u.stats))
+            handle.chunks.put_nowait(TokenChunk(u.token_ids, u.finish_reason, u.error, u.stats,
+                                                u.logprobs, u.prompt_logprobs))
 
     def _fail_all(self, message: str) -> None:
         for handle in self._handles.values():
@@ -160,7 +167,7 @@ class AsyncEngine(_Frontend):
         self.llm = llm
         self.core = EngineCore(llm)
         self._to_add: list[RequestHandle] = []
-        self._to_abort: list[str] = []
+        self._to_abort: list[tuple[str, str]] = []  # (request id, reason)
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-step")
         self._task: asyncio.Task | None = None
@@ -180,8 +187,8 @@ class AsyncEngine(_Frontend):
         self._to_add.append(handle)
         self._wake.set()
 
-    def _send_abort(self, request_id: str) -> None:
-        self._to_abort.append(request_id)
+    def _send_abort(self, request_id: str, reason: str) -> None:
+        self._to_abort.append((request_id, reason))
         self._wake.set()
 
     def start(self) -> None:
@@ -209,7 +216,7 @@ class AsyncEngine(_Frontend):
             self._dispatch(await loop.run_in_executor(self._worker, self.core.step))
 
     def _apply_queued(self) -> None:
-        updates = [self.core.abort(rid) for rid in self._to_abort]
+        updates = [self.core.abort(rid, reason) for rid, reason in self._to_abort]
         self._to_abort.clear()
         updates += [self.core.add(h.request_id, h.prompt_token_ids, h.params)
                     for h in self._to_add if h.request_id in self._handles]
@@ -280,8 +287,8 @@ class ProcessEngine(_Frontend):
     def _send_add(self, handle: RequestHandle) -> None:
         self._send(("add", handle.request_id, handle.prompt_token_ids, handle.params))
 
-    def _send_abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+    def _send_abort(self, request_id: str, reason: str) -> None:
+        self._send(("abort", request_id, reason))
 
     def _send(self, msg) -> None:
         try:

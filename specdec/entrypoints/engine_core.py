@@ -8,7 +8,7 @@ in-process LLM: the tests inject faults there) or in a separate process (``specd
 waits for HTTP parsing, SSE writing or detokenization, and they never wait for a step.
 
 Messages to the engine process: ``("add", request_id, prompt_token_ids, SamplingParams)``,
-``("abort", request_id)``, ``("shutdown",)``. From it: one ``EngineInfo`` when ready (or
+``("abort", request_id, reason)``, ``("shutdown",)``. From it: one ``EngineInfo`` when ready (or
 ``("error", message)`` when the LLM cannot be built), then ``CoreOutput`` messages.
 """
 
@@ -44,6 +44,8 @@ class RequestUpdate:
     finish_reason: str | None = None  # engine reason once finished: eos, stop, length, abort
     error: str | None = None  # the engine failed this request (HTTP 500)
     stats: FinishStats | None = None  # once the request left the engine
+    logprobs: list | None = None  # TokenLogprob per token of token_ids, when asked
+    prompt_logprobs: list | None = None  # the prompt's, on its first tokens, when asked
 
 
 @dataclass
@@ -68,6 +70,7 @@ class EngineInfo:
     max_num_seqs: int
     num_threads: int  # torch's intra-op threads in the engine process
     startup: str | None = None  # LLM.startup: step graphs captured / compiled at start-up
+    eos_token_ids: tuple[int, ...] = ()  # the model's (for /tokenizer_info)
 
 
 class EngineCore:
@@ -87,12 +90,13 @@ class EngineCore:
             return RequestUpdate(request_id, [], error=str(e))
         return None
 
-    def abort(self, request_id: str) -> RequestUpdate | None:
-        """The request's ``abort`` update (with its stats), or None if it already ended."""
+    def abort(self, request_id: str, reason: str = "abort") -> RequestUpdate | None:
+        """End a request early: its update (with its stats), or None if it already ended.
+        ``reason``: "abort", or "stop" (the API process found a stop string)."""
         req = self.requests.pop(request_id, None)
-        if req is None or not self.llm.abort_request(request_id):
+        if req is None or not self.llm.abort_request(request_id, reason):
             return None
-        return RequestUpdate(request_id, [], "abort", stats=FinishStats.of(req))
+        return RequestUpdate(request_id, [], reason, stats=FinishStats.of(req))
 
     def has_work(self) -> bool:
         return self.llm.scheduler.has_unfinished()
@@ -122,9 +126,12 @@ class EngineCore:
                 if not n or req is None:
                     continue
                 done = req.status is Status.FINISHED
-                updates.append(RequestUpdate(rid, req.output_token_ids[-n:],
-                                             req.finish_reason if done else None,
-                                             stats=FinishStats.of(req) if done else None))
+                first = len(req.token_ids) - n == req.num_prompt_tokens
+                updates.append(RequestUpdate(
+                    rid, req.output_token_ids[-n:], req.finish_reason if done else None,
+                    stats=FinishStats.of(req) if done else None,
+                    logprobs=req.logprobs[-n:] if req.logprobs is not None else None,
+                    prompt_logprobs=req.prompt_logprobs if first else None))
                 if done:
                     del self.requests[rid]
         return CoreOutput(rec, updates, *self.gauges())
@@ -160,7 +167,8 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
         return
     conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
                          llm.max_model_len, llm.target.config.vocab_size,
-                         llm.scheduler.max_num_seqs, torch.get_num_threads(), llm.startup))
+                         llm.scheduler.max_num_seqs, torch.get_num_threads(), llm.startup,
+                         tuple(llm.target.config.eos_token_ids)))
     core = EngineCore(llm)
     try:
         while True:
@@ -171,7 +179,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
             for m in messages:
                 if m[0] == "shutdown":
                     return
-                update = core.add(*m[1:]) if m[0] == "add" else core.abort(m[1])
+                update = core.add(*m[1:]) if m[0] == "add" else core.abort(*m[1:])
                 if update is not None:
                     updates.append(update)
             out = core.step() if core.has_work() else CoreOutput(None, [], *core.gauges())

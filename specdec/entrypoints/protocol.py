@@ -1,12 +1,19 @@
 """The OpenAI request schema (validated with pydantic), its range checks, and error bodies.
 
 Fields beyond OpenAI's, as vLLM spells them: ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids`` and ``stream_options.continuous_usage_stats``. Unknown fields are
-ignored; a known field of the wrong type or out of range is HTTP 400 naming the field.
-OpenAI fields this server does not implement (``logprobs``, ``top_logprobs``, ``echo``,
-``best_of`` > 1, vLLM's ``prompt_logprobs``, penalties, ``logit_bias``, ``suffix``) are a 400
-naming the field unless their value is the no-op one (null, false, 0, 1, {}), never accepted
-and ignored. ``null`` for a field means its default (OpenAI's schema allows it).
+``return_token_ids``, ``prompt_logprobs`` and ``stream_options.continuous_usage_stats``.
+Unknown fields are ignored; a known field of the wrong type or out of range is HTTP 400
+naming the field. OpenAI fields this server does not implement (``best_of`` > 1, penalties,
+``logit_bias``, ``suffix``, ``echo`` on chat) are a 400 naming the field unless their value is
+the no-op one (null, false, 0, 1, {}), never accepted and ignored. ``null`` for a field means
+its default (OpenAI's schema allows it).
+
+Log-probabilities are the target model's (log-softmax of its raw logits: before temperature
+and top-p, as vLLM returns them by default): completions take ``logprobs: N`` (the sampled
+token's and the N most likely per position) and ``echo`` (the prompt before the completion,
+with its positions' log-probabilities when ``logprobs`` is set, the first one null); chat
+takes ``logprobs: true`` and ``top_logprobs: N``; both take vLLM's ``prompt_logprobs: N``.
+N is at most MAX_LOGPROBS.
 """
 
 from typing import Annotated, Literal
@@ -17,6 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from specdec.engine.config import SEED_MAX
+from specdec.engine.logprobs import MAX_LOGPROBS
 
 MAX_TEMPERATURE = 2.0
 
@@ -109,12 +117,12 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     n: int = 1
     return_token_ids: bool = False  # vLLM: choices[i].token_ids (and prompt_token_ids)
+    logprobs: int | bool | None = None  # completions: an int N; chat: true / false
+    top_logprobs: int | None = None  # chat: N, with logprobs true
+    echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
+    prompt_logprobs: int | None = None  # vLLM: choices[i].prompt_logprobs
     # not implemented: accepted only with the value that does nothing (see check_unsupported)
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
-    echo: bool = False
     best_of: int | None = None
-    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -131,7 +139,28 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Text | list[int]
+    # one prompt (text or token ids) or several (each its own choice, in order)
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+
+    def prompts(self) -> list:
+        """The prompts: strings and token-id lists."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(N per output token, N per prompt token) the engine computes; None: none."""
+        if isinstance(self.logprobs, bool):
+            raise ApiError(400, f"logprobs={str(self.logprobs).lower()}: completions take an "
+                                f"int 0..{MAX_LOGPROBS} (the most likely tokens returned per "
+                                "position), or null", "logprobs")
+        if self.top_logprobs not in (None, 0):
+            raise ApiError(400, f"top_logprobs={self.top_logprobs}: a chat field; completions "
+                                "take logprobs=N", "top_logprobs")
+        out = check_logprobs("logprobs", self.logprobs)
+        prompt = check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.echo and out is not None:  # the echoed prompt's positions
+            prompt = max(out, prompt or 0)
+        return out, prompt
 
 
 class TextPart(_Strict):
@@ -153,6 +182,26 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(N per output token, N per prompt token) the engine computes; None: none."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ApiError(400, f"logprobs={self.logprobs}: chat takes true or false; the "
+                                "number of most likely tokens goes in top_logprobs", "logprobs")
+        if self.echo:
+            raise ApiError(400, "echo=true: not supported on /v1/chat/completions; the prompt "
+                                "is echoed by /v1/completions", "echo")
+        top = check_logprobs("top_logprobs", self.top_logprobs)
+        if top and not self.logprobs:
+            raise ApiError(400, f"top_logprobs={top}: needs logprobs=true", "top_logprobs")
+        out = (top or 0) if self.logprobs else None
+        return out, check_logprobs("prompt_logprobs", self.prompt_logprobs)
+
+
+def check_logprobs(name: str, n: int | None) -> int | None:
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name}={n}: allowed 0 <= {name} <= {MAX_LOGPROBS}", name)
+    return n
 
 
 class TokenizeRequest(_Strict):
@@ -204,20 +253,14 @@ def _is_union_tag(part) -> bool:
 
 
 # field -> the values that do nothing (accepted); anything else is refused by name
-NO_OP = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False,),
-         "best_of": (None, 1), "prompt_logprobs": (None,), "presence_penalty": (0,),
-         "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": (None, {}),
-         "suffix": (None, "")}
-WHY = {"logprobs": "log-probabilities are not returned by this server",
-       "top_logprobs": "log-probabilities are not returned by this server",
-       "echo": "the prompt is not echoed (and prompt log-probabilities are not computed)",
-       "best_of": "only best_of=1 (= n) is supported",
-       "prompt_logprobs": "prompt log-probabilities are not computed"}
+NO_OP = {"best_of": (None, 1), "presence_penalty": (0,), "frequency_penalty": (0,),
+         "repetition_penalty": (1,), "logit_bias": (None, {}), "suffix": (None, "")}
+WHY = {"best_of": "only best_of=1 (= n) is supported"}
 
 
 def check_unsupported(req: SamplingRequest) -> None:
     """OpenAI/vLLM fields the engine does not implement: a 400 naming the field, unless the
-    value is the one that changes nothing (``logprobs: null``, ``echo: false``, ``best_of: 1``)."""
+    value is the one that changes nothing (``best_of: 1``, ``logit_bias: {}``)."""
     for name, ok in NO_OP.items():
         value = getattr(req, name)
         if value not in ok:
@@ -233,8 +276,9 @@ def greedy_top_p(top_p: float, vocab_size: int) -> bool:
 
 
 def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: int,
-                   vocab_size: int, default_max_tokens: int | None) -> int:
-    """Range checks that need the prompt; -> max_tokens (defaulted). ApiError(400) names the field."""
+                   vocab_size: int, default_max_tokens: int | None, prompt: str = "prompt") -> int:
+    """Range checks that need the prompt (``prompt``: its name, e.g. "prompt[1]" of several);
+    -> max_tokens (defaulted). ApiError(400) names the field."""
     if not 0 <= req.temperature <= MAX_TEMPERATURE:
         raise ApiError(400, f"temperature={req.temperature}: allowed 0 <= temperature <= "
                             f"{MAX_TEMPERATURE} (0 = greedy)", "temperature")
@@ -251,7 +295,7 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
         raise ApiError(400, f"stop_token_ids: {bad} outside the vocabulary [0, {vocab_size})",
                        "stop_token_ids")
     if num_prompt_tokens >= max_model_len:
-        raise ApiError(400, f"prompt: {num_prompt_tokens} tokens; it must be shorter than "
+        raise ApiError(400, f"{prompt}: {num_prompt_tokens} tokens; it must be shorter than "
                             f"max_model_len={max_model_len}", "prompt")
     room = max_model_len - num_prompt_tokens
     max_tokens = req.max_tokens
@@ -261,30 +305,36 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if not 1 <= max_tokens <= room:
+        of = "" if prompt == "prompt" else f" of {prompt}"
         raise ApiError(400, f"{name}={max_tokens}: allowed 1 <= {name} <= {room} (max_model_len="
-                            f"{max_model_len} - {num_prompt_tokens} prompt tokens)", name)
+                            f"{max_model_len} - {num_prompt_tokens} prompt tokens{of})", name)
     return max_tokens
 
 
-def check_prompt_length(prompt, max_model_len: int, max_token_chars: int) -> None:
+def check_prompt_length(prompt, max_model_len: int, max_token_chars: int,
+                        name: str = "prompt") -> None:
     """Refuse a prompt that cannot fit before parsing or tokenizing it (both are slow on
     megabytes): a list of more than max_model_len ids, or a string longer than max_model_len
     tokens of the longest vocabulary entry could spell (times 4, for normalizers that fold
-    characters, such as NFC)."""
+    characters, such as NFC). A list of prompts (strings or id lists): each, by its index."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        for i, p in enumerate(prompt):
+            check_prompt_length(p, max_model_len, max_token_chars, f"{name}[{i}]")
+        return
     if isinstance(prompt, list) and len(prompt) >= max_model_len:
-        raise ApiError(400, f"prompt: {len(prompt)} token ids; it must be shorter than "
+        raise ApiError(400, f"{name}: {len(prompt)} token ids; it must be shorter than "
                             f"max_model_len={max_model_len}", "prompt")
     if isinstance(prompt, str) and len(prompt) > 4 * max_token_chars * max_model_len:
-        raise ApiError(400, f"prompt: {len(prompt)} characters is more than max_model_len="
+        raise ApiError(400, f"{name}: {len(prompt)} characters is more than max_model_len="
                             f"{max_model_len} tokens can hold (a token here spells at most "
                             f"{max_token_chars} characters)", "prompt")
 
 
-def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+def check_prompt_ids(ids: list[int], vocab_size: int, name: str = "prompt") -> None:
     if not ids:
-        raise ApiError(400, "prompt: empty; give at least one token", "prompt")
+        raise ApiError(400, f"{name}: empty; give at least one token", "prompt")
     if bad := [t for t in ids if not 0 <= t < vocab_size][:5]:
-        raise ApiError(400, f"prompt: token ids {bad} outside the vocabulary [0, {vocab_size})",
+        raise ApiError(400, f"{name}: token ids {bad} outside the vocabulary [0, {vocab_size})",
                        "prompt")
 
 
@@ -311,3 +361,70 @@ def spec_decode_metrics(num_drafted: list[int], num_accepted: list[int], num_ste
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1.0 + accepted / num_steps if num_steps else 1.0,
             "acceptance_histogram": [at_least[j] - at_least[j + 1] for j in range(k + 1)]}
+
+
+MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as the logprobs fields spell it: its text (special tokens too), or
+    ``token_id:N`` without a tokenizer (vLLM's ``return_tokens_as_token_ids`` form)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(entries: list, token_ids: list[int], tokenizer, offset: int
+                        ) -> tuple[dict, int]:
+    """OpenAI's completions ``logprobs`` for these tokens (``entries``: a TokenLogprob each, or
+    None for an echoed prompt's first token): ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (the token's own, then the N most likely: vLLM's order) and ``text_offset`` (from
+    ``offset``, the characters before them); -> (that dict, the offset after them)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, e in zip(token_ids, entries):
+        text = token_text(tokenizer, tok)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(max(e.logprob, MIN_LOGPROB))
+        top = {text: max(e.logprob, MIN_LOGPROB)}
+        for t, lp in e.top:
+            top.setdefault(token_text(tokenizer, t), max(lp, MIN_LOGPROB))
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def chat_logprobs(entries: list, tokenizer) -> list[dict]:
+    """OpenAI's chat ``logprobs.content``: per token its text, log-probability, UTF-8 bytes and
+    ``top_logprobs`` (the N most likely, best first)."""
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries]
+
+
+def vllm_prompt_logprobs(entries: list, tokenizer) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first: null) a dict token id ->
+    {logprob, rank, decoded_token} of the prompt token and the N most likely; None when the
+    request ended before its prefill did."""
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        one = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
+                                 "decoded_token": token_text(tokenizer, e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top, 1):
+            one.setdefault(str(t), {"logprob": max(lp, MIN_LOGPROB), "rank": rank,
+                                    "decoded_token": token_text(tokenizer, t)})
+        out.append(one)
+    return out

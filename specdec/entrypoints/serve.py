@@ -7,6 +7,7 @@ import argparse
 import json
 import signal
 import sys
+from pathlib import Path
 
 from specdec.commands.flags import (UsageError, add_engine_arguments,
                                     add_speculation_arguments, engine_kwargs,
@@ -56,13 +57,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab_size: int,
-                 num_speculative_tokens: int = 0, per_request_spec_metrics: bool = False):
+                 num_speculative_tokens: int = 0, per_request_spec_metrics: bool = False,
+                 eos_token_ids: tuple[int, ...] = ()):
     """What the handlers need of the model (``api_server.ServedModel``)."""
     from specdec.entrypoints.api_server import ServedModel
     from specdec.entrypoints.chat import load_chat_template
     longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
     return ServedModel(name, tokenizer, load_chat_template(model_dir), max_model_len,
-                       vocab_size, longest, num_speculative_tokens, per_request_spec_metrics)
+                       vocab_size, longest, num_speculative_tokens, per_request_spec_metrics,
+                       tokenizer_info(tokenizer, model_dir, max_model_len, eos_token_ids))
+
+
+def tokenizer_info(tokenizer, model_dir: str, max_model_len: int,
+                   eos_token_ids: tuple[int, ...]) -> dict | None:
+    """vLLM's /tokenizer_info: the folder's ``tokenizer_config.json`` special tokens and chat
+    template (the eos token from the model's eos id where it names none) and
+    ``model_max_length`` = max_model_len. None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+
+    def token(name: str) -> str | None:
+        value = config.get(name)  # a string, or an AddedToken's {"content": ...}
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos = token("eos_token")
+    if eos is None and eos_token_ids:
+        eos = tokenizer.id_to_token(eos_token_ids[0])
+    template = config.get("chat_template")
+    return {"tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+            "model_max_length": max_model_len, "bos_token": token("bos_token"),
+            "eos_token": eos, "pad_token": token("pad_token"), "unk_token": token("unk_token"),
+            "chat_template": template if isinstance(template, str) else None}
 
 
 def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
@@ -84,7 +111,7 @@ def build_server_app(llm, name: str, max_waiting: int = 256, shutdown_timeout_s:
     k = llm.spec.num_speculative_tokens if llm.spec is not None else 0
     model = served_model(name, llm.tokenizer, llm.init_kwargs.get("model") or DEFAULT_MODEL,
                          llm.max_model_len, llm.target.config.vocab_size, k,
-                         per_request_spec_metrics)
+                         per_request_spec_metrics, tuple(llm.target.config.eos_token_ids))
     return app_over(AsyncEngine(llm, max_waiting=max_waiting), model, shutdown_timeout_s,
                     max_request_bytes)
 
@@ -120,7 +147,8 @@ def run_from_args(args) -> int:
     k = spec["num_speculative_tokens"] if spec else 0
     app = app_over(engine, served_model(name, info.tokenizer, info.model_dir,
                                         info.max_model_len, info.vocab_size, k,
-                                        args.per_request_spec_decode_metrics == "summary"),
+                                        args.per_request_spec_decode_metrics == "summary",
+                                        info.eos_token_ids),
                    args.shutdown_timeout, args.max_request_bytes)
     print(f"specdec serve: {name} on http://{args.host}:{args.port} "
           f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "

@@ -49,7 +49,8 @@ class StubLLM:
         self.tokenizer = load_tokenizer(folder)
         self.init_kwargs = dict(model=model)
         self.max_model_len = max_model_len
-        self.target = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.target = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size,
+                                                             eos_token_ids=()))
         self.scheduler = StubScheduler(max_num_seqs)
         self.steps: list[StepRecord] = []
 
@@ -60,17 +61,20 @@ class StubLLM:
                    llm_kwargs["max_model_len"])
 
     def add_request(self, prompt_token_ids: list[int], params, request_id: str) -> Request:
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("logprobs: the stub engine (a benchmark of the served path) "
+                             "computes no log-probabilities")
         req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
         self.scheduler.waiting.append(req)
         return req
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         s = self.scheduler
         for queue in (s.waiting, s.running):
             req = next((r for r in queue if r.request_id == request_id), None)
             if req is not None:
                 queue.remove(req)
-                req.status, req.finish_reason = Status.FINISHED, "abort"
+                req.status, req.finish_reason = Status.FINISHED, reason
                 return True
         return False
 

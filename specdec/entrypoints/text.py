@@ -17,7 +17,9 @@ class TextStream:
 
     Held back until more tokens arrive or the request ends: a trailing incomplete UTF-8
     sequence (decoded as U+FFFD) and the last ``len(longest stop string) - 1`` characters
-    (a stop string may be starting). A stop string ends the text just before it.
+    (a stop string may be starting). A stop string ends the text just before it, and the
+    tokens at the token that completes it: ``token_ids`` keeps none after that one (a
+    speculative step brings several tokens at once; they are not the request's).
     Without a tokenizer the text stays empty (token ids only).
     """
 
@@ -35,16 +37,17 @@ class TextStream:
 
     def add(self, token_ids: list[int], final: bool) -> str:
         """Append a chunk's tokens; -> the text to send now (all of it once ``final`` or stopped)."""
+        if self.stopped:  # the request ended at its stop string: nothing after it is its
+            return ""
         self.token_ids += token_ids
         if self.tokenizer is None:
             return ""
-        if self.stopped:
-            text = self.text
-        else:  # the last chunk decodes everything once: the text a full decode gives
-            text = self.tokenizer.decode(self.token_ids) if final else self._decode()
+        # the last chunk decodes everything once: the text a full decode gives
+        text = self.tokenizer.decode(self.token_ids) if final else self._decode()
         start = max(0, self.sent - self.hold)  # a stop string may straddle sent text
         cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if cuts:
+            del self.token_ids[self._tokens_through_stop(start, len(token_ids)):]
             text, self.stopped, final = text[:min(cuts)], True, True
         self.text = text
         end = len(text)
@@ -55,6 +58,15 @@ class TextStream:
         delta = text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta
+
+    def _tokens_through_stop(self, start: int, new: int) -> int:
+        """The fewest tokens whose text holds a stop string (from character ``start``); only
+        the last ``new`` tokens can complete it (earlier chunks were searched)."""
+        for n in range(len(self.token_ids) - new + 1, len(self.token_ids)):
+            text = self.tokenizer.decode(self.token_ids[:n])
+            if any(text.find(s, start) >= 0 for s in self.stop):
+                return n
+        return len(self.token_ids)
 
     def _decode(self) -> str:
         """The text of all output tokens: the complete part plus the tokens after it."""
