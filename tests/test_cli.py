@@ -75,6 +75,22 @@ def test_speculative_config_without_k_takes_k_from_the_flag(model, tmp_path, cap
         "method": "ngram", "num_speculative_tokens": 3}
 
 
+def test_a_k_larger_than_the_default_step_budget_runs(model, capsys):
+    """-k 260 needs 261 tokens per step: generate's default budget (256) grows to fit, and
+    the counters count what the request kept (issue 37, item 6); an explicit
+    --max-num-batched-tokens below 1 + K is one line naming it, exit 2."""
+    code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
+                         "--max-tokens", "2", "--method", "mtp", "-k", "260")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if "│ mtp " in line)
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[:2] == ["mtp", "260"] and int(cells[7]) <= int(cells[3]) == 2
+    code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
+                         "-k", "10", "--method", "mtp", "--max-num-batched-tokens", "5")
+    assert code == 2 and "max_num_batched_tokens=5: must be >= 1 + num_speculative_tokens" \
+        in err and len(err.strip().splitlines()) == 1
+
+
 def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsys):
     code, out, _ = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT,
                        "--max-tokens", "4")

@@ -27,6 +27,7 @@ def method_label(spec: dict | None) -> tuple[str, str, str]:
             "ragged" if spec.get("disable_padded_drafter_batch") else "padded")
 
 
+DEFAULT_BATCHED_TOKENS = 256  # LLM's default max_num_batched_tokens
 STATS_COLUMNS = ("method", "K", "batch", "tokens", "tok/s", "accept\nlen", "drafted", "accepted")
 
 
@@ -135,7 +136,12 @@ def cmd_generate(args) -> int:
         if args.overwrite_output_dir:
             dmc["overwrite_output_dir"] = True
         spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
-    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed, **engine_kwargs(args))
+    k = spec["num_speculative_tokens"] if spec else 0
+    budget = args.max_num_batched_tokens
+    if budget is None:  # one step verifies 1 + K tokens: the default budget grows to fit
+        budget = max(DEFAULT_BATCHED_TOKENS, 1 + k)
+    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed,
+                    max_num_batched_tokens=budget, **engine_kwargs(args))
     console = Console()
     engine = f"{llm.device}, {str(llm.config.dtype).removeprefix('torch.')}, {llm.graph_backend}"
 
@@ -164,7 +170,8 @@ def cmd_generate(args) -> int:
         return 0
     rows = [(out, seconds, spec)]
     if args.compare_plain and spec is not None:  # the same prompt without a drafter
-        plain = build_llm(args.model, None, dp=args.dp, seed=args.seed, **engine_kwargs(args))
+        plain = build_llm(args.model, None, dp=args.dp, seed=args.seed,
+                          max_num_batched_tokens=budget, **engine_kwargs(args))
         timed(plain)  # warm-up, as the speculative engine had (its first call above or here)
         rows.append((*timed(plain), None))
         if method != "torchair-mtp":  # time the speculative run warm too, as plain's
@@ -207,6 +214,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--compare-plain", action="store_true",
                    help="also run the prompt without a drafter and show both rows, timed warm, "
                         "with a hint when speculation was slower (default: off)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="tokens per engine step (default: 256, or 1 + K when K is larger)")
     p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     add_engine_arguments(p)
