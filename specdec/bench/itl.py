@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--quick", action="store_true",
                    help="the quick sweep: every method and mode, K=3, concurrency 1,4, "
-                        "32-token prompts, 32 output tokens, 4 repeats (see the README for "
+                        "32-token prompts, 32 output tokens, 4 repeats (see docs/benchmarks.md for "
                         "its measured duration; default: the full sweep below)")
     p.add_argument("--sweep", metavar="FILE", help="YAML or JSON sweep file (keys: "
                    + ", ".join(DEFAULT_SWEEP) + "); flags given on the command line override "

@@ -93,7 +93,7 @@ def slower_hint(results: dict) -> str | None:
             f"K={c['k']} at concurrency {c['concurrency']}, {c['summary']['itl_ms']['mean']:.2f} "
             f"vs {base:.2f} ms ITL): speculation wins only when the acceptance length exceeds "
             "the time of a speculative step over a plain one, which on a CPU the drafter's "
-            "forwards make large (README, Benchmarks).")
+            "forwards make large (docs/benchmarks.md).")
 
 
 def skipped_lines(results: dict) -> list[str]:

@@ -335,7 +335,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="the config name in the results (default: the method "
                                    "with --launch, else the served model name)")
     p.add_argument("--quick", action="store_true", help="concurrency 1,4, 32-token prompts, "
-                   "32 output tokens, 4 repeats (see the README for its measured duration; "
+                   "32 output tokens, 4 repeats (see docs/benchmarks.md for its measured duration; "
                    "default: concurrency 1,4,16, 64-token prompts and outputs, 3 repeats)")
     p.add_argument("--out", default="bench-serve-results", metavar="DIR",
                    help="where results.json and the PNGs go")

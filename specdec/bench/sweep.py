@@ -38,7 +38,7 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib")
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
-# duration is in the README's Benchmarks section; most of it compiles the torchair-mtp graphs)
+# duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
                    repeats=4)
 LIST_KEYS = ("methods", "modes", "k", "concurrency", "prompt_len", "output_len")

@@ -73,7 +73,7 @@ def compare_hint(rows: list[tuple]) -> str | None:
     return (f"hint: {method_label(spec_rows[0][1])[0]} was slower than plain decoding in this "
             f"run ({spec_rows[0][0]:.1f} vs {plain_rows[0]:.1f} tok/s): it wins only when the "
             "acceptance length exceeds the time of a speculative step over a plain one, which "
-            "on a CPU the drafter's forwards make large (README, Benchmarks).")
+            "on a CPU the drafter's forwards make large (docs/benchmarks.md).")
 
 
 def hidden_states_summary(out, output_dir: str) -> list[str]:

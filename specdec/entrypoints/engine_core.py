@@ -140,8 +140,8 @@ class EngineCore:
 def default_engine_threads() -> int:
     """Torch threads of the engine process: the CPUs this process may run on, less one for
     the API process (HTTP, SSE, detokenizing) and the clients on the same machine; at least 1.
-    (On a 2-core CPU a second intra-op thread spin-waits against them: measured in the
-    README.)"""
+    (On a 2-core CPU a second intra-op thread spin-waits against them: measured in
+    docs/benchmarks.md.)"""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
