@@ -17,7 +17,7 @@ MTP_ALIASES = (
     "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
     "inkling_mtp", "glm5_next_mtp",
 )
-METHODS = ("mtp", "eagle", "eagle3", "extract_hidden_states", "ngram", "suffix")
+METHODS = ("mtp", "eagle", "eagle3", "draft_model", "extract_hidden_states", "ngram", "suffix")
 # Methods that draft on the host from the request's own tokens: no head, no draft step.
 HOST_DRAFT_METHODS = ("ngram", "suffix")
 NGRAM_DEFAULT_N = 5  # vLLM's prompt_lookup_min/max when neither is given
@@ -42,7 +42,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # K >= 1
     disable_padded_drafter_batch: bool = False  # True: ragged (host-synced) drafter batch
     draft_model_config: dict = field(default_factory=dict)  # draft HF config overrides
-    model: str | None = None  # path of the draft head folder
+    model: str | None = None  # path of the draft head folder (draft_model: the draft LM's)
     graph_mode: str | None = None  # one of GRAPH_MODES; None: the device's default backend
     # ngram (vLLM's keys): the n-gram sizes matched against the request's tokens; one given
     # sets both, neither gives NGRAM_DEFAULT_N (as vLLM)
@@ -84,6 +84,9 @@ class SpeculativeConfig:
             # A ragged batch has a data-dependent token count: it cannot replay a full graph.
             raise ValueError(f"disable_padded_drafter_batch=True cannot run with "
                              f"graph_mode={self.graph_mode!r}; allowed: 'eager'")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("method='draft_model' needs speculative_config.model: the folder "
+                             "of a causal LM with the target's tokenizer")
         self._check_prompt_lookup()
         self._check_suffix_keys()
         ids = self.aux_layer_ids_configured

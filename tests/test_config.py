@@ -53,8 +53,13 @@ def assert_error(exc, field, **kw):
 
 
 def test_unknown_method():
-    msg = assert_error(ValueError, "method", method="draft_model")
-    assert "'draft_model'" in msg and "eagle3" in msg
+    msg = assert_error(ValueError, "method", method="medusa")
+    assert "'medusa'" in msg and "eagle3" in msg and "draft_model" in msg
+
+
+def test_draft_model_needs_its_folder():
+    msg = assert_error(ValueError, "speculative_config.model", method="draft_model")
+    assert "method='draft_model'" in msg
 
 
 def test_method_not_a_string():

@@ -10,11 +10,12 @@ import json
 from pathlib import Path
 
 # --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
-METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "extract_hidden_states", "ngram",
-           "suffix")
+METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "draft_model",
+           "extract_hidden_states", "ngram", "suffix")
 DEFAULT_METHOD, DEFAULT_K = "eagle3", 3
-# the ITL harness sweeps the drafters that draft (extract_hidden_states never does)
-BENCH_METHODS = tuple(m for m in METHODS if m != "extract_hidden_states")
+# the ITL harness sweeps the drafters that draft (extract_hidden_states never does) beside the
+# target alone (a draft model needs a folder of its own: not a sweep key yet)
+BENCH_METHODS = tuple(m for m in METHODS if m not in ("extract_hidden_states", "draft_model"))
 
 
 class UsageError(Exception):
@@ -48,9 +49,10 @@ def document_defaults(parser: argparse.ArgumentParser) -> None:
             action.help = ((action.help or "").rstrip() + " (default: %(default)s)").lstrip()
 
 
-def speculative_config(method: str, k: int, padded: bool, override: str | None = None) -> dict | None:
-    """The vLLM-style dict for ``--method/-k/--no-padded``, updated by the ``override`` JSON
-    (K from ``k`` when the JSON gives none, whatever the model).
+def speculative_config(method: str, k: int, padded: bool, override: str | None = None,
+                       draft_model: str | None = None) -> dict | None:
+    """The vLLM-style dict for ``--method/-k/--no-padded/--draft-model``, updated by the
+    ``override`` JSON (K from ``k`` when the JSON gives none, whatever the model).
 
     ``speculative_config("torchair-mtp", 2, True)`` ->
     ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
@@ -73,6 +75,14 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
             raise UsageError(f"--speculative-config must be a JSON object, got {override!r}")
         spec = {**(spec or {}), **extra}
         spec.setdefault("num_speculative_tokens", k)  # the JSON's K, else -k (or its default)
+    if draft_model is not None:
+        if spec is None or spec.get("method") != "draft_model":
+            raise UsageError(f"--draft-model={draft_model!r} is method draft_model's folder; "
+                             f"the method here is {method!r} (give --method draft_model)")
+        spec.setdefault("model", draft_model)
+    if spec is not None and spec.get("method") == "draft_model" and "model" not in spec:
+        raise UsageError("--method draft_model needs --draft-model DIR: the folder of a causal "
+                         "LM with the target's tokenizer")
     return spec
 
 
@@ -97,7 +107,8 @@ def speculation_from_args(args) -> dict | None:
     and ``bench serve --launch``."""
     method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
-    return speculative_config(method, k, not args.no_padded, args.speculative_config)
+    return speculative_config(method, k, not args.no_padded, args.speculative_config,
+                              args.draft_model)
 
 
 def add_speculation_arguments(
@@ -114,6 +125,9 @@ def add_speculation_arguments(
                    help="vLLM-style dict, e.g. "
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'; '
                         "its keys override --method/-k/--no-padded (default: none)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="method draft_model: the folder of a small causal LM with the target's "
+                        "tokenizer (speculative_config.model)")
     p.add_argument("--no-padded", action="store_true",
                    help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
                         "default: padded)")

@@ -126,7 +126,8 @@ def cmd_generate(args) -> int:
     if method == "extract_hidden_states":
         k = 1  # the only K it runs with
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
-    spec = speculative_config(method, k, not args.no_padded, args.speculative_config)
+    spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
+                              args.draft_model)
     extracting = spec is not None and spec.get("method") == "extract_hidden_states"
     if extracting and args.num_speculative_tokens is None and "num_speculative_tokens" not in (
             json.loads(args.speculative_config) if args.speculative_config else {}):

@@ -85,6 +85,11 @@ class LLM:
         cfg.check_model(target.config)
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
+        if self.spec is not None and self.spec.method == "draft_model" \
+                and tensor_parallel_size > 1:
+            raise ValueError(f"method='draft_model' with tensor_parallel_size="
+                             f"{tensor_parallel_size}: not supported yet; allowed: 1 (data "
+                             "parallelism is)")
         self.target = target.eval()
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
@@ -95,7 +100,7 @@ class LLM:
                 # share the target's sharded embedding and lm_head
                 draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
-                                     dtype=cfg.dtype, device=load_on)
+                                     dtype=cfg.dtype, device=load_on, tokenizer=self.tokenizer)
         cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()),
                          state_slots=1 + k)
         dp_size = self.role.dp.size if self.role.dp is not None else data_parallel_size

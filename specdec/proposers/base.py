@@ -270,24 +270,25 @@ class DraftModelProposer(Proposer):
         return DraftStep(self.positions[:rows], self.input_positions[:rows],
                          self.slot_mapping[:rows], self.seq_lens[:rows])
 
-    def draft_loop_steps(self, tokens: torch.Tensor, hidden: torch.Tensor,
+    def draft_loop_steps(self, tokens: torch.Tensor, hidden: torch.Tensor | None,
                          positions: torch.Tensor, seq_lens: torch.Tensor,
                          num_rejected: torch.Tensor | None, num_reqs: int | torch.Tensor,
-                         block_table: torch.Tensor, loop_seq_len: int) -> list[torch.Tensor]:
+                         block_table: torch.Tensor, loop_seq_len: int,
+                         num_steps: int | None = None) -> list[torch.Tensor]:
         """Draft steps 2..K over Bp rows (B real, the rest padding), one token each.
 
-        tokens [Bp] int32 (draft 1), hidden [Bp, H] (the head's output at the sample index),
-        positions [b] int64 and seq_lens [b] int32 at the sample index, b <= Bp (num_rejected
-        [b] in padded mode, None when seq_lens are already the ragged ones), block_table
-        [b, M], loop_seq_len: bound on seq_lens in every step (``loop_seq_len``). Returns K-1
-        tensors [Bp] int32.
+        tokens [Bp] int32 (draft 1), hidden [Bp, H] (the head's output at the sample index;
+        None for a head that reads none), positions [b] int64 and seq_lens [b] int32 at the
+        sample index, b <= Bp (num_rejected [b] in padded mode, None when seq_lens are already
+        the ragged ones), block_table [b, M], loop_seq_len: bound on seq_lens in every step
+        (``loop_seq_len``). Returns ``num_steps`` (default K-1) tensors [Bp] int32.
         """
         bp = tokens.shape[0]
         self.start_draft_loop(positions, seq_lens, num_rejected, bp)
         block_table = _pad_rows(block_table, bp)
         qsl = torch.arange(bp + 1, dtype=torch.int32, device=tokens.device)
         drafts = []
-        for _ in range(1, self.num_speculative_tokens):
+        for _ in range(self.num_speculative_tokens - 1 if num_steps is None else num_steps):
             st = self.advance_step(num_reqs, block_table)
             meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, block_table,
                                      loop_seq_len)

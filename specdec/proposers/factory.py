@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import SpeculativeConfig
+from specdec.models.draft_lm import DraftLM, load_draft_lm
 from specdec.models.heads import DraftHead, load_head
 from specdec.models.heads.registry import MTP_TARGETS, holds_mtp_layers
 from specdec.padding import StepSizes
@@ -35,7 +36,7 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
 
 
 def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
-                      draft_head, dtype: torch.dtype, device: torch.device):
+                      draft_head, dtype: torch.dtype, device: torch.device, tokenizer=None):
     """The head ``spec`` needs (``draft_head``, else loaded from its folder; None for
     extract_hidden_states, whose output folder is checked instead), checked against the method
     and the aux layers: the one check of the speculative parts, before anything is built.
@@ -49,10 +50,13 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir,
         check_output_dir(spec)
         head, where = None, None
     elif draft_head is not None:
-        if not isinstance(draft_head, DraftHead):
+        if not isinstance(draft_head, (DraftHead, DraftLM)):
             raise TypeError(f"draft_head={draft_head!r}: must be a DraftHead (see "
-                            "specdec.models.heads) or None")
+                            "specdec.models.heads), a DraftLM (specdec.models.draft_lm) or None")
         head, where = draft_head, "draft_head"
+    elif spec.method == "draft_model":  # a separate causal LM (``tokenizer``: the target's)
+        head = load_draft_lm(spec.model, target, tokenizer, dtype=dtype, device=device)
+        where = f"speculative_config.model={spec.model!r}"
     else:
         path = find_head_dir(spec, model_dir)
         head = load_head(path, target, dtype=dtype, device=device,

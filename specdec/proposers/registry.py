@@ -3,6 +3,7 @@ picks the step wrapper's backend (`specdec.graphs`)."""
 
 from specdec.config import SpeculativeConfig
 from specdec.proposers.base import Proposer
+from specdec.proposers.draft_model import DraftLMProposer
 from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
@@ -13,6 +14,7 @@ PROPOSERS: dict[str, type[Proposer] | type[NgramProposer] | type[SuffixProposer]
     "mtp": MtpProposer,
     "eagle": EagleProposer,
     "eagle3": Eagle3Proposer,
+    "draft_model": DraftLMProposer,  # a separate small causal LM (speculative_config.model)
     "extract_hidden_states": ExtractHiddenStatesProposer,
     # host drafters: drafts from the token ids after each step (LLM._apply), no device step
     "ngram": NgramProposer,

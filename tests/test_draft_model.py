@@ -1,0 +1,114 @@
+"""method ``draft_model``: a separate small causal LM drafts for the embedded target. A copy of
+the target as its own draft model is accepted at every position (acceptance K + 1); a tiny
+transformers Llama of the target's tokenizer drafts without changing a greedy token (padded
+and ragged, eager and replay, one request and eight, data parallel with an idle rank); a
+draft model of another vocabulary or tokenizer, or none, is refused by name."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec.engine.llm import DEFAULT_MODEL, LLM
+from specdec.engine.sequence import SamplingParams
+
+import hf_models
+from helpers import assert_one_line_exit_2, cli
+
+K = 3
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):",
+           "for i in range(10):", "with open(path) as f:", "x = [", "return self.", "try:\n"]
+
+
+def spec(model, padded=True, k=K) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
+            "disable_padded_drafter_batch": not padded}
+
+
+def engine(speculative_config=None, **kw) -> LLM:
+    return LLM(speculative_config=speculative_config, dtype=torch.float64, max_model_len=128,
+               **kw)
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    """A tiny random Llama built and saved by transformers, with the target's vocabulary and
+    tokenizer.json: a draft model that disagrees with the target often."""
+    path = hf_models._llama(tmp_path_factory.mktemp("draft") / "llama", vocab_size=2048)
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Plain greedy tokens of every prompt (ignore_eos, 13 tokens)."""
+    return [o.token_ids for o in engine().generate(
+        PROMPTS, SamplingParams(max_tokens=13, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("padded,backend", [(True, "eager"), (True, "replay"), (False, "eager")],
+                         ids=["padded-eager", "padded-replay", "ragged"])
+def test_a_copy_of_the_target_is_accepted_at_every_position(plain, padded, backend):
+    """The target's own folder as the draft model: every draft equals the target's greedy
+    token, so each verifying step accepts K (1 + K tokens per step) and the tokens are plain
+    greedy's."""
+    outs = engine(spec(DEFAULT_MODEL, padded), graph_backend=backend, max_num_seqs=2).generate(
+        PROMPTS[:2], SamplingParams(max_tokens=13, ignore_eos=True))  # 1 + 3 steps of 1 + K
+    assert [o.token_ids for o in outs] == plain[:2]
+    for o in outs:
+        assert o.num_drafted == o.num_accepted == [3, 3, 3]
+        assert o.acceptance_length == K + 1
+
+
+@pytest.mark.parametrize("padded,backend,conc", [(True, "replay", 8), (True, "eager", 1),
+                                                 (False, "eager", 8)],
+                         ids=["padded-replay-conc8", "padded-eager-conc1", "ragged-conc8"])
+def test_a_small_llama_drafts_plain_greedys_tokens(small_llama, plain, padded, backend, conc):
+    llm = engine(spec(small_llama, padded), graph_backend=backend, max_num_seqs=conc)
+    n = 2 if conc == 1 else len(PROMPTS)  # one at a time: two prompts say it
+    outs = llm.generate(PROMPTS[:n], SamplingParams(max_tokens=13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain[:n]
+    assert sum(sum(o.num_drafted) for o in outs) > 0
+
+
+def test_data_parallel_with_an_idle_rank(small_llama, plain):
+    """Two DP ranks, one prompt: the idle rank runs the draft model's dummy forwards."""
+    outs = engine(spec(small_llama), data_parallel_size=2).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain[:1]
+
+
+def test_refused_by_name(small_llama, tmp_path):
+    with pytest.raises(ValueError, match="method='draft_model' needs speculative_config.model"):
+        engine({"method": "draft_model", "num_speculative_tokens": 2})
+    other_vocab = hf_models._llama(tmp_path / "v512", vocab_size=512)
+    with pytest.raises(ValueError, match=r"v512'\: vocab_size=512, the target's is 2048"):
+        engine(spec(other_vocab))
+    other_tok = tmp_path / "tok"
+    shutil.copytree(small_llama, other_tok)
+    tok = json.loads((other_tok / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids
+    (other_tok / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tok'.*maps tokens to other ids than the target's"):
+        engine(spec(other_tok))
+    with pytest.raises(ValueError, match="method='draft_model' with tensor_parallel_size=2"):
+        LLM(speculative_config=spec(small_llama), tensor_parallel_size=2)
+
+
+def test_the_commands_take_draft_model(small_llama, capsys):
+    """specdec generate --method draft_model --draft-model DIR: the engine's tokens and a
+    table row; without the folder, or the folder with another method: one line, exit 2."""
+    code, out, err = cli(capsys, "generate", "--prompt", PROMPTS[0], "--max-tokens", "8",
+                         "--method", "draft_model", "--draft-model", str(small_llama), "-k", "2")
+    assert code == 0, err
+    want = LLM(speculative_config=spec(small_llama, k=2)).generate(PROMPTS[0], max_tokens=8)[0]
+    assert out.startswith(PROMPTS[0] + want.text)
+    assert "│ draft_model │ 2 │ padded │" in out
+    code, _, err = cli(capsys, "generate", "--prompt", "x", "--method", "draft_model")
+    assert_one_line_exit_2(code, err, "--method draft_model needs --draft-model DIR")
+    code, _, err = cli(capsys, "generate", "--prompt", "x", "--method", "eagle3",
+                       "--draft-model", str(small_llama))
+    assert_one_line_exit_2(code, err, "is method draft_model's folder", "'eagle3'")
