@@ -16,6 +16,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
 
 def build(method, backend, **kw):
     spec = None if method is None else {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":  # the target's own folder drafts (accepted at every position)
+        from specdec.engine.llm import DEFAULT_MODEL
+        spec["model"] = str(DEFAULT_MODEL)
     return LLM(speculative_config=spec, device="cuda", dtype=torch.float32,
                graph_backend=backend, max_num_seqs=4, **kw)
 
@@ -26,7 +29,7 @@ def generate(method, backend, **kw):
     return [o.token_ids for o in outs], [o.num_accepted for o in outs], llm
 
 
-@pytest.mark.parametrize("method", [None, "mtp", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", [None, "mtp", "eagle", "eagle3", "draft_model"])
 def test_cuda_graph_steps_equal_eager(method):
     eager, eager_acc, _ = generate(method, "eager")
     captured, captured_acc, llm = generate(method, "cuda_graph")
