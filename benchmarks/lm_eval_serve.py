@@ -21,14 +21,13 @@ generate_until texts are the same in every run.
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from specdec.bench.serve import launch, stop
 
 MAX_MODEL_LEN = 512
 # multiple choice: (question, choices, index of the answer); code the embedded model knows
@@ -86,33 +85,6 @@ def write_tasks(folder: Path) -> list[str]:
     return ["specdec_mc", "specdec_gen"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(method: str, model: str | None, port: int) -> subprocess.Popen:
-    """``specdec serve`` in a subprocess, once /health answers."""
-    cmd = [sys.executable, "-m", "specdec.commands.cli", "serve", "--method", method,
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN)]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"specdec serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("specdec serve did not start in 600 s")
-
-
 def in_process_loglikelihoods(llm, pairs: list[list[int]], split: list[int]
                               ) -> list[tuple[float, bool]]:
     """(sum of the continuation's log-probabilities, whether each continuation token is the
@@ -131,11 +103,12 @@ def run(method: str, batch_size: int, tokenized: bool, args, tasks: list[str], f
     import lm_eval
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
-    port = free_port()
-    proc = launch(method, args.model, port)
+    serve_args = ["--method", method, "--max-model-len", str(MAX_MODEL_LEN)]
+    proc, url = launch(serve_args + (["--model", args.model] if args.model else []),
+                       timeout_s=600.0)
     try:
-        name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        lm = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{port}/v1/completions",
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions",
                                  model=name, tokenizer_backend="remote",
                                  batch_size=batch_size, max_length=MAX_MODEL_LEN,
                                  tokenized_requests=tokenized)
@@ -150,8 +123,7 @@ def run(method: str, batch_size: int, tokenized: bool, args, tasks: list[str], f
                 pairs.append(ctx + cont)
                 split.append(len(ctx))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
     mine = in_process_loglikelihoods(llm, pairs, split)
     diff = max(abs(float(s[0]) - m[0]) for s, m in zip(served, mine))
     greedy_agrees = all(bool(s[1]) == m[1] for s, m in zip(served, mine))
