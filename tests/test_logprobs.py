@@ -289,3 +289,21 @@ def test_tokenizer_info(eagle3):
     info = httpx.get(f"{s.url}/tokenizer_info", timeout=30).json()
     eos = llm.tokenizer.id_to_token(llm.target.config.eos_token_ids[0])
     assert (info["eos_token"], info["model_max_length"]) == (eos, MAX_MODEL_LEN)
+
+
+def test_several_prompts_are_admitted_all_or_none():
+    """Three prompts at a server that admits two (max_num_seqs=2, no queue): 503, and none of
+    the three runs; then two are served."""
+    s = ServerThread(build_server_app(LLM(max_model_len=64, max_num_seqs=2), NAME,
+                                      max_waiting=0))
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [[5], [6], [7]],
+                                                        "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503 and "max_waiting=0" in r.json()["error"]["message"], r.text
+        health = httpx.get(f"{s.url}/health", timeout=30).json()
+        assert (health["running"], health["waiting"]) == (0, 0)
+        assert sum(finished(s.url, reason) for reason in ("length", "abort", "stop")) == 0
+        got = post(s.url, "/v1/completions", {"prompt": [[5], [6]], "max_tokens": 4})
+        assert [c["finish_reason"] for c in got["choices"]] == ["length", "length"]
+    finally:
+        s.close()

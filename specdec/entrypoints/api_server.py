@@ -179,7 +179,8 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
 
     async def serve(request: Request, req: SamplingRequest, prompts: list[list[int]],
                     default_max_tokens: int | None, chat: bool, prompts_given=None):
-        """Check every prompt, then submit one engine request each (all or none)."""
+        """Check every prompt (token ids), then submit one engine request each (all or
+        none); ``prompts_given``: the prompts as the request gave them (echo's text)."""
         logprobs, prompt_logprobs = req.logprob_counts()
         temperature, top_p = req.temperature, req.top_p
         if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token: greedy
@@ -194,6 +195,10 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                 ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(),
                 seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+        echoed = [None] * len(prompts)
+        if req.echo:  # the prompt as given, or its tokens' text
+            echoed = [p if isinstance(p, str) else await asyncio.to_thread(
+                decode, model, ids) for p, ids in zip(prompts_given, prompts)]
         handles = []
         try:
             for ids, p in zip(prompts, params):
@@ -202,10 +207,6 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             for h in handles:
                 engine.abort(h.request_id)
             raise ApiError(503 if isinstance(e, QueueFullError) else 500, str(e)) from None
-        echoed = [None] * len(prompts)
-        if req.echo:  # the prompt as given, or its tokens' text
-            echoed = [p if isinstance(p, str) else await asyncio.to_thread(
-                decode, model, ids) for p, ids in zip(prompts_given, prompts)]
         gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings()), i, e)
                 for i, (h, e) in enumerate(zip(handles, echoed))]
         shape = (ChatShape if chat else CompletionShape)(model, req)
