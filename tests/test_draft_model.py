@@ -112,3 +112,24 @@ def test_the_commands_take_draft_model(small_llama, capsys):
     code, _, err = cli(capsys, "generate", "--prompt", "x", "--method", "eagle3",
                        "--draft-model", str(small_llama))
     assert_one_line_exit_2(code, err, "is method draft_model's folder", "'eagle3'")
+
+
+def test_the_bench_sweeps_it(small_llama, tmp_path):
+    """specdec bench --methods none,draft_model --draft-model DIR: a measured row per mode
+    whose acceptance the engine counted; draft_model without its folder (or the folder
+    without the method) is a sweep error."""
+    from specdec.bench import itl
+    from specdec.commands.flags import UsageError
+    out = tmp_path / "out"
+    assert itl.main(["--methods", "none,draft_model", "--draft-model", str(small_llama),
+                     "--modes", "padded,ragged", "-k", "2", "--concurrency", "2",
+                     "--prompt-len", "8", "--output-len", "8", "--repeats", "1",
+                     "--out", str(out)]) == 0
+    configs = json.loads((out / "results.json").read_text())["configs"]
+    drafted = [c for c in configs if c["method"] == "draft_model"]
+    assert [(c["mode"], c["status"]) for c in drafted] == [("padded", "ok"), ("ragged", "ok")]
+    for c in drafted:
+        assert sum(c["repeats"][0]["num_drafted"]) > 0
+    for bad in (dict(methods=["draft_model"]), dict(methods=["none"], draft_model="x")):
+        with pytest.raises(UsageError, match="sweep draft_model="):
+            itl.check_sweep(bad)

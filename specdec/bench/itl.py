@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="where results.json and the PNGs go (default: bench-results)")
     p.add_argument("--methods", type=words,
-                   help=f"comma list of {','.join(METHODS)} (default: all)")
+                   help=f"comma list of {','.join(METHODS)} (default: all of them), and "
+                        "draft_model (with --draft-model)")
     p.add_argument("--modes", type=words, help="comma list of padded,ragged (default: both)")
     p.add_argument("-k", "--num-speculative-tokens", type=ints, dest="k",
                    help=f"comma list of K values (default {csv('k')})")
@@ -100,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS,
                    help="prompts: stdlib (held-out stdlib windows) or repeat (a window, then "
                         "its start again: a rewrite-this-code request; default: stdlib)")
+    p.add_argument("--draft-model", dest="draft_model", metavar="DIR",
+                   help="the folder of method draft_model's causal LM (with --methods "
+                        "...,draft_model; default: none)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

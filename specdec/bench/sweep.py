@@ -29,14 +29,16 @@ from specdec.platform import torch_device
 from specdec.train import data
 
 SCHEMA_VERSION = 2
-METHODS = BENCH_METHODS
+METHODS = BENCH_METHODS  # swept by default
+# swept only when named: draft_model needs its folder (the ``draft_model`` sweep key)
+OPT_IN_METHODS = ("draft_model",)
 MODES = ("padded", "ragged")
 # sweep keys -> defaults (the full CPU sweep); lists are crossed, scalars apply to every config
 DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
-                     max_num_batched_tokens=None, workload="stdlib")
+                     max_num_batched_tokens=None, workload="stdlib", draft_model=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -97,8 +99,13 @@ def check_sweep(sweep: dict) -> dict:
         s[key] = v = list(v) if isinstance(v, (list, tuple)) else [v]
         if not v:
             raise UsageError(f"sweep {key}=[] is empty; give at least one value")
-    if bad := [m for m in s["methods"] if m not in METHODS]:
-        raise UsageError(f"sweep methods={bad} not supported; allowed: {list(METHODS)}")
+    if bad := [m for m in s["methods"] if m not in METHODS + OPT_IN_METHODS]:
+        raise UsageError(f"sweep methods={bad} not supported; allowed: "
+                         f"{list(METHODS + OPT_IN_METHODS)}")
+    if ("draft_model" in s["methods"]) != (s["draft_model"] is not None):
+        raise UsageError(f"sweep draft_model={s['draft_model']!r} (--draft-model DIR: the draft "
+                         "model's folder) goes with method draft_model in methods, and only "
+                         "with it")
     if bad := [m for m in s["modes"] if m not in MODES]:
         raise UsageError(f"sweep modes={bad} not supported; allowed: {list(MODES)}")
     for key, low in (("k", 1), ("concurrency", 1), ("prompt_len", 1), ("output_len", 2)):
@@ -320,7 +327,8 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         method, padded, k = key
         mine = [c for c in configs if c.engine_key == key]
         conc = max(c.concurrency for c in mine)
-        spec = speculative_config(method, k, padded)
+        spec = speculative_config(method, k, padded, draft_model=sweep["draft_model"]
+                                  if method == "draft_model" else None)
         # padded steps run through the graph backend (None: the device's default, cuda_graph
         # on CUDA); ragged ones eager, the reference (their shapes come from a host read)
         backend = (sweep["graph_backend"] if padded else "eager") \
