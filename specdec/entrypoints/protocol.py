@@ -149,10 +149,12 @@ class CompletionRequest(SamplingRequest):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(N per output token, N per prompt token) the engine computes; None: none."""
-        if isinstance(self.logprobs, bool):
-            raise ApiError(400, f"logprobs={str(self.logprobs).lower()}: completions take an "
-                                f"int 0..{MAX_LOGPROBS} (the most likely tokens returned per "
-                                "position), or null", "logprobs")
+        if self.logprobs is True:
+            raise ApiError(400, f"logprobs=true: completions take an int 0..{MAX_LOGPROBS} "
+                                "(the most likely tokens returned per position), or null",
+                           "logprobs")
+        if self.logprobs is False:  # chat's spelling of "none"
+            self.logprobs = None
         if self.top_logprobs not in (None, 0):
             raise ApiError(400, f"top_logprobs={self.top_logprobs}: a chat field; completions "
                                 "take logprobs=N", "top_logprobs")
