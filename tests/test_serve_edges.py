@@ -158,7 +158,7 @@ def test_no_op_values_and_nulls_are_accepted(server):
     """The values that change nothing are fine, and null means the default."""
     base = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
     want = post(server, "/v1/completions", base).json()["choices"][0]["text"]
-    for extra in ({"logprobs": None, "echo": False, "best_of": 1, "n": None},
+    for extra in ({"logprobs": None, "echo": False, "best_of": 1, "n": None}, {"logprobs": False},
                   {"top_p": None, "stop": None, "presence_penalty": 0, "logit_bias": {}}):
         r = post(server, "/v1/completions", {**base, **extra})
         assert r.status_code == 200, r.text
