@@ -72,6 +72,16 @@ def test_a_small_llama_drafts_plain_greedys_tokens(small_llama, plain, padded, b
     assert sum(sum(o.num_drafted) for o in outs) > 0
 
 
+def test_sampled_padded_equals_sampled_ragged(small_llama):
+    """temperature 0.8 (seeded, counter-based numbers): the same drafts verified the same way,
+    so the padded and the ragged drafter give the same sampled tokens."""
+    params = SamplingParams(max_tokens=13, temperature=0.8, seed=5, ignore_eos=True)
+    padded, ragged = (engine(spec(small_llama, p)).generate(PROMPTS[:3], params)
+                      for p in (True, False))
+    assert [o.token_ids for o in padded] == [o.token_ids for o in ragged]
+    assert [o.num_accepted for o in padded] == [o.num_accepted for o in ragged]
+
+
 def test_data_parallel_with_an_idle_rank(small_llama, plain):
     """Two DP ranks, one prompt: the idle rank runs the draft model's dummy forwards."""
     outs = engine(spec(small_llama), data_parallel_size=2).generate(
