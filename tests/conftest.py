@@ -21,6 +21,9 @@ from helpers import AUX, MAX_POS
 
 # every engine step of the suite runs under the host-sync guard (padded: none allowed)
 os.environ.setdefault("SPECDEC_CHECK_HOST_SYNCS", "1")
+# one torch thread in the processes the suite starts too (the commands run as subprocesses):
+# see _one_torch_thread_for_the_suite below
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 settings.register_profile("specdec", deadline=None, max_examples=50, derandomize=True)
 settings.load_profile("specdec")
@@ -123,6 +126,19 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
     target_ids = torch.tensor([valid_id() for _ in range(sum(query_lens))], dtype=torch.int64)
     return RandomStep(k, vocab, max_model_len, block_size, sampled, discard, num_draft, query_lens,
                      num_computed, table, rows, target_ids, block_table)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_for_the_suite():
+    """The suite runs with one torch intra-op thread: its models are tiny, and on 2 cores a
+    second intra-op thread spin-waits against the other work of the run (the HTTP servers,
+    the spawned ranks, pytest itself) -- the engine process of ``specdec serve`` defaults to
+    one thread on 2 CPUs for the same reason. Each test compares engines in this process with
+    each other, so every side runs with the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

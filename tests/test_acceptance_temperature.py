@@ -28,7 +28,7 @@ def llm() -> LLM:
 
 
 def first_draft_trials(llm: LLM, temperature: float):
-    """-> (requests, [(context, first draft, accepted)] for every verifying step)."""
+    """-> (requests, [(request, context, first draft, accepted)] for every verifying step)."""
     params = SamplingParams(max_tokens=48, temperature=temperature, ignore_eos=True)
     reqs = [llm.add_request(p, params) for p in PROMPTS]
     trials = []
@@ -38,16 +38,24 @@ def first_draft_trials(llm: LLM, temperature: float):
         if llm.step() is None:
             break
         for r, context, draft in pending:
-            trials.append((context, draft, r.token_ids[len(context)] == draft))
+            trials.append((r, context, draft, r.token_ids[len(context)] == draft))
     return reqs, trials
 
 
 @torch.inference_mode()
-def target_prob(llm: LLM, context: list[int], token: int, temperature: float) -> float:
-    ids = torch.tensor([context])
-    hidden, _ = llm.target(ids, torch.arange(len(context))[None])
-    logits = llm.target.compute_logits(hidden[0, -1])
-    return float(torch.softmax(logits / temperature, dim=-1)[token])
+def target_probs(llm: LLM, trials, temperature: float) -> list[float]:
+    """p_T(draft | context) of every trial, from one dense causal forward of each request's
+    final tokens: its row len(context) - 1 sees exactly the context (checked a prefix)."""
+    probs = {}
+    for r in {id(r): r for r, *_ in trials}.values():
+        ids = list(r.token_ids)
+        hidden, _ = llm.target(torch.tensor([ids]), torch.arange(len(ids))[None])
+        probs[id(r)] = torch.softmax(llm.target.compute_logits(hidden[0]) / temperature, dim=-1)
+    out = []
+    for r, context, draft, _ in trials:
+        assert list(r.token_ids[:len(context)]) == context
+        out.append(float(probs[id(r)][len(context) - 1, draft]))
+    return out
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
@@ -58,7 +66,7 @@ def test_first_position_acceptance_matches_the_target_probability_of_the_draft(l
     # the engine's first-position counters count exactly these trials
     assert sum(r.num_drafted[0] for r in reqs) == len(trials)
     assert sum(r.num_accepted[0] for r in reqs) == sum(a for *_, a in trials)
-    p = [target_prob(llm, ctx, d, temperature) for ctx, d, _ in trials]
+    p = target_probs(llm, trials, temperature)
     measured = sum(a for *_, a in trials) / len(trials)
     expected = sum(p) / len(p)
     stderr = math.sqrt(sum(x * (1 - x) for x in p)) / len(p)

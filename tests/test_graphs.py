@@ -85,10 +85,23 @@ def request_buckets(wrapper, variant=None):
             if variant is None or ("variant", variant) in key}
 
 
+@pytest.fixture(scope="module")
+def eager_runs(target, heads):
+    """method -> the eager engine's (tokens, drafts step by step) for PROMPTS x 60 tokens,
+    run once for the module: every wrapped backend is compared with the same run."""
+    cache = {}
+
+    def get(method):
+        if method not in cache:
+            cache[method] = run(make_llm(target, heads, method), PROMPTS, 60)[:2]
+        return cache[method]
+    return get
+
+
 @pytest.mark.parametrize("backend", ["replay", "compile"])
 @pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3", None])
-def test_wrapped_steps_equal_eager_token_for_token(target, heads, method, backend):
-    eager_out, eager_drafts, _ = run(make_llm(target, heads, method), PROMPTS, 60)
+def test_wrapped_steps_equal_eager_token_for_token(target, heads, eager_runs, method, backend):
+    eager_out, eager_drafts = eager_runs(method)
     llm = make_llm(target, heads, method, graph_backend=backend)
     out, drafts, reqs = run(llm, PROMPTS, 60)
     assert out == eager_out
