@@ -8,6 +8,7 @@ import torch
 from specdec.config import GRAPH_MODES, METHODS, MTP_ALIASES, SpeculativeConfig
 from specdec.graphs import default_backend, resolve_backend
 from specdec.proposers.base import DraftModelProposer, Proposer
+from specdec.proposers.draft_model import DraftLMProposer
 from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
 from specdec.proposers.mtp import MtpProposer
@@ -19,6 +20,7 @@ EXPECTED = {  # written out independently of the registry's table
     "mtp": MtpProposer,
     "eagle": EagleProposer,
     "eagle3": Eagle3Proposer,
+    "draft_model": DraftLMProposer,
     "extract_hidden_states": ExtractHiddenStatesProposer,
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
@@ -29,8 +31,9 @@ EXPECTED = {  # written out independently of the registry's table
                          list(itertools.product(METHODS + MTP_ALIASES, GRAPH_MODES)))
 def test_every_method_resolves_to_one_class_in_every_graph_mode(method, graph_mode):
     k = 1 if method == "extract_hidden_states" else 3
+    model = "draft-folder" if method == "draft_model" else None  # its one required key
     try:
-        c = SpeculativeConfig(method, k, graph_mode=graph_mode,
+        c = SpeculativeConfig(method, k, graph_mode=graph_mode, model=model,
                               draft_model_config={"eagle_aux_hidden_state_layer_ids": [0]})
     except ValueError:
         assert method == "extract_hidden_states" and graph_mode != "eager"

@@ -127,7 +127,7 @@ def add_speculation_arguments(
                         "its keys override --method/-k/--no-padded (default: none)")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="method draft_model: the folder of a small causal LM with the target's "
-                        "tokenizer (speculative_config.model)")
+                        "tokenizer (speculative_config.model; default: none)")
     p.add_argument("--no-padded", action="store_true",
                    help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
                         "default: padded)")
