@@ -178,6 +178,20 @@ class DraftModelProposer(Proposer):
         value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         """
+        next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
+                                                                      max_query_len)
+        token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
+                                        next_ids)
+        drafts = [token] + self.draft_loop_steps(
+            token, hidden, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
+            x.block_table, loop_seq_len)
+        return torch.stack(drafts, dim=1)
+
+    def padded_layout(self, x: PaddedStepInputs, max_seq_len: int, max_query_len: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The padded step's preparation over the target's layout (no host read) -> (next
+        token ids [Bp] int32, sample indices [Bp] int64 (padding rows: the last token),
+        num_rejected [Bp], the attention metadata of the target's Np tokens)."""
         n, bp = x.target_ids.shape[0], x.sampled.shape[0]
         next_ids, _, sample_idx, num_rejected = self.prepare_padded(
             x.sampled, x.discard, x.cu_num_draft_tokens, x.query_start_loc, x.token_table,
@@ -186,12 +200,7 @@ class DraftModelProposer(Proposer):
         sample_idx = torch.where(real, sample_idx, n - 1).to(torch.int64)
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
                                  max_seq_len, max_query_len=max_query_len)
-        token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
-                                        next_ids)
-        drafts = [token] + self.draft_loop_steps(
-            token, hidden, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
-            x.block_table, loop_seq_len)
-        return torch.stack(drafts, dim=1)
+        return next_ids, sample_idx, num_rejected, attn
 
     def first_pass(self, target_ids: torch.Tensor, positions: torch.Tensor,
                    features: torch.Tensor, attn: AttentionMetadata, sample_idx: torch.Tensor,
@@ -210,9 +219,24 @@ class DraftModelProposer(Proposer):
         """disable_padded_drafter_batch=True: read the acceptance on the host (a sync by
         design), drop the rejected drafts, rebuild the layout; the first pass is padded back
         to the plan's Np tokens and the loop runs the plan's Bp rows (same DP shapes)."""
-        plan, dev = x.plan, self.device
-        b, bp, n = plan.num_reqs, plan.num_reqs_padded, plan.num_tokens_padded
-        a = x.attn
+        b, bp, n = x.plan.num_reqs, x.plan.num_reqs_padded, x.plan.num_tokens_padded
+        next_ids, keep, sample_idx, attn = self.ragged_layout(x)
+        kept_positions = x.positions[keep]
+        token, hidden = self.first_pass(
+            _pad_rows(x.input_ids[keep], n), _pad_rows(kept_positions, n),
+            _pad_rows(self.draft_features(x)[keep], n), attn, sample_idx, next_ids)
+        drafts = [token] + self.draft_loop_steps(
+            _pad_rows(token, bp), _pad_rows(hidden, bp), kept_positions[sample_idx],
+            attn.seq_lens, None, b, x.attn.block_table, self.loop_seq_len(x.attn.max_seq_len))
+        return torch.stack([d[:b] for d in drafts], dim=1)
+
+    def ragged_layout(self, x: DraftInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The ragged path's preparation: read the acceptance on the host (a sync by design)
+        and keep the accepted tokens -> (next token ids [B] int32, kept token indices [kept],
+        sample indices [B] int64 into the kept tokens, the attention metadata of the kept
+        tokens padded to the plan's Np with slot -1)."""
+        b, n, dev, a = x.plan.num_reqs, x.plan.num_tokens_padded, self.device, x.attn
         backup = gather_backup_tokens(x.token_table, x.rows[:b], a.seq_lens[:b])
         cu = x.cu_num_draft_tokens[:b].tolist()
         next_ids, r = self.prepare_ragged(
@@ -220,22 +244,14 @@ class DraftModelProposer(Proposer):
             a.query_start_loc[:b + 1].cpu(), a.seq_lens[:b].cpu(),
             [c - p for c, p in zip(cu, [0] + cu)])
         keep = r.token_indices.to(dev)
-        kept = keep.shape[0]
-        sample_idx = r.sample_indices.to(dev, torch.int64)
-        kept_positions = x.positions[keep]
-        slots = torch.cat([a.slot_mapping[keep], a.slot_mapping.new_full((n - kept,), -1)])
+        slots = torch.cat([a.slot_mapping[keep],
+                           a.slot_mapping.new_full((n - keep.shape[0],), -1)])
         # (a request keeps at most its tokens: the target's bound holds)
         attn = AttentionMetadata(slots, r.new_query_start_loc.to(dev), r.new_seq_lens.to(dev),
                                  a.block_table[:b], a.max_seq_len,
                                  max_query_len=a.max_query_len)
-        token, hidden = self.first_pass(
-            _pad_rows(x.input_ids[keep], n), _pad_rows(kept_positions, n),
-            _pad_rows(self.draft_features(x)[keep], n), attn, sample_idx,
-            torch.tensor(next_ids, dtype=torch.int32).to(dev))
-        drafts = [token] + self.draft_loop_steps(
-            _pad_rows(token, bp), _pad_rows(hidden, bp), kept_positions[sample_idx],
-            attn.seq_lens, None, b, a.block_table, self.loop_seq_len(a.max_seq_len))
-        return torch.stack([d[:b] for d in drafts], dim=1)
+        return (torch.tensor(next_ids, dtype=torch.int32).to(dev), keep,
+                r.sample_indices.to(dev, torch.int64), attn)
 
     # ---- the draft loop -----------------------------------------------------------------------
     def start_draft_loop(self, positions: torch.Tensor, seq_lens: torch.Tensor,
