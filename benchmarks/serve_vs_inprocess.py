@@ -68,20 +68,22 @@ def figures(results: Path) -> dict:
             for c in r["configs"] if c["status"] == "ok"}
 
 
-def launch_vllm(python: str, method: str, k: int, max_len: int, max_seqs: int,
-                max_tokens: int, compiled: bool) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` of the embedded checkpoints on a free port, once /health answers
-    (``--enforce-eager`` unless ``compiled``: then vLLM's default torch.compile)."""
+def launch_vllm(python: str, spec: dict | None, max_len: int, *, max_seqs: int | None = None,
+                max_tokens: int | None = None, compiled: bool = False
+                ) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of the embedded target with speculative config ``spec`` (None: plain)
+    on a free port, once /health answers (``--enforce-eager`` unless ``compiled``: then
+    vLLM's default torch.compile; ``max_seqs`` / ``max_tokens`` None: vLLM's defaults)."""
     port = free_port()
     cmd = [python, "benchmarks/vllm_cli.py", "serve", TARGET, "--served-model-name", NAME,
            "--port", str(port)] + ([] if compiled else ["--enforce-eager"]) + [
-           "--dtype", "float32", "--max-model-len", str(max_len), "--max-num-seqs",
-           str(max_seqs), "--max-num-batched-tokens", str(max_tokens),
+           "--dtype", "float32", "--max-model-len", str(max_len),
            "--gpu-memory-utilization", "0.2"]
-    if method != "none":
-        cmd += ["--speculative-config", json.dumps(
-            {"method": method, "model": f"specdec/assets/default/{method}",
-             "num_speculative_tokens": k})]
+    for flag, value in (("--max-num-seqs", max_seqs), ("--max-num-batched-tokens", max_tokens)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "vllm serve", 600)
 
@@ -222,10 +224,12 @@ def main(argv=None) -> int:
                 "--engine-threads", str(args.engine_threads),
                 "--graph-backend", args.graph_backend], timeout_s=900)
             if args.vllm_python:
-                servers[method, "vllm"] = launch_vllm(args.vllm_python, method, args.k,
-                                                      max_len, max_seqs,
-                                                      args.max_num_batched_tokens,
-                                                      args.vllm_compiled)
+                spec = None if method == "none" else {
+                    "method": method, "model": f"specdec/assets/default/{method}",
+                    "num_speculative_tokens": args.k}
+                servers[method, "vllm"] = launch_vllm(
+                    args.vllm_python, spec, max_len, max_seqs=max_seqs,
+                    max_tokens=args.max_num_batched_tokens, compiled=args.vllm_compiled)
         for r in range(args.rounds):
             measure_round(servers, workers, args, concs, r, samples)
     finally:

@@ -18,7 +18,6 @@ request must be equal.
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,22 +25,12 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from specdec.bench.serve import free_port, launch, scrape, stop, wait_healthy
+from benchmarks.serve_vs_inprocess import launch_vllm
+from specdec.bench.serve import launch, scrape, stop
 from specdec.bench.sweep import PromptSource
 from specdec.models.checkpoint import load_tokenizer
 
 TARGET = "specdec/assets/default/target"
-
-
-def launch_vllm(python: str, k: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    spec = f'{{"method": "ngram", "num_speculative_tokens": {k}}}'
-    proc = subprocess.Popen(
-        [python, "benchmarks/vllm_cli.py", "serve", TARGET, "--port", str(port),
-         "--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
-         "--gpu-memory-utilization", "0.2", "--speculative-config", spec],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "vllm serve", 600.0)
 
 
 async def send_all(url: str, prompts: list[list[int]], output_len: int, conc: int
@@ -92,7 +81,8 @@ def main(argv=None) -> int:
     spec = f'{{"method": "ngram", "num_speculative_tokens": {args.k}}}'
     servers = {"specdec": launch(["--speculative-config", spec, "--max-model-len", "512"],
                                  timeout_s=600.0)}
-    servers["vllm"] = launch_vllm(args.vllm_python, args.k)
+    servers["vllm"] = launch_vllm(args.vllm_python, {"method": "ngram",
+                                                     "num_speculative_tokens": args.k}, 512)
     rows = {}
     try:
         for name, (_, url) in servers.items():  # warm-up
