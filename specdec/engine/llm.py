@@ -375,8 +375,7 @@ class LLM:
                                    p.prompt_logprobs, i))
             if p.logprobs is not None and not s.is_discarded:
                 out += [(i * width + j, tok, p.logprobs, i)
-                        for j, tok in enumerate(sampled[i][:sampled[i].index(-1)
-                                                           if -1 in sampled[i] else width])]
+                        for j, tok in enumerate(valid_tokens(sampled[i]))]
         if not prompt and not out:
             return {}
         parts = []
@@ -416,7 +415,7 @@ class LLM:
         if s.is_discarded:  # a partial prefill chunk: its sampled token is junk
             r.num_computed_tokens += s.num_tokens
             return 0
-        valid = sampled[:next((i for i, t in enumerate(sampled) if t < 0), len(sampled))]
+        valid = valid_tokens(sampled)
         d = len(s.spec_token_ids)
         accepted = len(valid) - 1
         was_prefilling = r.is_prefilling
@@ -515,3 +514,8 @@ class LLM:
             return list(sampling_params)
         raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
                         "of them (one per prompt), or None")
+
+
+def valid_tokens(sampled: list[int]) -> list[int]:
+    """A request's row of sampled token ids up to its first placeholder (-1)."""
+    return sampled[:next((i for i, t in enumerate(sampled) if t < 0), len(sampled))]

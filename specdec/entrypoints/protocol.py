@@ -153,12 +153,11 @@ class CompletionRequest(SamplingRequest):
             raise ApiError(400, f"logprobs=true: completions take an int 0..{MAX_LOGPROBS} "
                                 "(the most likely tokens returned per position), or null",
                            "logprobs")
-        if self.logprobs is False:  # chat's spelling of "none"
-            self.logprobs = None
         if self.top_logprobs not in (None, 0):
             raise ApiError(400, f"top_logprobs={self.top_logprobs}: a chat field; completions "
                                 "take logprobs=N", "top_logprobs")
-        out = check_logprobs("logprobs", self.logprobs)
+        # false: chat's spelling of "none"
+        out = check_logprobs("logprobs", None if self.logprobs is False else self.logprobs)
         prompt = check_logprobs("prompt_logprobs", self.prompt_logprobs)
         if self.echo and out is not None:  # the echoed prompt's positions
             prompt = max(out, prompt or 0)
