@@ -6,6 +6,7 @@ Built from a vLLM-style dict, e.g.
 
 import json
 from dataclasses import dataclass, field, fields
+from itertools import pairwise
 
 # vLLM's per-architecture MTP method names (``MTPModelTypes`` in vllm/config/speculative.py);
 # like vLLM, every one of them is normalised to "mtp".
@@ -53,6 +54,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    # K per step (vLLM's key): [[lo, hi, k], ...], inclusive batch-size ranges -> the step's K
+    # (0 <= k <= num_speculative_tokens; 0 switches speculation off); a batch size in no
+    # range drafts num_speculative_tokens. None: K every step
+    num_speculative_tokens_per_batch_size: list | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -89,6 +94,7 @@ class SpeculativeConfig:
                              "of a causal LM with the target's tokenizer")
         self._check_prompt_lookup()
         self._check_suffix_keys()
+        self._check_k_schedule()
         ids = self.aux_layer_ids_configured
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
@@ -143,6 +149,46 @@ class SpeculativeConfig:
                 allowed = f"a number in [{lo}, {hi}]" if hi is not None else \
                     f"{'an int' if kind is int else 'a number'} >= {lo}"
                 raise ValueError(f"{name}={value!r}: allowed {allowed}")
+
+    def _check_k_schedule(self) -> None:
+        """num_speculative_tokens_per_batch_size: [lo, hi, k] int triples, 1 <= lo <= hi,
+        0 <= k <= num_speculative_tokens, ranges disjoint; stored as tuples."""
+        name, table = "num_speculative_tokens_per_batch_size", \
+            self.num_speculative_tokens_per_batch_size
+        if table is None:
+            return
+        if self.method == "extract_hidden_states":
+            raise ValueError(f"{name} with method='extract_hidden_states' (it drafts nothing); "
+                             "allowed: None")
+        if not isinstance(table, (list, tuple)) or not table:
+            raise ValueError(f"{name}={table!r}: allowed a non-empty list of [lo, hi, k]")
+        k = self.num_speculative_tokens
+        entries = []
+        for i, e in enumerate(table):
+            ok = (isinstance(e, (list, tuple)) and len(e) == 3
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in e))
+            if not ok or not 1 <= e[0] <= e[1] or not 0 <= e[2] <= k:
+                raise ValueError(f"{name}[{i}]={e!r}: allowed [lo, hi, k] ints with "
+                                 f"1 <= lo <= hi and 0 <= k <= num_speculative_tokens={k}")
+            entries.append(tuple(e))
+        entries.sort()
+        for a, b in pairwise(entries):
+            if b[0] <= a[1]:
+                raise ValueError(f"{name}: batch-size ranges {list(a)} and {list(b)} overlap")
+        self.num_speculative_tokens_per_batch_size = entries
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """The K of a step that runs ``batch_size`` requests (the schedule's, else K)."""
+        for lo, hi, k in self.num_speculative_tokens_per_batch_size or ():
+            if lo <= batch_size <= hi:
+                return k
+        return self.num_speculative_tokens
+
+    @property
+    def step_ks(self) -> tuple[int, ...]:
+        """Every K a step can run, ascending (one for a fixed K)."""
+        return tuple(sorted({self.num_speculative_tokens, *(
+            k for _, _, k in self.num_speculative_tokens_per_batch_size or ())}))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":

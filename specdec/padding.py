@@ -89,6 +89,8 @@ class StepPlan:
     #                   (Np, Bp) (uniform decode, or a mixed step on a backend that captures them)
     num_tokens_across_dp: tuple[int, ...]  # [dp_size] each rank's own padded token count
     uniform_decode: bool = False  # every rank a uniform decode (or idle): Np == Bp * (1 + K)
+    num_spec_tokens: int = 0  # the step's K: drafts (+ filler) verified per uniform decode
+    #                           request, drafts proposed per request
 
     @property
     def all_idle(self) -> bool:
@@ -130,13 +132,17 @@ class StepPlanner:
                  allow_capture: bool, capture_mixed: bool = False):
         self.padder = padder
         self.dp = dp
-        self.tokens_per_req = 1 + num_speculative_tokens  # of a uniform decode request
+        self.num_speculative_tokens = num_speculative_tokens  # K when a step names none
         self.allow_capture = allow_capture
         self.capture_mixed = capture_mixed and allow_capture
 
-    def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> StepPlan:
+    def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+             num_spec_tokens: int | None = None) -> StepPlan:
         """num_tokens / num_reqs: this rank's real counts; uniform_decode: every request
-        verifies exactly K drafts (layout [B, 1+K])."""
+        verifies exactly K drafts (layout [B, 1+K]); num_spec_tokens: the step's K (None:
+        the planner's)."""
+        k = self.num_speculative_tokens if num_spec_tokens is None else num_spec_tokens
+        tokens_per_req = 1 + k  # of a uniform decode request
         pad, dispatch = self.padder.pad_for_sequence_parallel, self.padder.dispatch
         if num_reqs == 0:  # an idle rank can run any shape the others pick
             tokens, reqs, capture = 0, 0, CAPTURE_UNIFORM
@@ -144,7 +150,7 @@ class StepPlanner:
             bucket = dispatch(pad(num_reqs))
             reqs = bucket.num_tokens
             if uniform_decode and bucket.graph:
-                tokens, capture = reqs * self.tokens_per_req, CAPTURE_UNIFORM
+                tokens, capture = reqs * tokens_per_req, CAPTURE_UNIFORM
             else:
                 # padding requests (Bp > B) sample at the last token: keep one padding token
                 spare = int(self.dp.size > 1 or reqs > num_reqs)
@@ -155,10 +161,10 @@ class StepPlanner:
                 capture = 0
         synced = sync_step_across_dp(self.dp, tokens, reqs, capture)
         if synced.num_tokens == 0:
-            return StepPlan(0, 0, 0, 0, False, synced.num_tokens_across_dp)
+            return StepPlan(0, 0, 0, 0, False, synced.num_tokens_across_dp, num_spec_tokens=k)
         uniform = synced.capture == CAPTURE_UNIFORM
         reqs_padded = dispatch(synced.num_reqs).num_tokens
-        tokens_padded = (reqs_padded * self.tokens_per_req if uniform
+        tokens_padded = (reqs_padded * tokens_per_req if uniform
                          else dispatch(synced.num_tokens).num_tokens)
         for n in (reqs_padded, tokens_padded):
             if not self.padder.is_aligned(n):
@@ -166,4 +172,4 @@ class StepPlanner:
                                      f"tensor_parallel_size={self.padder.tp_size} with "
                                      "sequence parallelism")
         return StepPlan(num_reqs, num_tokens, reqs_padded, tokens_padded, synced.capture > 0,
-                        synced.num_tokens_across_dp, uniform)
+                        synced.num_tokens_across_dp, uniform, k)

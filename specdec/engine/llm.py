@@ -85,6 +85,13 @@ class LLM:
         cfg.check_model(target.config)
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
+        if self.spec is not None and self.spec.num_speculative_tokens_per_batch_size \
+                and (tensor_parallel_size > 1 or data_parallel_size > 1 or dp is not None):
+            raise ValueError(
+                "speculative_config.num_speculative_tokens_per_batch_size with "
+                f"tensor_parallel_size={tensor_parallel_size}, data_parallel_size="
+                f"{dp.size if dp is not None else data_parallel_size}: not supported yet "
+                "(the ranks would have to agree on each step's K); allowed: 1 and 1")
         if self.spec is not None and self.spec.method == "draft_model" \
                 and tensor_parallel_size > 1:
             raise ValueError(f"method='draft_model' with tensor_parallel_size="
@@ -142,7 +149,7 @@ class LLM:
         fill = self.padded and self.graph_backend not in SHAPE_FREE_BACKENDS
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_model_len, self.allocator, num_speculative_tokens=k,
-                                   fill_drafts=fill)
+                                   fill_drafts=fill, k_for_batch_size=self._k_for_batch_size())
         proposer, aux_ids = None, ()
         if self.spec is not None:
             proposer, aux_ids = build_proposer(
@@ -162,13 +169,20 @@ class LLM:
             self.target, proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             aux_layer_ids=aux_ids, padder=self.padder, dp=self.dp, device=self.device,
             dtype=cfg.dtype, graph_backend=self.graph_backend, compile_backend=compile_backend,
-            seed=cfg.seed, tp=self.tp)
+            seed=cfg.seed, tp=self.tp, step_ks=self.spec.step_ks if self.spec else None)
         self.graph_warmup_seconds = self.runner.warm_up_graphs()  # compile/capture, untimed
         self._graphs_at_last_step = self._count_graphs()  # start-up's graphs are not counted
         if self.tp.size > 1:  # no step (nor file) before every TP rank has checked its config
             dist.barrier(group=self.tp.group)
         if self.graph_backend == "compile_dynamic" and self.dp.size == 1:
             self.graph_warmup_seconds += self._warm_up_code_paths()
+
+    def _k_for_batch_size(self):
+        """The scheduler's batch size -> K map: the speculative config's K schedule, or None
+        (K every step)."""
+        if self.spec is None or not self.spec.num_speculative_tokens_per_batch_size:
+            return None
+        return self.spec.k_for_batch_size
 
     @property
     def startup(self) -> str | None:
@@ -320,7 +334,7 @@ class LLM:
         for s in scheduled:
             if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
-        plan = self.runner.plan(scheduled)  # the step's one DP all-reduce
+        plan = self.runner.plan(scheduled, self.scheduler.step_k)  # the one DP all-reduce
         if plan.all_idle:
             self.runner.send_stop()  # TP peers return from serve()
             return None

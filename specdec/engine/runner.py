@@ -71,9 +71,10 @@ class StepBatch:
     max_query_len: int  # host bound on tokens per request (eager attention)
     graph_query_len: int  # the captured step's bound: 1 + K (uniform) or Np (mixed)
     variant: str  # the target step's sampling: "greedy", "sampled" or "top_p" (host-known)
-    # logits rows verified per request: 1 + K, or on an eager single-rank step with host
-    # drafts (ngram, suffix), 1 + the step's most drafts (a step with none computes one row)
+    # logits rows verified per request: 1 + the step's K, or on an eager single-rank step
+    # with host drafts (ngram, suffix), 1 + the step's most drafts (none: one row)
     num_rows: int
+    graph_num_rows: int  # the captured step's: 1 + the step's K (uniform) or 1 + K (mixed)
 
 
 class ModelRunner:
@@ -81,10 +82,11 @@ class ModelRunner:
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0,
-                 tp: TPContext | None = None):
+                 tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None):
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = k = sizes.num_speculative_tokens
+        self.step_ks = step_ks or (k,)  # every K a step can run (a K schedule's), ascending
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
         self.max_model_len = max_model_len = sizes.max_model_len
         self.block_size = block_size
@@ -139,13 +141,13 @@ class ModelRunner:
         sync guards. -> seconds spent."""
         if self.target_graph.backend not in ("cuda_graph", "replay"):
             return 0.0
-        start, k = time.perf_counter(), self.num_speculative_tokens
-        padder = self.planner.padder
+        start, padder = time.perf_counter(), self.planner.padder
         buckets = [b for b in padder.capture_sizes if b <= self.buffers.max_reqs]
-        for bp in reversed(buckets):
-            plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),), True)
-            for variant in VARIANTS:
-                self.execute(replace(self.prepare([], plan), variant=variant))
+        for k in reversed(self.step_ks):
+            for bp in reversed(buckets):
+                plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),), True, k)
+                for variant in VARIANTS:
+                    self.execute(replace(self.prepare([], plan), variant=variant))
         return time.perf_counter() - start
 
     # ---- host side -------------------------------------------------------------------------
@@ -154,22 +156,26 @@ class ModelRunner:
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
         self.broadcast.note_prompt(row, token_ids)
 
-    def plan(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+    def plan(self, scheduled: list[ScheduledRequest], k: int | None = None) -> StepPlan:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes.
-        A uniform decode step (every request 1 + K tokens) is capturable, greedy or not."""
-        k = self.num_speculative_tokens
+        ``k``: the step's K (None: K). A uniform decode step (every request 1 + k tokens) is
+        capturable, greedy or not."""
+        k = self.num_speculative_tokens if k is None else k
         uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) + s.num_filler
                       for s in scheduled)
-        return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform)
+        return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform,
+                                 k)
 
     def prepare(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> StepBatch:
         """Fill the step buffers for the plan's [Np] tokens and [Bp] requests.
 
         Padding tokens get id 0, position 0, slot -1. Padding request i >= B owns the next
         1 + K padding tokens (the last one owns the rest), is discarded, greedy, and reads
-        the token table's trash row.
+        the token table's trash row. ``cu_num_draft_tokens`` counts the tokens fed after
+        each known token (drafts, then filler): the drafter's rejected counts cover both.
         """
         h, k, bs = self.buffers.host, self.num_speculative_tokens, self.block_size
+        fed = np.zeros(plan.num_reqs_padded, dtype=np.int64)
         b, bp, np_ = len(scheduled), plan.num_reqs_padded, plan.num_tokens_padded
         qsl = h["query_start_loc"]
         qsl[0] = 0
@@ -192,6 +198,7 @@ class ModelRunner:
             h["draft_token_ids"][i, :d] = s.spec_token_ids
             h["draft_token_ids"][i, d:] = 0
             h["num_draft_tokens"][i] = d
+            fed[i] = d + f
             h["block_table"][i, :len(blocks)] = blocks
             h["discard_mask"][i] = s.is_discarded
             h["rows"][i] = r.row
@@ -214,21 +221,28 @@ class ModelRunner:
         h["temperature"][b:bp] = 0.0
         h["top_p"][b:bp] = 1.0
         h["rng_key"][b:bp] = 0
-        h["cu_num_draft_tokens"][:bp] = np.cumsum(h["num_draft_tokens"][:bp])
+        h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
-        rows = 1 + k
+        rows = 1 + plan.num_spec_tokens
         if self.proposer is None and self.target_graph.backend == "eager" and self.tp.size == 1:
             rows = 1 + max(len(s.spec_token_ids) for s in scheduled)
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
-                         sampling_variant([s.request.params for s in scheduled]), rows)
+                         sampling_variant([s.request.params for s in scheduled]), rows,
+                         self.graph_num_rows(plan))
 
     def graph_query_len(self, plan: StepPlan) -> int:
-        """A captured step's bound on tokens per request: 1 + K (uniform decode) or Np."""
-        return 1 + self.num_speculative_tokens if plan.uniform_decode else plan.num_tokens_padded
+        """A captured step's bound on tokens per request: 1 + the step's K (uniform decode)
+        or Np."""
+        return 1 + plan.num_spec_tokens if plan.uniform_decode else plan.num_tokens_padded
+
+    def graph_num_rows(self, plan: StepPlan) -> int:
+        """A captured step's logits rows per request: 1 + the step's K (uniform decode) or
+        1 + K (a mixed step: one graph per key whatever the step's K)."""
+        return 1 + (plan.num_spec_tokens if plan.uniform_decode else self.num_speculative_tokens)
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int,
@@ -276,7 +290,7 @@ class ModelRunner:
             x, capturable=plan.capturable,
             bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
             captured={"max_seq_len": batch.graph_seq_len, "max_query_len": batch.graph_query_len,
-                      "num_rows": 1 + self.num_speculative_tokens},
+                      "num_rows": batch.graph_num_rows},
             own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len,
                  "num_rows": batch.num_rows},
             variant=batch.variant)
@@ -343,7 +357,8 @@ class ModelRunner:
                 batch = StepBatch(plan, self.buffers.view(plan.num_tokens_padded,
                                                           plan.num_reqs_padded),
                                   *lens, self.graph_query_len(plan), variant,
-                                  1 + self.num_speculative_tokens)  # TP: every row
+                                  1 + plan.num_spec_tokens,  # TP: every row
+                                  self.graph_num_rows(plan))
                 if guard is None:
                     self.execute(batch)
                 else:

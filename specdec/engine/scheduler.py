@@ -2,7 +2,9 @@
 
 Each step, running decode requests come first (1 + their drafts each; with ``fill_drafts``
 1 + K each, filler after fewer drafts, so the padded step keeps its uniform shape), then
-prefill chunks fill what is left of the budget. A prefill chunk that stops short of the
+prefill chunks fill what is left of the budget. K is the step's (``step_k``): with a K
+schedule (``k_for_batch_size``) it follows the step's batch size, drafts past it are not
+verified. A prefill chunk that stops short of the
 prompt's end makes a *discarded* request: its sampled token is junk, but the drafter still
 runs on it.
 """
@@ -31,7 +33,7 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
-                 fill_drafts: bool = False, on_finish=None):
+                 fill_drafts: bool = False, on_finish=None, k_for_batch_size=None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -39,6 +41,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
         self.fill_drafts = fill_drafts  # a decode with < K drafts still feeds 1 + K tokens
         self.on_finish = on_finish  # called with each running request that ends, any reason
+        # batch size -> the step's K (None: num_speculative_tokens every step)
+        self.k_for_batch_size = k_for_batch_size
+        self.step_k = num_speculative_tokens  # the last schedule()'s K
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -54,6 +59,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # kept (and filled as it is built) so that a failed step knows whom it touched
         self.scheduled = scheduled = []
+        k = self.step_k = self._step_k()
         for req in self.running:
             if budget == 0:
                 break
@@ -64,9 +70,9 @@ class Scheduler:
             else:
                 # never verify drafts past max_model_len: the target has no room for them
                 fits = min(self.max_model_len - req.num_tokens, budget - 1)
-                spec = req.spec_token_ids[:max(0, fits)]
-                if self.fill_drafts and fits >= self.num_speculative_tokens:
-                    filler = self.num_speculative_tokens - len(spec)
+                spec = req.spec_token_ids[:max(0, min(fits, k))]
+                if self.fill_drafts and fits >= k:
+                    filler = k - len(spec)
                 n = 1 + len(spec) + filler
             scheduled.append(ScheduledRequest(req, n, spec, filler))
             self._reserve(req, n)
@@ -81,6 +87,14 @@ class Scheduler:
             self._reserve(req, n)
             budget -= n
         return scheduled
+
+    def _step_k(self) -> int:
+        """The step's K from its batch size: the running requests and the waiting ones that
+        free rows admit (what the step runs unless the token budget stops admission first)."""
+        if self.k_for_batch_size is None:
+            return self.num_speculative_tokens
+        return self.k_for_batch_size(
+            len(self.running) + min(len(self.waiting), len(self.free_rows)))
 
     def _reserve(self, req: Request, num_tokens: int) -> None:
         end = req.num_computed_tokens + num_tokens + self.num_speculative_tokens

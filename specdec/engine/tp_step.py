@@ -4,7 +4,7 @@ peers: one broadcast of the step buffers' host bytes per step.
 The broadcast tensor is ``StepBuffers.wire``: a header of int64 words, then every host field
 the step runs on. Header: ``[kind, num_reqs, num_tokens, num_reqs_padded, num_tokens_padded,
 capturable, uniform_decode, variant, max_seq_len, graph_seq_len, max_query_len, prompt_words,
-num_tokens_across_dp[0..D-1]]``; kind is STEP,
+num_spec_tokens, num_tokens_across_dp[0..D-1]]``; kind is STEP,
 DUMMY (an idle DP rank's step: the same forwards, no inputs) or STOP (every DP rank is idle:
 the peers return from ``serve``). New prompts enter the driver's token table between steps;
 when there are some (``prompt_words`` > 0) a second broadcast carries them, int32
@@ -13,7 +13,7 @@ tokens of the padded draft step) stays the same.
 
 Worked example (D=1): a decode step of 2 requests, K=1, padded to 2 requests / 4 tokens, greedy,
 longest sequence 9, max_model_len 64, no new prompt -> header
-``[1, 2, 4, 2, 4, 1, 1, 0, 9, 64, 2, 0, 4]``, one broadcast.
+``[1, 2, 4, 2, 4, 1, 1, 0, 9, 64, 2, 0, 1, 4]``, one broadcast.
 """
 
 import torch
@@ -23,7 +23,7 @@ from specdec.engine.step_buffers import StepBuffers
 from specdec.padding import StepPlan
 
 STEP, DUMMY, STOP = 1, 2, 3
-FIXED = 12  # header words before num_tokens_across_dp
+FIXED = 13  # header words before num_tokens_across_dp
 
 
 def header_words(dp_size: int) -> int:
@@ -59,6 +59,7 @@ class StepBroadcast:
             h[1:8] = torch.tensor([plan.num_reqs, plan.num_tokens, plan.num_reqs_padded,
                                    plan.num_tokens_padded, int(plan.capturable),
                                    int(plan.uniform_decode), self.variants.index(variant)])
+            h[12] = plan.num_spec_tokens
             h[FIXED:] = torch.tensor(plan.num_tokens_across_dp)
         self.tp.broadcast(self.buffers.wire)
         if words:
@@ -82,7 +83,7 @@ class StepBroadcast:
                 i += 2 + n
         if kind == STOP:
             return kind, None, lens, "greedy"
-        plan = StepPlan(h[1], h[2], h[3], h[4], bool(h[5]), tuple(h[FIXED:]), bool(h[6]))
+        plan = StepPlan(h[1], h[2], h[3], h[4], bool(h[5]), tuple(h[FIXED:]), bool(h[6]), h[12])
         if kind == STEP:  # (an accelerator's async copy of the previous step is done: the
             # driver sent this step after reading its results, which waited on collectives
             # that come after that copy on this rank's stream)

@@ -14,6 +14,10 @@ static-shape *padded step* per step: for Np tokens and Bp requests,
     first pass of the head over the target's layout -> draft 1 from the logits at the samples
     draft loop: seq_lens -= num_rejected (once), then K-1 steps of one token per row
 
+K is the step's (``StepPlan.num_spec_tokens``: a K schedule picks it per step; a static value
+of the step graph, so each K has its own graphs). K = 0 still runs the first pass: the head's
+KV then has every token, so drafting can resume at any later step.
+
 Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`, whose ``run``
 picks for each step, as for the runner's target step): a capturable step (``plan.capturable``:
 a uniform decode, or a mixed step where the backend captures those) runs it through the
@@ -156,7 +160,8 @@ class DraftModelProposer(Proposer):
             inputs, capturable=plan.capturable,
             bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
             captured=self.step_bounds(x.graph_seq_len, x.graph_query_len),
-            own=self.step_bounds(a.max_seq_len, a.max_query_len))
+            own=self.step_bounds(a.max_seq_len, a.max_query_len),
+            num_drafts=plan.num_spec_tokens)
 
     def step_bounds(self, max_seq_len: int, max_query_len: int | None) -> dict:
         """The padded step's host bounds (its static values) from the first pass's."""
@@ -170,21 +175,25 @@ class DraftModelProposer(Proposer):
         return min(max_seq_len + self.num_speculative_tokens - 1, self.max_model_len)
 
     def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                    loop_seq_len: int) -> torch.Tensor:
-        """The whole padded draft step, a static-shape step function -> drafts [Bp, K] int32.
+                    loop_seq_len: int, num_drafts: int) -> torch.Tensor:
+        """The whole padded draft step, a static-shape step function -> drafts [Bp,
+        num_drafts] int32.
 
-        Every shape depends on (Np, Bp) and the three host bounds only (max_seq_len,
-        max_query_len: the first pass's; loop_seq_len: steps 2..K's); nothing here reads a
-        value on the host.
+        Every shape depends on (Np, Bp) and the host values only (max_seq_len, max_query_len:
+        the first pass's; loop_seq_len: steps 2..K's; num_drafts: the step's K); nothing here
+        reads a value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         """
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
                                                                       max_query_len)
+        if num_drafts == 0:  # the head's KV still gets the step's tokens
+            self.head_pass(x.target_ids, x.positions, x.features, attn, sample_idx, next_ids)
+            return x.sampled.new_zeros((x.sampled.shape[0], 0))
         token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
                                         next_ids)
         drafts = [token] + self.draft_loop_steps(
             token, hidden, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
-            x.block_table, loop_seq_len)
+            x.block_table, loop_seq_len, num_drafts - 1)
         return torch.stack(drafts, dim=1)
 
     def padded_layout(self, x: PaddedStepInputs, max_seq_len: int, max_query_len: int | None
@@ -210,10 +219,18 @@ class DraftModelProposer(Proposer):
         (draft_features); attn over the N tokens; sample_idx [S] int64, each request's sample
         index (its last kept token); next_ids [S] int32, the next token placed there.
         -> (draft 1 [S] int32, the head's output at sample_idx [S, H])."""
-        ids = shift_first_pass_input_ids(target_ids, sample_idx, next_ids)
-        logits_h, next_h = self.head(ids, positions, self.first_pass_hidden(features),
-                                     kv=self.kv.bind(attn))
+        logits_h, next_h = self.head_pass(target_ids, positions, features, attn, sample_idx,
+                                          next_ids)
         return self.sample(logits_h[sample_idx]), next_h[sample_idx]
+
+    def head_pass(self, target_ids: torch.Tensor, positions: torch.Tensor,
+                  features: torch.Tensor, attn: AttentionMetadata, sample_idx: torch.Tensor,
+                  next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first pass's head forward (its KV writes included; first_pass's arguments)
+        -> the head's (logits hidden, next hidden), [N, H] each."""
+        ids = shift_first_pass_input_ids(target_ids, sample_idx, next_ids)
+        return self.head(ids, positions, self.first_pass_hidden(features),
+                         kv=self.kv.bind(attn))
 
     def _propose_ragged(self, x: DraftInputs) -> torch.Tensor:
         """disable_padded_drafter_batch=True: read the acceptance on the host (a sync by
@@ -222,12 +239,16 @@ class DraftModelProposer(Proposer):
         b, bp, n = x.plan.num_reqs, x.plan.num_reqs_padded, x.plan.num_tokens_padded
         next_ids, keep, sample_idx, attn = self.ragged_layout(x)
         kept_positions = x.positions[keep]
-        token, hidden = self.first_pass(
-            _pad_rows(x.input_ids[keep], n), _pad_rows(kept_positions, n),
-            _pad_rows(self.draft_features(x)[keep], n), attn, sample_idx, next_ids)
+        args = (_pad_rows(x.input_ids[keep], n), _pad_rows(kept_positions, n),
+                _pad_rows(self.draft_features(x)[keep], n), attn, sample_idx, next_ids)
+        if x.plan.num_spec_tokens == 0:  # the head's KV still gets the kept tokens
+            self.head_pass(*args)
+            return next_ids.new_zeros((b, 0))
+        token, hidden = self.first_pass(*args)
         drafts = [token] + self.draft_loop_steps(
             _pad_rows(token, bp), _pad_rows(hidden, bp), kept_positions[sample_idx],
-            attn.seq_lens, None, b, x.attn.block_table, self.loop_seq_len(x.attn.max_seq_len))
+            attn.seq_lens, None, b, x.attn.block_table, self.loop_seq_len(x.attn.max_seq_len),
+            x.plan.num_spec_tokens - 1)
         return torch.stack([d[:b] for d in drafts], dim=1)
 
     def ragged_layout(self, x: DraftInputs
@@ -290,21 +311,22 @@ class DraftModelProposer(Proposer):
                          positions: torch.Tensor, seq_lens: torch.Tensor,
                          num_rejected: torch.Tensor | None, num_reqs: int | torch.Tensor,
                          block_table: torch.Tensor, loop_seq_len: int,
-                         num_steps: int | None = None) -> list[torch.Tensor]:
-        """Draft steps 2..K over Bp rows (B real, the rest padding), one token each.
+                         num_steps: int) -> list[torch.Tensor]:
+        """``num_steps`` draft steps (a head's 2..K) over Bp rows (B real, the rest padding),
+        one token each.
 
         tokens [Bp] int32 (draft 1), hidden [Bp, H] (the head's output at the sample index;
         None for a head that reads none), positions [b] int64 and seq_lens [b] int32 at the
         sample index, b <= Bp (num_rejected [b] in padded mode, None when seq_lens are already
         the ragged ones), block_table [b, M], loop_seq_len: bound on seq_lens in every step
-        (``loop_seq_len``). Returns ``num_steps`` (default K-1) tensors [Bp] int32.
+        (``loop_seq_len``). Returns ``num_steps`` tensors [Bp] int32.
         """
         bp = tokens.shape[0]
         self.start_draft_loop(positions, seq_lens, num_rejected, bp)
         block_table = _pad_rows(block_table, bp)
         qsl = torch.arange(bp + 1, dtype=torch.int32, device=tokens.device)
         drafts = []
-        for _ in range(self.num_speculative_tokens - 1 if num_steps is None else num_steps):
+        for _ in range(num_steps):
             st = self.advance_step(num_reqs, block_table)
             meta = AttentionMetadata(st.slot_mapping, qsl, st.seq_lens, block_table,
                                      loop_seq_len)
@@ -318,9 +340,10 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
         """The same head forwards and padded sizes as propose(): the first pass over Np
-        tokens, then K-1 loop forwards over Bp rows. Every KV write goes to slot -1."""
+        tokens, then the step's K-1 loop forwards over Bp rows. Every KV write goes to slot
+        -1."""
         self._dummy_forward(plan.num_tokens_padded)
-        for _ in range(1, self.num_speculative_tokens):
+        for _ in range(1, plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)
 
     def _dummy_forward(self, n: int) -> None:

@@ -32,15 +32,16 @@ class DraftLMProposer(DraftModelProposer):
         return x.input_ids
 
     def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                    loop_seq_len: int) -> torch.Tensor:
-        """The padded draft step (as the base's: static shapes, no host read) -> [Bp, K]."""
+                    loop_seq_len: int, num_drafts: int) -> torch.Tensor:
+        """The padded draft step (as the base's: static shapes, no host read) -> [Bp,
+        num_drafts] (0: the prefix pass alone)."""
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
                                                                       max_query_len)
         self.head(x.target_ids, x.positions, None, kv=self.kv.bind(attn))
         drafts = self.draft_loop_steps(
             next_ids, None, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
-            x.block_table, loop_seq_len, num_steps=self.num_speculative_tokens)
-        return torch.stack(drafts, dim=1)
+            x.block_table, loop_seq_len, num_drafts)
+        return torch.stack(drafts, dim=1) if drafts else next_ids.new_zeros((len(next_ids), 0))
 
     def _propose_ragged(self, x: DraftInputs) -> torch.Tensor:
         """disable_padded_drafter_batch=True: the kept tokens only (a host read of the
@@ -52,13 +53,14 @@ class DraftLMProposer(DraftModelProposer):
                   kv=self.kv.bind(attn))
         drafts = self.draft_loop_steps(
             _pad_rows(next_ids, bp), None, kept_positions[sample_idx], attn.seq_lens, None, b,
-            x.attn.block_table, self.loop_seq_len(x.attn.max_seq_len),
-            num_steps=self.num_speculative_tokens)
-        return torch.stack([d[:b] for d in drafts], dim=1)
+            x.attn.block_table, self.loop_seq_len(x.attn.max_seq_len), x.plan.num_spec_tokens)
+        return (torch.stack([d[:b] for d in drafts], dim=1) if drafts
+                else next_ids.new_zeros((b, 0)))
 
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
-        """An idle DP rank: the prefix pass over Np tokens, then K loop forwards over Bp."""
+        """An idle DP rank: the prefix pass over Np tokens, then the step's K loop forwards
+        over Bp."""
         self._dummy_forward(plan.num_tokens_padded)
-        for _ in range(self.num_speculative_tokens):
+        for _ in range(plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)

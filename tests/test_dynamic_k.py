@@ -1,0 +1,192 @@
+"""K per step (``num_speculative_tokens_per_batch_size``, vLLM's key): the schedule's lookup and
+its refusals; in the engine, each step's K follows its batch size (0 switches speculation
+off), the padded step stays uniform and captured at every K (one graph per K; a head's
+decodes get filler when K grows past the drafts it proposed), no host sync, and the tokens
+never change: greedy equals plain decoding, sampled padded equals sampled ragged."""
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
+from specdec.engine.llm import DEFAULT_MODEL
+
+K = 3
+KEY = "num_speculative_tokens_per_batch_size"
+# one request: K = 3; two to four: 1; five or more: speculation off
+SCHEDULE = [[1, 1, 3], [2, 4, 1], [5, 8, 0]]
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "import os\nimport sys\n",
+           "for i in range(10):", "class Stack:\n", "x = 1\ny = 2\nx = 1\n", "def f(n):",
+           "a = [1, 2, 3]\n", "print('hello')\nprint("]
+
+
+def spec(method: str, schedule=SCHEDULE, **kw) -> dict:
+    extra = {"model": str(DEFAULT_MODEL)} if method == "draft_model" else {}
+    return {"method": method, "num_speculative_tokens": K, KEY: schedule, **extra, **kw}
+
+
+@pytest.mark.parametrize("schedule,batch_ks", [
+    (SCHEDULE, {1: 3, 2: 1, 4: 1, 5: 0, 8: 0, 9: 3}),  # a size in no range drafts K
+    ([[3, 4, 2]], {1: 3, 2: 3, 3: 2, 4: 2, 5: 3}),
+    ([[2, 2, 0], [1, 1, 1]], {1: 1, 2: 0, 3: 3}),  # ranges in any order
+])
+def test_the_schedule_maps_batch_sizes_to_k(schedule, batch_ks):
+    cfg = SpeculativeConfig.from_dict(spec("mtp", schedule))
+    assert {b: cfg.k_for_batch_size(b) for b in batch_ks} == batch_ks
+    assert cfg.step_ks == tuple(sorted({K, *(k for _, _, k in schedule)}))
+
+
+def test_without_a_schedule_every_step_drafts_k():
+    cfg = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": K})
+    assert [cfg.k_for_batch_size(b) for b in (1, 64)] == [K, K] and cfg.step_ks == (K,)
+
+
+@pytest.mark.parametrize("schedule,match", [
+    ([], r"num_speculative_tokens_per_batch_size=\[\]: allowed a non-empty list"),
+    ("1-4:2", "allowed a non-empty list of \\[lo, hi, k\\]"),
+    ([[1, 4]], r"num_speculative_tokens_per_batch_size\[0\]=\[1, 4\]: allowed \[lo, hi, k\]"),
+    ([[0, 4, 1]], r"\[0\]=\[0, 4, 1\]: allowed .* 1 <= lo <= hi"),
+    ([[5, 4, 1]], r"\[0\]=\[5, 4, 1\]"),
+    ([[1, 4, 4]], r"0 <= k <= num_speculative_tokens=3"),
+    ([[1, 4, -1]], r"\[0\]=\[1, 4, -1\]"),
+    ([[1, 4, 1.5]], r"\[0\]=\[1, 4, 1.5\]"),
+    ([[1, 4, True]], r"\[0\]=\[1, 4, True\]"),
+    ([[1, 4, 1], [4, 8, 0]], r"ranges \[1, 4, 1\] and \[4, 8, 0\] overlap"),
+])
+def test_a_bad_schedule_is_refused_naming_the_key(schedule, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(spec("mtp", schedule))
+
+
+def test_a_schedule_for_a_method_that_drafts_nothing_is_refused():
+    with pytest.raises(ValueError, match="with method='extract_hidden_states'.*allowed: None"):
+        SpeculativeConfig.from_dict({
+            "method": "extract_hidden_states", "num_speculative_tokens": 1, KEY: [[1, 2, 0]],
+            "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1]}})
+
+
+@pytest.mark.parametrize("kw", [{"data_parallel_size": 2}, {"tensor_parallel_size": 2}])
+def test_a_schedule_across_ranks_is_refused(kw):
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size with "
+                                         "tensor_parallel_size=.*not supported yet"):
+        LLM(speculative_config=spec("mtp"), **kw)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+# the last request outlives the others by far: it runs alone at K = 3
+PARAMS = [SamplingParams(max_tokens=30 if i == 7 else 5 + 2 * i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return [o.token_ids for o in LLM(max_num_seqs=8).generate(PROMPTS, PARAMS)]
+
+
+def run_with_arrivals(llm: LLM) -> list[tuple[int, bool, bool]]:
+    """One request first, seven more after its second step (the batch grows: K falls with
+    drafts in flight), then all to the end (it shrinks: K grows back). -> each step's (K,
+    uniform decode, captured); the outputs are in ``llm``'s requests."""
+    record, execute = [], llm.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        record.append((batch.plan.num_spec_tokens, batch.plan.uniform_decode,
+                       llm.runner.last_step_captured))
+        return out
+    llm.runner.execute = recording
+    llm.requests = [llm.add_request(PROMPTS[0], PARAMS[0])]
+    for _ in range(2):
+        llm.step()
+    llm.requests += [llm.add_request(p, s) for p, s in zip(PROMPTS[1:], PARAMS[1:])]
+    while llm.step() is not None:
+        pass
+    return record
+
+
+@pytest.mark.parametrize("method,padded,backend", [
+    ("eagle3", True, "replay"), ("mtp", True, "eager"), ("eagle3", False, "eager"),
+    ("ngram", True, "replay"), ("draft_model", True, "replay")])
+def test_k_follows_the_batch_size_and_never_changes_a_token(plain, method, padded, backend):
+    """Greedy tokens equal plain decoding while K moves 3 -> 0 (drafts in flight dropped) ->
+    1 -> 3 (a head's decodes filled up to the new K); every padded decode step on a
+    capturing backend is a captured uniform decode at its K; no host sync in the padded
+    step."""
+    llm = LLM(speculative_config=spec(method, disable_padded_drafter_batch=not padded),
+              max_num_seqs=8, capture_sizes=[1, 4, 8], graph_backend=backend,
+              check_host_syncs=True)
+    record = run_with_arrivals(llm)
+    assert [r.output_token_ids for r in llm.requests] == plain
+    ks = [k for k, _, _ in record]
+    assert ks[:2] == [3, 3] and ks[2] == 0 and {0, 1, 3} <= set(ks) and ks[-1] == 3
+    # K rises back only as the batch shrinks: 0s, then 1s, then 3s after the arrivals
+    assert ks[2:] == sorted(ks[2:])
+    if padded and backend == "replay":
+        prefill_steps = {0, 2}  # the first request's and the arrivals' prefill
+        assert all(uniform and captured for i, (_, uniform, captured) in enumerate(record)
+                   if i not in prefill_steps)
+    assert sum(sum(r.num_accepted) for r in llm.requests) > 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "replay"])
+def test_k_zero_still_feeds_the_draft_models_kv(backend):
+    """The target's own folder as the draft model: the steps at K = 0 still write the draft
+    model's KV, so once the batch is one request again (K = 3; replay: its first decode
+    filled up to 3 after 0 drafts) every draft is accepted (but those of the last step,
+    past max_tokens)."""
+    llm = LLM(speculative_config=spec("draft_model", [[1, 1, 3], [2, 8, 0]]), max_num_seqs=4,
+              capture_sizes=[1, 4], graph_backend=backend)
+    long_one = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:4], [long_one] + PARAMS[:3])
+    drafted, accepted = outs[0].num_drafted, outs[0].num_accepted
+    assert len(drafted) == K and all(d - 1 <= a <= d for d, a in zip(drafted, accepted))
+    assert drafted[0] >= 3
+    assert all(not o.num_drafted for o in outs[1:])  # they never ran alone
+
+
+def test_sampled_padded_equals_sampled_ragged_under_a_schedule():
+    """T 0.8, seeded: the padded and the ragged drafter make the same drafts at each step's
+    K, so verification draws the same tokens."""
+    params = [SamplingParams(max_tokens=5 + 2 * i, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(4)]
+    out = {}
+    for padded in (True, False):
+        llm = LLM(speculative_config=spec("eagle3", [[1, 2, 3], [3, 8, 1]],
+                                          disable_padded_drafter_batch=not padded),
+                  max_num_seqs=4)
+        out[padded] = [(o.token_ids, o.num_drafted, o.num_accepted)
+                       for o in llm.generate(PROMPTS[:4], params)]
+    assert out[True] == out[False]
+    assert any(acc for _, _, acc in out[True])
+
+
+def test_a_filled_decode_samples_the_draft_step_at_its_last_kept_token(monkeypatch):
+    """The drafter's preparation of each step (K moving, so decodes with filler after fewer
+    drafts, 0 included, and decodes with fewer tokens than 1 + K) puts each request's sample
+    index at its last kept token and rejects every token fed after it (drafts and filler):
+    recorded from the real preparation, checked against the host's schedule and results."""
+    llm = LLM(speculative_config=spec("eagle3"), max_num_seqs=8, capture_sizes=[1, 4, 8],
+              graph_backend="replay", check_host_syncs=False)  # (the recording reads)
+    prepare, seen = llm.runner.proposer.prepare_padded, []
+
+    def recording(*args):
+        out = prepare(*args)
+        seen.append((args[3].tolist(), out[2].tolist(), out[3].tolist()))  # qsl, idx, rej
+        return out
+    monkeypatch.setattr(llm.runner.proposer, "prepare_padded", recording)
+    execute, checked = llm.runner.execute, []
+
+    def checking(batch):
+        sampled, drafts = execute(batch)
+        qsl, idx, rejected = seen.pop()
+        for i, s in enumerate(llm.scheduler.scheduled):
+            if s.is_discarded:
+                continue
+            fed = len(s.spec_token_ids) + s.num_filler
+            kept = sum(t >= 0 for t in sampled[i].tolist()) - 1  # accepted drafts
+            assert idx[i] == qsl[i] + (kept if fed else s.num_tokens - 1)
+            assert rejected[i] == (fed - kept if fed else 0)
+            checked.append(s.num_filler)
+        return sampled, drafts
+    monkeypatch.setattr(llm.runner, "execute", checking)
+    run_with_arrivals(llm)
+    assert checked and any(f > 0 for f in checked)  # filled decodes were among them
