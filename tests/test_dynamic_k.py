@@ -2,11 +2,19 @@
 its refusals; in the engine, each step's K follows its batch size (0 switches speculation
 off), the padded step stays uniform and captured at every K (one graph per K; a head's
 decodes get filler when K grows past the drafts it proposed), no host sync, and the tokens
-never change: greedy equals plain decoding, sampled padded equals sampled ragged."""
+never change: greedy equals plain decoding, sampled padded equals sampled ragged. The
+benchmark derives a schedule from its measurements and takes one (``--k-schedule``)."""
+
+import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
+from specdec.bench import itl
+from specdec.bench.report import best_k_schedule
+from specdec.commands.flags import UsageError
 from specdec.config import SpeculativeConfig
 from specdec.engine.llm import DEFAULT_MODEL
 
@@ -190,3 +198,53 @@ def test_a_filled_decode_samples_the_draft_step_at_its_last_kept_token(monkeypat
     monkeypatch.setattr(llm.runner, "execute", checking)
     run_with_arrivals(llm)
     assert checked and any(f > 0 for f in checked)  # filled decodes were among them
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+@given(st.dictionaries(st.integers(1, 64), st.dictionaries(
+    st.integers(0, 5), st.floats(1, 1e4, allow_nan=False), min_size=1), min_size=1))
+def test_the_derived_schedule_picks_the_fastest_k_at_each_measured_concurrency(tok_s):
+    """``best_k_schedule``: read back through the config's own lookup, each measured
+    concurrency gets the K of the most tokens/s (the smaller K on a tie)."""
+    schedule = best_k_schedule(tok_s)
+    cfg = SpeculativeConfig("mtp", 5, num_speculative_tokens_per_batch_size=schedule)
+    for c, by_k in tok_s.items():
+        best = max(by_k.values())
+        assert cfg.k_for_batch_size(c) == min(k for k, v in by_k.items() if v == best)
+
+
+def test_the_sweep_gives_its_schedule_to_every_speculative_engine():
+    sweep = itl.check_sweep(dict(methods=["none", "ngram"], modes=["padded"], k=[3],
+                                 concurrency=[2], k_schedule=[[2, 8, 1]]))
+    engines, skipped = itl.build_engines(sweep, itl.expand(sweep))
+    assert not skipped
+    ngram = engines["ngram", True, 3].llm
+    assert ngram.scheduler.k_for_batch_size(2) == 1 and ngram.runner.step_ks == (1, 3)
+    assert engines["none", True, 0].llm.spec is None
+
+
+@pytest.mark.parametrize("schedule,match", [
+    ([[1, 4, 5]], r"sweep k_schedule: .*\[1, 4, 5\].*num_speculative_tokens=3"),
+    ([[1, 4]], r"sweep k_schedule: num_speculative_tokens_per_batch_size\[0\]")])
+def test_a_bad_sweep_schedule_is_refused(schedule, match):
+    with pytest.raises(UsageError, match=match):
+        itl.check_sweep(dict(k=[3, 5], k_schedule=schedule))
+
+
+def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
+    """``specdec bench`` prints the schedule its measurements imply, from 1 to the largest
+    concurrency; ``--k-schedule`` with that value runs (and is recorded), and then no
+    schedule is derived."""
+    args = ["--methods", "none,ngram", "--modes", "padded", "-k", "2", "--concurrency", "1,2",
+            "--prompt-len", "8", "--output-len", "6", "--repeats", "1", "--warmup", "0",
+            "--workload", "repeat"]
+    assert itl.main(args + ["--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("K schedule from this run"))
+    schedule = json.loads(line.split("--k-schedule '")[1].split("'")[0])
+    assert [r[0] for r in schedule][0] == 1 and schedule[-1][1] == 2
+    assert itl.main(args + ["--out", str(tmp_path / "b"), "--k-schedule",
+                            json.dumps(schedule)]) == 0
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["sweep"]["k_schedule"] == schedule
+    assert "K schedule from this run" not in capsys.readouterr().out

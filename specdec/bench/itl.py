@@ -37,8 +37,8 @@ from specdec.bench.metrics import (DEFINITIONS, _dist, _ms, _spread, dist,  # no
                                    repeat_figures, summarize)
 from specdec.bench.plots import (percentile_band, plot_footer, row_label,  # noqa: F401
                                  series_style, write_plots)
-from specdec.bench.report import (TABLE_COLUMNS, _f, results_table,  # noqa: F401
-                                  skipped_lines, slower_hint, table_title)
+from specdec.bench.report import (TABLE_COLUMNS, _f, k_schedule_lines,  # noqa: F401
+                                  results_table, skipped_lines, slower_hint, table_title)
 from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # noqa: F401
                                  QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig, Engine,
                                  PromptSource, ReqStats, build_engines, check_sweep,
@@ -53,6 +53,17 @@ from specdec.models.synthetic import SHAPES
 
 # ---- command line -----------------------------------------------------------------------------
 _ints, _words = ints, words  # the older private names (now in specdec.commands.flags)
+
+
+def json_list(text: str) -> list:
+    """An argparse type: a JSON list, e.g. '[[1, 4, 3], [5, 64, 0]]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"must be a JSON list, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", dest="draft_model", metavar="DIR",
                    help="the folder of method draft_model's causal LM (with --methods "
                         "...,draft_model; default: none)")
+    p.add_argument("--k-schedule", type=json_list, dest="k_schedule", metavar="JSON",
+                   help="K per step for every speculative config: speculative_config's "
+                        "num_speculative_tokens_per_batch_size, e.g. '[[1, 4, 3], [5, 64, 0]]' "
+                        "(batch sizes 1-4 draft 3, 5-64 none; default: K every step)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")
@@ -142,6 +157,8 @@ def run_from_args(args) -> int:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if (hint := slower_hint(results)) is not None:
         console.print(hint, markup=False, highlight=False, soft_wrap=True)
+    for line in k_schedule_lines(results):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots']) or 'no plots'} "
                   f"in {results['wall_seconds']:.1f} s", markup=False, highlight=False,
                   soft_wrap=True)

@@ -96,6 +96,47 @@ def slower_hint(results: dict) -> str | None:
             "forwards make large (docs/benchmarks.md).")
 
 
+def best_k_schedule(tok_s: dict[int, dict[int, float]]) -> list[list[int]]:
+    """A K schedule (num_speculative_tokens_per_batch_size) from measured tokens/s:
+    ``tok_s[concurrency][K]`` (K 0: plain decoding). Each measured concurrency takes the K of
+    the most tokens/s and covers the batch sizes up to the next one; neighbours with the same
+    K merge. E.g. {1: {0: 90, 3: 150}, 4: {0: 300, 3: 310}, 16: {0: 800, 3: 600}} ->
+    [[1, 15, 3], [16, 16, 0]]."""
+    concs = sorted(tok_s)
+    schedule = []
+    for i, c in enumerate(concs):
+        k = max(tok_s[c], key=lambda kk: (tok_s[c][kk], -kk))
+        hi = concs[i + 1] - 1 if i + 1 < len(concs) else c
+        if schedule and schedule[-1][2] == k:
+            schedule[-1][1] = hi
+        else:
+            schedule.append([c, hi, k])
+    return schedule
+
+
+def k_schedule_lines(results: dict) -> list[str]:
+    """For a sweep run without a K schedule: per method and mode (and lengths), the schedule
+    that picks this run's fastest K at each measured concurrency (plain decoding as K 0), as a
+    ``--k-schedule`` value; nothing when plain decoding was not measured."""
+    if results["sweep"].get("k_schedule") is not None:
+        return []
+    ok = [c for c in results["configs"] if c["status"] == "ok"]
+    plain = {(c["concurrency"], c["prompt_len"], c["output_len"]): c["summary"][
+        "output_tokens_per_s"] for c in ok if c["method"] == "none"}
+    groups: dict[tuple, dict[int, dict[int, float]]] = {}
+    for c in ok:
+        key = (c["concurrency"], c["prompt_len"], c["output_len"])
+        if c["method"] == "none" or key not in plain:
+            continue
+        g = groups.setdefault((c["method"], c["mode"], c["prompt_len"], c["output_len"]), {})
+        g.setdefault(c["concurrency"], {0: plain[key]})[c["k"]] = c["summary"][
+            "output_tokens_per_s"]
+    return [f"K schedule from this run for {m} {mode} (prompt {p}, output {o}; the fastest K "
+            f"per concurrency, 0 = plain): --k-schedule '{best_k_schedule(g)}' -k "
+            f"{max(k for ks in g.values() for k in ks)}"
+            for (m, mode, p, o), g in groups.items()]
+
+
 def skipped_lines(results: dict) -> list[str]:
     """One line per skipped (method, mode, K) with the reason, and per failed config with its
     error (the other configs were still measured)."""

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
 from specdec.commands.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
+from specdec.config import SpeculativeConfig
 from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL
 from specdec.engine.sequence import SamplingParams
@@ -38,7 +39,8 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      concurrency=[1, 4, 16, 64], prompt_len=[64], output_len=[64], repeats=3,
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
-                     max_num_batched_tokens=None, workload="stdlib", draft_model=None)
+                     max_num_batched_tokens=None, workload="stdlib", draft_model=None,
+                     k_schedule=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -130,6 +132,8 @@ def check_sweep(sweep: dict) -> dict:
                                or budget < 1):
         raise UsageError(f"sweep max_num_batched_tokens={budget!r}: allowed an int >= 1 or "
                          "none (none: max(256, concurrency x (K + 1)))")
+    if s["k_schedule"] is not None:
+        check_k_schedule(s["k_schedule"], min(s["k"]))
     if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -137,6 +141,15 @@ def check_sweep(sweep: dict) -> dict:
     except (ValueError, TypeError) as e:
         raise UsageError(f"sweep device={s['device']!r}: {e}") from None
     return s
+
+
+def check_k_schedule(schedule, k: int) -> None:
+    """The sweep's ``k_schedule`` (speculative_config's num_speculative_tokens_per_batch_size,
+    given to every speculative engine) must hold for its smallest K."""
+    try:
+        SpeculativeConfig("mtp", k, num_speculative_tokens_per_batch_size=schedule)
+    except ValueError as e:
+        raise UsageError(f"sweep k_schedule: {e} (the sweep's smallest K)") from None
 
 
 def expand(sweep: dict) -> list[BenchConfig]:
@@ -329,6 +342,8 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         conc = max(c.concurrency for c in mine)
         spec = speculative_config(method, k, padded, draft_model=sweep["draft_model"]
                                   if method == "draft_model" else None)
+        if spec is not None and sweep["k_schedule"] is not None:
+            spec["num_speculative_tokens_per_batch_size"] = sweep["k_schedule"]
         # padded steps run through the graph backend (None: the device's default, cuda_graph
         # on CUDA); ragged ones eager, the reference (their shapes come from a host read)
         backend = (sweep["graph_backend"] if padded else "eager") \
