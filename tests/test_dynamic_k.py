@@ -72,11 +72,12 @@ def test_a_schedule_for_a_method_that_drafts_nothing_is_refused():
             "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1]}})
 
 
-@pytest.mark.parametrize("kw", [{"data_parallel_size": 2}, {"tensor_parallel_size": 2}])
-def test_a_schedule_across_ranks_is_refused(kw):
+def test_a_schedule_across_dp_ranks_is_refused():
+    """(Under tensor parallelism the peers take each step's K from their driver:
+    ``tests/test_tp.py``'s dense-eagle3-k-schedule.)"""
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size with "
-                                         "tensor_parallel_size=.*not supported yet"):
-        LLM(speculative_config=spec("mtp"), **kw)
+                                         "data_parallel_size=2: not supported yet"):
+        LLM(speculative_config=spec("mtp"), data_parallel_size=2)
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -247,4 +248,12 @@ def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
                             json.dumps(schedule)]) == 0
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     assert results["sweep"]["k_schedule"] == schedule
+    # each config's mean step K: the schedule's K at its concurrency (2 without a schedule;
+    # plain decoding 0), counted from the engine's StepRecords
+    fixed = json.loads((tmp_path / "a" / "results.json").read_text())
+    cfg = SpeculativeConfig("ngram", 2, num_speculative_tokens_per_batch_size=schedule)
+    for run, k_of in ((fixed, lambda c: 2), (results, cfg.k_for_batch_size)):
+        for c in run["configs"]:
+            want = 0 if c["method"] == "none" else k_of(c["concurrency"])
+            assert c["summary"]["mean_step_k"] == want
     assert "K schedule from this run" not in capsys.readouterr().out

@@ -82,6 +82,11 @@ DENSE = {  # the embedded default model and its trained heads
     # captured steps (the CUDA-graph code path without a graph) with collectives inside
     "dense-eagle3-replay": dict(ENGINE, speculative_config=spec("eagle3", 2),
                                 graph_backend="replay", capture_sizes=[1, 2, 4]),
+    # K per step (3 -> 1 at 3-4 requests, back to 3): the peer takes each step's K from the
+    # driver's header
+    "dense-eagle3-k-schedule": dict(ENGINE, speculative_config=dict(
+        spec("eagle3", 3), num_speculative_tokens_per_batch_size=[[3, 4, 1]]),
+        graph_backend="replay", capture_sizes=[1, 2, 4]),
 }
 
 

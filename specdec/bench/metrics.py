@@ -22,6 +22,8 @@ DEFINITIONS = {
                            "from one separate untimed pass per config with the check on",
     "collectives_per_step": "DP collectives issued per step",
     "captured_share": "steps whose target step replayed a captured (or compiled) graph / steps",
+    "mean_step_k": "mean over steps of the step's K (with a K schedule, its batch size's; 0 "
+                   "for plain decoding)",
     "dp": "with dp > 1 each rank runs its share of the requests (round-robin); its chunk "
           "arrivals are its cumulative step seconds; steps and requests are pooled over ranks",
     "spread": "std / min / max / p10 / p90 over repeats of the per-repeat value",
@@ -55,6 +57,7 @@ def repeat_figures(raw: dict) -> dict:
         num_steps=raw["num_steps"], step_seconds=raw["step_seconds"],
         draft_seconds=raw["draft_seconds"], collectives=raw["collectives"],
         captured_steps=raw["captured_steps"], captured_share=raw["captured_steps"] / steps,
+        spec_tokens=raw["spec_tokens"], mean_step_k=raw["spec_tokens"] / steps,
         collectives_per_step=raw["collectives"] / steps,
         drafter_share=raw["draft_seconds"] / raw["step_seconds"] if raw["step_seconds"] else 0.0,
         num_drafted=raw["drafted"], num_accepted=raw["accepted"], verify_steps=vs,
@@ -90,6 +93,7 @@ def summarize(reps: list[dict]) -> dict:
         decode_time_s=sum(r["decode_time_s"] for r in reps),
         num_steps=steps, ms_per_step=1e3 * step_s / max(steps, 1),
         captured_share=sum(r["captured_steps"] for r in reps) / max(steps, 1),
+        mean_step_k=sum(r["spec_tokens"] for r in reps) / max(steps, 1),
         collectives=sum(r["collectives"] for r in reps),
         collectives_per_step=sum(r["collectives"] for r in reps) / max(steps, 1),
         drafter_share=sum(r["draft_seconds"] for r in reps) / step_s if step_s else 0.0,

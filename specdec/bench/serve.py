@@ -50,7 +50,7 @@ DEFINITIONS = {
     "ttft": "first chunk arrival - request send",
     "e2e": "last chunk arrival - request send",
     "output_tokens_per_s": "output tokens of the run / (last chunk arrival - first send)",
-    "engine metrics": "num_steps, step_seconds, draft_seconds, captured_steps, "
+    "engine metrics": "num_steps, step_seconds, draft_seconds, captured_steps, spec_tokens, "
                       "drafted/accepted: "
                       "deltas of the server's /metrics over the run (0 when it has none)",
 }
@@ -165,6 +165,7 @@ def engine_deltas(before: dict, after: dict) -> dict:
                 step_seconds=d("specdec:step_seconds_sum"),
                 draft_seconds=d("specdec:step_draft_seconds_total"),
                 captured_steps=int(d("specdec:captured_steps_total")), collectives=0,
+                spec_tokens=int(d("specdec:step_spec_tokens_total")),
                 verify_steps=int(drafts), drafted=drafted, accepted=accepted)
 
 

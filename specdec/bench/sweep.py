@@ -241,6 +241,7 @@ def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
         num_steps=len(steps), step_seconds=sum(s.seconds for s in steps),
         draft_seconds=sum(s.draft_seconds for s in steps),
         captured_steps=sum(s.captured for s in steps),
+        spec_tokens=sum(s.num_spec_tokens for s in steps),
         host_syncs=sum(s.host_syncs for s in steps) if steps and all(
             s.host_syncs is not None for s in steps) else None,
         collectives=sum(s.collectives for s in steps),
@@ -259,7 +260,7 @@ def merge_ranks(raws: list[dict]) -> dict:
     for key in ("itl_s", "ttft_s", "e2e_s", "tpot_s"):
         out[key] = [x for r in raws for x in r[key]]
     for key in ("output_tokens", "decode_time_s", "num_steps", "step_seconds", "draft_seconds",
-                "captured_steps", "collectives", "verify_steps"):
+                "captured_steps", "spec_tokens", "collectives", "verify_steps"):
         out[key] = sum(r[key] for r in raws)
     syncs = [r["host_syncs"] for r in raws]
     out["host_syncs"] = None if None in syncs else sum(syncs)

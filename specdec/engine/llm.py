@@ -85,13 +85,14 @@ class LLM:
         cfg.check_model(target.config)
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
-        if self.spec is not None and self.spec.num_speculative_tokens_per_batch_size \
-                and (tensor_parallel_size > 1 or data_parallel_size > 1 or dp is not None):
+        if self.spec is not None and self.spec.num_speculative_tokens_per_batch_size and (
+                dp.size if dp is not None else data_parallel_size) > 1:
+            # (TP peers take each step's K from their driver)
             raise ValueError(
                 "speculative_config.num_speculative_tokens_per_batch_size with "
-                f"tensor_parallel_size={tensor_parallel_size}, data_parallel_size="
-                f"{dp.size if dp is not None else data_parallel_size}: not supported yet "
-                "(the ranks would have to agree on each step's K); allowed: 1 and 1")
+                f"data_parallel_size={dp.size if dp is not None else data_parallel_size}: "
+                "not supported yet (the DP ranks would have "
+                "to agree on each step's K); allowed: 1")
         if self.spec is not None and self.spec.method == "draft_model" \
                 and tensor_parallel_size > 1:
             raise ValueError(f"method='draft_model' with tensor_parallel_size="
@@ -364,7 +365,8 @@ class LLM:
             new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
         rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
                          self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
-                         new_tokens, self.runner.last_step_captured, self._new_graphs())
+                         new_tokens, self.runner.last_step_captured, self._new_graphs(),
+                         plan.num_spec_tokens)
         self.steps.append(rec)
         return rec
 

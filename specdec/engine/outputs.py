@@ -54,3 +54,4 @@ class StepRecord:
     # step graph ("target", "draft": STEP_GRAPHS) -> graphs it compiled or captured in this
     # step (after start-up each one stalled the step); only graphs that made one
     new_graphs: dict[str, int] = field(default_factory=dict)
+    num_spec_tokens: int = 0  # the step's K (with a K schedule, its batch size's)

@@ -41,6 +41,9 @@ class ServerMetrics:
         self.captured_steps = Counter("specdec:captured_steps", "engine steps whose target "
                                       "step replayed a captured (or compiled) graph",
                                       registry=r)
+        self.step_k = Counter("specdec:step_spec_tokens", "sum over engine steps of the "
+                              "step's K (a K schedule's pick; / steps = the mean K)",
+                              registry=r)
         self.new_graphs = Counter("specdec:graph_compiles_after_startup", "step graphs "
                                   "compiled or captured after start-up, by step graph (target, "
                                   "draft): each one stalled the running streams",
@@ -78,6 +81,7 @@ class ServerMetrics:
         self.steps.observe(rec.seconds)
         self.draft_seconds.inc(rec.draft_seconds)
         self.captured_steps.inc(rec.captured)
+        self.step_k.inc(rec.num_spec_tokens)
         for name, n in rec.new_graphs.items():
             self.new_graphs.labels(name).inc(n)
         if rec.host_syncs is not None:  # counted only when the engine checks them
