@@ -139,8 +139,8 @@ class StepPlanner:
     def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
              num_spec_tokens: int | None = None) -> StepPlan:
         """num_tokens / num_reqs: this rank's real counts; uniform_decode: every request
-        verifies exactly K drafts (layout [B, 1+K]); num_spec_tokens: the step's K (None:
-        the planner's)."""
+        verifies exactly K drafts (layout [B, 1+K]); num_spec_tokens: this rank's K (None:
+        the planner's); the plan's is the smallest over DP ranks."""
         k = self.num_speculative_tokens if num_spec_tokens is None else num_spec_tokens
         tokens_per_req = 1 + k  # of a uniform decode request
         pad, dispatch = self.padder.pad_for_sequence_parallel, self.padder.dispatch
@@ -159,7 +159,9 @@ class StepPlanner:
                 capture = CAPTURE_MIXED if bucket.graph and token_bucket.graph else 0
             if not self.allow_capture or (capture == CAPTURE_MIXED and not self.capture_mixed):
                 capture = 0
-        synced = sync_step_across_dp(self.dp, tokens, reqs, capture)
+        synced = sync_step_across_dp(self.dp, tokens, reqs, capture, k)
+        k = synced.num_spec_tokens  # (DP: the smallest; the caller cuts its drafts to it)
+        tokens_per_req = 1 + k
         if synced.num_tokens == 0:
             return StepPlan(0, 0, 0, 0, False, synced.num_tokens_across_dp, num_spec_tokens=k)
         uniform = synced.capture == CAPTURE_UNIFORM

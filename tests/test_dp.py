@@ -26,24 +26,31 @@ from helpers import PROMPTS, dense_greedy, moe_target
 TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
-K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3}
+K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3,
+     "mtp-k-schedule": 3}
+# mtp-k-schedule: K per step (3 alone, 1 at 2-4 requests); a rank with several requests and
+# one with one agree on the smaller K (the MoE head's collectives then match)
+K_SCHEDULE = [[2, 4, 1]]
 NUM_LAYERS = 4
 # uneven loads: prompt indices per rank ([] = a rank that is idle for the whole run)
 ASSIGN = {
     2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
         "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]],
-        "ngram": [[0, 3], [1, 2, 4]]},
+        "ngram": [[0, 3], [1, 2, 4]], "mtp-k-schedule": [[0, 1, 2, 3], [4]]},
     3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
         "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]],
-        "ngram": [[2, 3, 4], [0, 1], []]},
+        "ngram": [[2, 3, 4], [0, 1], []], "mtp-k-schedule": [[0], [], [1, 2, 3, 4]]},
 }
 
 
 def llm_kwargs(method, target, out_dir=None, **kw):
     """mtp-ragged: MTP with disable_padded_drafter_batch (the drafter syncs a kept-token
     count that differs across ranks)."""
-    spec = {"method": method.removesuffix("-ragged"), "num_speculative_tokens": K[method],
+    spec = {"method": method.removesuffix("-ragged").removesuffix("-k-schedule"),
+            "num_speculative_tokens": K[method],
             "disable_padded_drafter_batch": method.endswith("-ragged")}
+    if method.endswith("-k-schedule"):
+        spec["num_speculative_tokens_per_batch_size"] = K_SCHEDULE
     head = None
     if spec["method"] == "mtp":  # built from the MoE config: a MoE layer (cross-rank drafter)
         torch.manual_seed(1)
@@ -114,7 +121,7 @@ def test_every_rank_records_the_same_collectives_each_step(dp_runs, method):
     # each step: the target's sync and its 4 MoE layers (all-gather + reduce-scatter) at least
     moe = [sum(op.startswith("moe_") for op, _ in step) for step in logs[0][:-1]]
     assert min(moe) >= 2 * NUM_LAYERS
-    assert logs[0][-1] == [("all_reduce", (3, size))]  # the last step: everyone is idle
+    assert logs[0][-1] == [("all_reduce", (4, size))]  # the last step: everyone is idle
 
 
 @pytest.mark.parametrize("method", list(K))
@@ -157,11 +164,11 @@ def test_one_planning_all_reduce_per_rank_per_step(dp_runs, method):
 
 def test_seed000_one_packed_shape_on_the_dp_group(dp_runs):
     """Upstream's gloo '8 vs 4' crash: two packed metadata shapes on one group in one step.
-    Here every metadata all-reduce of every step is [3, dp_size]."""
+    Here every metadata all-reduce of every step is [4, dp_size]."""
     size, runs = dp_runs
     shapes = {shape for run, *_ in runs.values() for r in run.ranks for step in r.collectives
               for op, shape in step if op == "all_reduce"}
-    assert shapes == {(3, size)}
+    assert shapes == {(4, size)}
 
 
 @given(size=st.integers(1, 16), data=st.data())
@@ -169,7 +176,7 @@ def test_seed000_the_packed_tensor_has_one_shape_by_construction(size, data):
     rank = data.draw(st.integers(0, size - 1))
     packed = packed_metadata(DPContext(rank, size), data.draw(st.integers(0, 10**6)),
                              data.draw(st.integers(0, 10**4)), data.draw(st.integers(0, 2)))
-    assert packed.shape == (3, size) and packed.dtype == torch.int32
+    assert packed.shape == (4, size) and packed.dtype == torch.int32
 
 
 def test_extract_hidden_states_files_equal_dp1(dp_runs):
@@ -215,3 +222,13 @@ def test_round_robin_and_bad_assignments():
         LLM(data_parallel_size=0)
     with pytest.raises(ValueError, match="not both"):
         LLM(data_parallel_size=2, dp=DPContext())
+
+
+def test_dp_ranks_agree_on_each_steps_k(dp_runs):
+    """mtp-k-schedule: a rank with several requests asks for K 1, a rank with one request (or
+    none) for K 3; each step runs one K on every rank (the smaller: the first rank cuts its
+    drafts to it), and both occur."""
+    _, runs = dp_runs
+    ks = [[s.num_spec_tokens for s in r.steps] for r in runs["mtp-k-schedule"][0].ranks]
+    assert all(k == ks[0] for k in ks[1:])
+    assert {1, 3} <= set(ks[0])

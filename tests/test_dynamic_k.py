@@ -72,14 +72,6 @@ def test_a_schedule_for_a_method_that_drafts_nothing_is_refused():
             "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1]}})
 
 
-def test_a_schedule_across_dp_ranks_is_refused():
-    """(Under tensor parallelism the peers take each step's K from their driver:
-    ``tests/test_tp.py``'s dense-eagle3-k-schedule.)"""
-    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size with "
-                                         "data_parallel_size=2: not supported yet"):
-        LLM(speculative_config=spec("mtp"), data_parallel_size=2)
-
-
 # ---- the engine ------------------------------------------------------------------------------
 # the last request outlives the others by far: it runs alone at K = 3
 PARAMS = [SamplingParams(max_tokens=30 if i == 7 else 5 + 2 * i, ignore_eos=True)

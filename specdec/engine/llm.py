@@ -85,14 +85,6 @@ class LLM:
         cfg.check_model(target.config)
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
-        if self.spec is not None and self.spec.num_speculative_tokens_per_batch_size and (
-                dp.size if dp is not None else data_parallel_size) > 1:
-            # (TP peers take each step's K from their driver)
-            raise ValueError(
-                "speculative_config.num_speculative_tokens_per_batch_size with "
-                f"data_parallel_size={dp.size if dp is not None else data_parallel_size}: "
-                "not supported yet (the DP ranks would have "
-                "to agree on each step's K); allowed: 1")
         if self.spec is not None and self.spec.method == "draft_model" \
                 and tensor_parallel_size > 1:
             raise ValueError(f"method='draft_model' with tensor_parallel_size="
@@ -336,6 +328,8 @@ class LLM:
             if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
         plan = self.runner.plan(scheduled, self.scheduler.step_k)  # the one DP all-reduce
+        if plan.num_spec_tokens < self.scheduler.step_k:  # DP: another rank's K is smaller
+            self.scheduler.cut_to_k(plan.num_spec_tokens)
         if plan.all_idle:
             self.runner.send_stop()  # TP peers return from serve()
             return None
@@ -344,7 +338,8 @@ class LLM:
             self.runner.dummy_run(plan)
             rec = StepRecord(0, 0, time.perf_counter() - start, 0.0,
                              0 if self.check_host_syncs else None,
-                             len(self.dp.collectives) - ncoll)
+                             len(self.dp.collectives) - ncoll,
+                             num_spec_tokens=plan.num_spec_tokens)
             self.steps.append(rec)
             return rec
         batch = self.runner.prepare(scheduled, plan)

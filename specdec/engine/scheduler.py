@@ -88,6 +88,20 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def cut_to_k(self, k: int) -> None:
+        """The last schedule's decodes verify at most ``k`` drafts (k < ``step_k``: the DP
+        ranks agreed on a smaller K); a decode filled up to 1 + step_k is filled up to 1 + k.
+        Only tokens go: the KV blocks reserved stay."""
+        for s in self.scheduled:
+            if not (s.spec_token_ids or s.num_filler):
+                continue
+            filled = s.num_filler > 0 or (self.fill_drafts
+                                          and len(s.spec_token_ids) == self.step_k)
+            s.spec_token_ids = s.spec_token_ids[:k]
+            s.num_filler = k - len(s.spec_token_ids) if filled else 0
+            s.num_tokens = 1 + len(s.spec_token_ids) + s.num_filler
+        self.step_k = k
+
     def _step_k(self) -> int:
         """The step's K from its batch size: the running requests and the waiting ones that
         free rows admit (what the step runs unless the token budget stops admission first)."""
