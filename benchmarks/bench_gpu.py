@@ -1,12 +1,16 @@
 """Decode step time on an accelerator: plain vs EAGLE-3 / MTP, padded vs ragged, eager vs
-captured, greedy vs sampled, on the embedded model and on synthetic Llama targets (bf16); the
-share of captured steps under Poisson arrivals; the issue-18 goals from those figures.
+captured, greedy vs sampled, on the embedded model, on synthetic DeepSeek-V3 shapes (MTP) and
+on synthetic Llama targets (bf16); the share of captured steps under Poisson arrivals; the
+issue-18 goals from those figures.
 
     python -m benchmarks.bench_gpu [--device cuda] [--models embedded llama-1b] [--out DIR]
 
 Per config: ms per decode step (median over steps where every request decodes), output
 tokens/s over those steps, graph replays per step, and the step time against the weight-read
-limit (weight bytes / the device's measured copy bandwidth; CUDA only). Every request decodes
+limit (weight bytes / the device's measured copy bandwidth; CUDA only), and a speculative
+row's tokens/s over the plain row's (same model, backend, concurrency, temperature). Each
+model runs the methods it has heads for (``specdec.models.synthetic.head_methods``: a Llama
+shape EAGLE-3 and MTP, a DeepSeek shape its MTP layer). Every request decodes
 ``--output-len`` tokens with ``ignore_eos``; the synthetic targets use zero weights, so every
 draft is accepted (the best case of speculation at the real cost per step). Sampled rows
 (``--temperature``, top-p 0.9) run the padded configs of the capturing backends (captured
@@ -27,7 +31,8 @@ from rich.table import Table
 
 from specdec import LLM, SamplingParams
 from specdec.bench.itl import copy_bandwidth
-from specdec.models.synthetic import build_synthetic, weight_bytes
+from specdec.models.synthetic import (HEAD_METHODS, SHAPES, build_synthetic, head_methods,
+                                      weight_bytes)
 
 CAPTURING = ("cuda_graph", "replay", "compile")
 GOALS = {  # issue 18: (figure, goal, comparison)
@@ -50,6 +55,22 @@ def configs(backends: list[str], temperature: float) -> list[tuple[str, bool, st
             if method != "none" and backend == "eager":
                 out.append((method, False, backend, 0.0))
     return out
+
+
+def methods_of(model: str) -> tuple[str, ...]:
+    """The speculative methods ``model`` has heads for (the embedded model: every one)."""
+    return HEAD_METHODS if model == "embedded" else head_methods(model)
+
+
+def over_plain(rows: list[dict]) -> None:
+    """Set each speculative row's ``over_plain``: its tokens/s over the plain row's of
+    the same model, backend, concurrency and temperature (None without one)."""
+    plain = {(r["model"], r["backend"], r["concurrency"], r["temperature"]): r["tokens_per_s"]
+             for r in rows if r["method"] == "none" and "error" not in r}
+    for r in rows:
+        if r["method"] != "none" and "error" not in r:
+            base = plain.get((r["model"], r["backend"], r["concurrency"], r["temperature"]))
+            r["over_plain"] = r["tokens_per_s"] / base if base else None
 
 
 def build(model: str, method: str, padded: bool, backend: str, conc: int, device, k: int,
@@ -129,7 +150,8 @@ def goals(rows: list[dict], shares: list[dict]) -> dict:
     """The issue-18 figures from the rows (None where the run lacks a row they need): the
     worst sampled/greedy step ratio, the lowest captured share, and on the largest target at
     the lowest concurrency the plain step over its weight-read limit and EAGLE-3 tokens/s over
-    plain tokens/s, on the first capturing backend that has them."""
+    plain tokens/s, on the first capturing backend that has them (largest among the targets
+    with EAGLE-3 rows, when any has)."""
     ok = [r for r in rows if "error" not in r]
 
     def find(**kw):
@@ -144,7 +166,9 @@ def goals(rows: list[dict], shares: list[dict]) -> dict:
         out["sampled_over_greedy_step"] = max(ratios)
     if shares:
         out["captured_share_poisson"] = min(s["share"] for s in shares)
-    big = max((r["weight_bytes"] for r in ok), default=None)  # the largest target's rows
+    eagle3 = {r["model"] for r in ok if r["method"] == "eagle3"}
+    big = max((r["weight_bytes"] for r in ok if r["model"] in eagle3 or not eagle3),
+              default=None)  # the largest target's rows
     low = min((r["concurrency"] for r in ok), default=None)  # at the lowest concurrency (1)
     for backend in CAPTURING:
         plain = find(method="none", backend=backend, concurrency=low, temperature=0.0,
@@ -172,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="the accelerator")
     ap.add_argument("--models", nargs="+", default=["embedded", "llama-1b"],
                     help="embedded, or a synthetic shape (zero weights, every draft accepted): "
-                         "llama-tiny, llama-1b, llama-8b")
+                         + ", ".join(SHAPES))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16],
                     help="requests decoding together")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request")
@@ -200,7 +224,8 @@ def main(argv=None) -> int:
         for conc in args.concurrency:
             for method, padded, backend, temp in [c for c in configs(args.backends,
                                                                      args.temperature)
-                                                  if c[0] in args.methods]:
+                                                  if c[0] in args.methods and
+                                                  c[0] in ("none", *methods_of(model))]:
                 name = (f"{model} {method} {'padded' if padded else 'ragged'} {backend} "
                         f"T={temp} c{conc}")
                 try:
@@ -218,27 +243,30 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
         for backend in [b for b in args.backends if b in ("cuda_graph", "replay")]:
             conc = max(args.concurrency)
-            llm = build(model, "eagle3", True, backend, conc, device, args.k, dtype)
+            method = "eagle3" if "eagle3" in methods_of(model) else "mtp"
+            llm = build(model, method, True, backend, conc, device, args.k, dtype)
             share = poisson_share(llm, args.request_rate, 2 * conc, args.output_len,
                                   llm.target.config.vocab_size)
             shares.append(dict(model=model, backend=backend, rate=args.request_rate, **share))
-            console.print(f"{model} eagle3 {backend}: Poisson {args.request_rate}/s, "
+            console.print(f"{model} {method} {backend}: Poisson {args.request_rate}/s, "
                           f"{share['captured']}/{share['steps']} steps captured (uniform "
                           f"decodes: {100 * share['uniform_decode_share']:.0f}%)", markup=False)
+    over_plain(rows)
     table = Table(title=f"decode step on {device_name(device)}, {args.dtype}, K={args.k}, "
                         + (f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth
                            else "no weight-read limit off CUDA"))
     for col in ("model", "method", "mode", "backend", "T", "conc", "ms/step", "tok/s",
-                "tok/step/req", "graph calls/step", "weight-read ms"):
+                "x plain", "tok/step/req", "graph calls/step", "weight-read ms"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
             table.add_row(r["model"], r["method"], "", r["backend"], str(r["temperature"]),
-                          str(r["concurrency"]), r["error"][:60], "", "", "", "")
+                          str(r["concurrency"]), r["error"][:60], "", "", "", "", "")
             continue
         table.add_row(r["model"], r["method"], "padded" if r["padded"] else "ragged",
                       r["backend"], str(r["temperature"]), str(r["concurrency"]),
                       f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['over_plain']:.2f}" if r.get("over_plain") else "-",
                       f"{r['tokens_per_step']:.2f}", f"{r['graph_calls_per_step']:.2f}",
                       f"{r['weight_read_ms']:.3f}" if r["weight_read_ms"] else "-")
     out = Console(width=max(Console().width, 150))  # every column readable in a log file

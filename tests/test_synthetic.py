@@ -1,12 +1,17 @@
-"""Synthetic targets and heads: shape, parameter count without allocation, seeding, and the
-engine running speculative decoding on them losslessly."""
+"""Synthetic targets and heads: shape, parameter count without allocation, seeding, the
+published EAGLE-3 draft vocabulary, the DeepSeek shape, and the engine running speculative
+decoding on them losslessly (zero weights: every draft accepted)."""
 
 import pytest
 import torch
 from torch import nn
 
 from specdec.engine.llm import LLM
-from specdec.models.synthetic import build_synthetic, synthetic_config, weight_bytes
+from specdec.models.heads.deepseek_mtp import DeepseekMtpHead
+from specdec.models.layers.mla import MLAttention
+from specdec.models.layers.moe import MoEMLP
+from specdec.models.synthetic import (build_synthetic, draft_vocab_ids, head_methods,
+                                      synthetic_config, weight_bytes)
 
 
 def test_llama_1b_shape_and_count_on_meta():
@@ -30,7 +35,54 @@ def test_llama_8b_shape_and_count_on_meta():
             c.intermediate_size, c.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
     count = sum(p.numel() for p in syn.target.parameters())
     assert count == 8_030_261_248  # Llama-3.1-8B's published parameter count
-    assert syn.heads["eagle3"].aux_layer_ids == (2, 16, 29)
+    head = syn.heads["eagle3"]
+    assert head.aux_layer_ids == (2, 16, 29)
+    # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: draft_vocab_size 32000, lm_head [32000, 4096], d2t
+    assert head.draft_vocab_size == 32000 and head.config.extra["draft_vocab_size"] == 32000
+    assert head.lm_head.weight.shape == (32000, 4096)
+    assert head.d2t.shape == (32000,) and head.d2t.dtype == torch.int64
+    assert sum(p.numel() for p in head.parameters()) == 424_689_664
+
+
+def test_draft_vocab_ids_are_sorted_distinct_and_start_at_the_tied_argmax():
+    assert draft_vocab_ids(4, 10).tolist() == [0, 2, 5, 7]
+    ids = draft_vocab_ids(32000, 128256)
+    assert ids[0] == 0 and ids[-1] < 128256 and bool((ids.diff() > 0).all())
+
+
+@pytest.mark.parametrize("init", ["random", "zeros"])
+def test_tiny_eagle3_head_has_the_published_draft_vocab_at_its_scale(init):
+    """llama-tiny's head: 64 of 256 ids (the published 32000 of 128256, rounded), d2t =
+    the ids' offsets whatever the init (a buffer no init randomises), id 0 drafted as id 0."""
+    head = build_synthetic("llama-tiny", torch.float32, "cpu", methods=("eagle3",),
+                           init=init).heads["eagle3"]
+    assert head.draft_vocab_size == 64 == round(256 * 32000 / 128256)
+    assert head.lm_head.weight.shape == (64, 64)
+    assert torch.equal(head.draft_to_target_ids(torch.arange(64)), 4 * torch.arange(64))
+    head.check_d2t()
+    t2d = torch.zeros(256, dtype=torch.bool).index_fill(0, head.draft_to_target_ids(
+        torch.arange(64)), True)  # the published head's t2d mask of these ids
+    assert int(t2d.sum()) == 64 and bool(t2d[0])
+
+
+def test_deepseek_16b_shape_and_count_on_meta():
+    """MLA, MoE with shared experts after one dense layer, one MTP layer on the target's
+    embedding and lm_head; 32.6 GB in bf16 (fits an 80 GB GPU)."""
+    syn = build_synthetic("deepseek-16b", torch.bfloat16, "meta")
+    target, head = syn.target, syn.heads["mtp"]
+    c = target.config
+    assert (c.hidden_size, c.num_hidden_layers, c.vocab_size) == (2048, 27, 102400)
+    layers = target.model.layers
+    assert all(isinstance(layer.self_attn, MLAttention) for layer in layers)
+    assert not isinstance(layers[0].mlp, MoEMLP)
+    assert all(isinstance(layer.mlp, MoEMLP) and len(layer.mlp.experts) == 64
+               and hasattr(layer.mlp, "shared_experts") for layer in layers[1:])
+    assert type(head) is DeepseekMtpHead and isinstance(head.layer.mlp, MoEMLP)
+    assert head.shared.lm_head is target.lm_head
+    assert head_methods("deepseek-16b") == ("mtp",)
+    assert sum(p.numel() for p in target.parameters()) == 15_706_484_224
+    assert sum(p.numel() for p in head.parameters()) == 593_242_624
+    assert weight_bytes(target) + weight_bytes(head) < 33e9
 
 
 def test_weight_bytes_counts_tied_storage_once():
@@ -62,11 +114,14 @@ def test_unknown_names_raise():
         synthetic_config("llama-7b")
     with pytest.raises(ValueError, match="methods"):
         build_synthetic("llama-tiny", methods=("medusa",))
+    with pytest.raises(ValueError, match=r"methods \['eagle3'\]: allowed \('mtp',\)"):
+        build_synthetic("deepseek-tiny", methods=("eagle3",))
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
-def test_engine_speculation_on_tiny_is_lossless(method):
-    syn = build_synthetic("llama-tiny", torch.float64, "cpu", seed=3, methods=(method,))
+@pytest.mark.parametrize("name, method", [("llama-tiny", "mtp"), ("llama-tiny", "eagle"),
+                                          ("llama-tiny", "eagle3"), ("deepseek-tiny", "mtp")])
+def test_engine_speculation_on_tiny_is_lossless(name, method):
+    syn = build_synthetic(name, torch.float64, "cpu", seed=3, methods=(method,))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     kw = dict(target=syn.target, dtype=torch.float64, max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=16)
@@ -78,3 +133,19 @@ def test_engine_speculation_on_tiny_is_lossless(method):
         prompts, max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert all(len(o.token_ids) == 12 for o in out)
+
+
+@pytest.mark.parametrize("name, method", [("llama-tiny", "eagle3"), ("deepseek-tiny", "mtp")])
+def test_zero_weights_accept_every_draft(name, method):
+    """Zero weights: plain and speculative greedy give the same tokens, and every verifying
+    step accepts all K drafts (acceptance length K + 1), EAGLE-3 through its draft vocabulary
+    (draft id 0 -> target id 0)."""
+    syn = build_synthetic(name, torch.float32, "cpu", init="zeros", methods=(method,))
+    prompts, k = [[1, 2, 3, 4, 5], [9, 8, 7]], 3
+    kw = dict(target=syn.target, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
+    plain = LLM(**kw).generate(prompts, max_tokens=1 + 2 * (k + 1), ignore_eos=True)
+    out = LLM(**kw, draft_head=syn.heads[method], speculative_config={
+        "method": method, "num_speculative_tokens": k}).generate(
+        prompts, max_tokens=1 + 2 * (k + 1), ignore_eos=True)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert all(o.num_decode_steps == 2 and o.acceptance_length == k + 1 for o in out)
