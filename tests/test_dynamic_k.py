@@ -17,6 +17,10 @@ from specdec.bench.report import best_k_schedule
 from specdec.commands.flags import UsageError
 from specdec.config import SpeculativeConfig
 from specdec.engine.llm import DEFAULT_MODEL
+from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.suffix import SuffixProposer
+
+PROPOSERS = {"ngram": NgramProposer, "suffix": SuffixProposer}
 
 K = 3
 KEY = "num_speculative_tokens_per_batch_size"
@@ -249,3 +253,17 @@ def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
             want = 0 if c["method"] == "none" else k_of(c["concurrency"])
             assert c["summary"]["mean_step_k"] == want
     assert "K schedule from this run" not in capsys.readouterr().out
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 39))
+def test_a_host_drafter_at_k_zero_drafts_nothing_and_keeps_up(tokens, cut):
+    """ngram and suffix asked for K 0 propose nothing; suffix's tree still takes those
+    tokens, so its next proposal at K 3 equals one from a drafter that saw them at K 3."""
+    cfg = {"ngram": SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2),
+           "suffix": SpeculativeConfig("suffix", 3, suffix_decoding_min_token_prob=0.0)}
+    cut = min(cut, len(tokens))
+    for method, c in cfg.items():
+        lazy, eager = (PROPOSERS[method](c, max_model_len=64) for _ in range(2))
+        assert lazy.propose("r", tokens[:cut], 0) == []
+        eager.propose("r", tokens[:cut], 3)
+        assert lazy.propose("r", tokens, 3) == eager.propose("r", tokens, 3)

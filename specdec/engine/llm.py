@@ -452,8 +452,11 @@ class LLM:
         if reason:
             self.scheduler.finish(r, reason)
             return emitted
+        # host drafts for this step's K (the next step's while the batch size holds; 0: no
+        # search)
         r.spec_token_ids = (list(draft) if self.host_drafter is None
-                            else self.host_drafter.propose(r.request_id, r.token_ids))
+                            else self.host_drafter.propose(r.request_id, r.token_ids,
+                                                           self.scheduler.step_k))
         return emitted
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:

@@ -40,10 +40,10 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """The next step's drafts of a request with these tokens: at most K, and none past
-        max_model_len."""
-        k = min(self.num_speculative_tokens, self.max_model_len - len(token_ids))
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        """The next step's drafts of a request with these tokens: at most ``k`` (<= K; 0:
+        none, no search), and none past max_model_len."""
+        k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
         return ngram_drafts(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n, k)

@@ -117,12 +117,13 @@ class SuffixProposer:
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
 
-    def propose(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """The next step's drafts of a running request with these tokens (at most K, none
-        past max_model_len)."""
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        """The next step's drafts of a running request with these tokens (at most ``k`` <=
+        K, none past max_model_len); its tree takes the new tokens whatever ``k`` (0: no
+        search)."""
         tree = self.own.setdefault(request_id, SuffixTree(self.depth))
         tree.extend(request_id, token_ids[tree.size:])  # the tokens since the last step
-        k = min(self.num_speculative_tokens, self.max_model_len - len(token_ids))
+        k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
         own = tree_drafts(tree, token_ids, k, self.factor, self.min_prob, own=True)
