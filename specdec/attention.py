@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import kernels, platform
+from specdec.kernels.paged_attention_torch import check_softcap
 from specdec.linear_state import LinearStateSpec, StateCache, StateLayout
 
 
@@ -49,7 +50,13 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one attention layer keeps per token: ``num_kv_heads`` rows of ``head_dim`` for K
-    and for V; ``sliding_window``: keys a query sees at most (None = all earlier keys).
+    and for V; ``sliding_window``: keys a query sees at most (None = all earlier keys; every
+    layer keeps its whole sequence's keys, the window is a mask over them); ``scale``: of
+    its scores (None = ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``);
+    ``logit_softcap``: its scores pass through ``c * tanh(s / c)`` (Gemma-2; None = no cap);
+    ``sinks``: the layer passes ``attend`` a learned per-head sink logit [Hq] (gpt-oss; the
+    tensor lives on the layer, the spec only says it is there). ``PagedKV.attend`` reads the
+    window, scale and cap; the window, cap and sinks decide the path.
 
     ``value_dim`` (a latent cache, MLA): no separate V; V is the first ``value_dim`` columns
     of the K row. E.g. DeepSeek-V3: ``KVCacheSpec(1, 512 + 64, value_dim=512)`` keeps 576
@@ -59,8 +66,12 @@ class KVCacheSpec:
     head_dim: int
     sliding_window: int | None = None
     value_dim: int | None = None
+    scale: float | None = None
+    logit_softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
+        check_softcap(self.logit_softcap)
         if self.value_dim is not None and not 0 < self.value_dim <= self.head_dim:
             raise ValueError(f"KVCacheSpec value_dim={self.value_dim!r}: must be in "
                              f"[1, head_dim={self.head_dim}]")
@@ -92,10 +103,12 @@ class KVCache:
                       if len(paged) < len(specs) else None)
         self.block_size = block_size
         self.trash_slot = num_slots - 1
-        # a window or a latent row needs a Triton path not yet run on a GPU: the torch formulas
-        # (plan included: every layer shares it) until platform.unverified_gpu_paths() is on
+        # a window, a soft cap, sinks or a latent row need a Triton path not yet run on a GPU: the
+        # torch formulas (plan included: every layer shares it) until
+        # platform.unverified_gpu_paths() is on
         self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
-                                    for s in paged) and not platform.unverified_gpu_paths())
+                                    or s.logit_softcap is not None or s.sinks for s in paged)
+                                and not platform.unverified_gpu_paths())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,18 +166,22 @@ class PagedKV:
         return self._plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D]."""
+               v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D];
+        windowed, scaled and capped as the layer's ``KVCacheSpec`` says; ``sinks`` [Hq]: the
+        layer's sink logits, given exactly when its spec has ``sinks``."""
+        spec = self.cache.specs[layer_idx]
+        if spec.sinks != (sinks is not None):
+            raise ValueError(f"layer {layer_idx}: its KVCacheSpec has sinks={spec.sinks} but "
+                             f"attend got {'no' if sinks is None else 'a'} sinks tensor")
         self._plan_once(q.shape[0])
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
-        window = self.cache.specs[layer_idx].sliding_window
         attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
                      else kernels.paged_attention)
-        if window is None:
-            return attention(q, k_cache, v_cache, self._plan)
-        return attention(q, k_cache, v_cache, self._plan, sliding_window=window)
+        return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
+                         scale=spec.scale, softcap=spec.logit_softcap, sinks=sinks)
 
     def attend_latent(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor,
                       scale: float) -> torch.Tensor:

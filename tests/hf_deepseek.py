@@ -55,8 +55,9 @@ BUILDERS = {"deepseek_v3": build_deepseek_v3, "deepseek_v3_noq": build_deepseek_
 
 # ---- the MTP layer: model.layers.L.* in the target folder --------------------------------------
 def mtp_tensors(path, *, copies: bool = True) -> dict:
-    """Seeded random tensors of DeepSeek's MTP layer for the target at ``path``, in the published
-    names ``model.layers.L.*`` (L = num_hidden_layers): a decoder layer's (MLA + MoE, per-expert
+    """Seeded random tensors of the MTP layer for the target at ``path`` (DeepSeek-V3's layout,
+    GLM-4.5's too), in the published names ``model.layers.L.*`` (L = num_hidden_layers): a
+    decoder layer's (the last target layer's names, e.g. MLA + MoE, per-expert
     ``mlp.experts.E.{gate,up,down}_proj``, ``mlp.gate.{weight, e_score_correction_bias}``,
     ``mlp.shared_experts.*``) + ``enorm``, ``hnorm``, ``eh_proj [H, 2H]``, ``shared_head.norm``;
     with ``copies`` also ``embed_tokens`` and ``shared_head.head`` (the target's, as published)."""
@@ -106,13 +107,17 @@ BUILDERS["deepseek_v3_mtp_nocopies"] = lambda path: build_deepseek_v3_mtp(path, 
 def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """Draft logits [T, V] of the MTP layer of ``path`` for one sequence, assembled from
-    transformers' own ``DeepseekV3DecoderLayer`` (its MLA, rotary and MoE), its RMSNorm and
-    the published MTP math: ``head(norm_sh(layer(eh_proj([enorm(emb), hnorm(hidden)]))))``,
-    emb zeroed at position 0, a causal mask. input_ids [T], hidden [T, H], positions [T]."""
+    transformers' own decoder layer of the folder's family (``DeepseekV3DecoderLayer``: its
+    MLA, rotary and MoE; ``Glm4MoeDecoderLayer`` likewise), its RMSNorm and the published MTP
+    math: ``head(norm_sh(layer(eh_proj([enorm(emb), hnorm(hidden)]))))``, emb zeroed at
+    position 0, a causal mask. input_ids [T], hidden [T, H], positions [T]."""
+    import importlib
+
     import transformers
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as M
 
     cfg = transformers.AutoConfig.from_pretrained(str(path))
+    M = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
+    family = cfg.architectures[0].removesuffix("ForCausalLM")  # the classes' prefix
     cfg._attn_implementation = "eager"
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     prefix = f"model.layers.{L}."
@@ -121,7 +126,7 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             t.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
-    layer = M.DeepseekV3DecoderLayer(cfg, L).eval()
+    layer = getattr(M, f"{family}DecoderLayer")(cfg, L).eval()
     state = {k: v for k, v in t.items() if k in layer.state_dict()}
     e = cfg.n_routed_experts
     state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
@@ -132,7 +137,7 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
     layer.load_state_dict(state, strict=True)
 
     def norm(name):
-        n = M.DeepseekV3RMSNorm(h, cfg.rms_norm_eps)
+        n = getattr(M, f"{family}RMSNorm")(h, cfg.rms_norm_eps)
         n.weight.data.copy_(t[f"{name}.weight"])
         return n
 
@@ -140,7 +145,7 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
         emb = t["embed_tokens.weight"][input_ids].masked_fill((positions == 0)[:, None], 0.0)
         x = torch.cat([norm("enorm")(emb), norm("hnorm")(hidden)], -1) @ t["eh_proj.weight"].T
         x = x[None]
-        rope = M.DeepseekV3RotaryEmbedding(cfg)(x, positions[None])
+        rope = getattr(M, f"{family}RotaryEmbedding")(cfg)(x, positions[None])
         n = x.shape[1]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         out = layer(x, attention_mask=mask, position_embeddings=rope,
@@ -148,14 +153,12 @@ def hf_mtp_reference(path, input_ids: torch.Tensor, hidden: torch.Tensor,
         return (norm("shared_head.norm")(out[0]) @ t["shared_head.head.weight"].T).float()
 
 
-def build_deepseek_v3_mtp_cycle(path) -> Path:
-    """``deepseek_v3`` made a cycle target (``hf_models.cycle_weights``: every layer adds
-    nothing, the next token is ``cycle_next`` of the current one) with an MTP layer that
-    predicts it exactly: its decoder layer adds nothing either, ``eh_proj = [I, 0]`` keeps
-    ``enorm(embed(next token))``, all its norms are 1, and the target's embedding and lm_head
-    are shared, so its logits are the target's at the next token."""
-    path = build_deepseek_v3(path, post=lambda m, g: (H._routing_bias(m, g),
-                                                       H.cycle_weights(m, g)))
+def exact_mtp_tensors(path) -> dict:
+    """The MTP layer (``mtp_tensors``, no copies) that predicts a cycle target at ``path``
+    (``hf_models.cycle_weights``: every layer adds nothing, the next token is ``cycle_next``
+    of the current one) exactly: its decoder layer adds nothing either, ``eh_proj = [I, 0]``
+    keeps ``enorm(embed(next token))``, all its norms are 1, and the target's embedding and
+    lm_head are shared, so its logits are the target's at the next token."""
     t = mtp_tensors(path, copies=False)
     cfg = H.read_config(path)
     h, prefix = cfg["hidden_size"], f"model.layers.{cfg['num_hidden_layers']}."
@@ -165,7 +168,15 @@ def build_deepseek_v3_mtp_cycle(path) -> Path:
         elif name.endswith("norm.weight"):
             t[name] = torch.ones_like(t[name])
     t[prefix + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    H.add_shard(path, t)
+    return t
+
+
+def build_deepseek_v3_mtp_cycle(path) -> Path:
+    """``deepseek_v3`` made a cycle target with an MTP layer that predicts it exactly
+    (``exact_mtp_tensors``)."""
+    path = build_deepseek_v3(path, post=lambda m, g: (H._routing_bias(m, g),
+                                                       H.cycle_weights(m, g)))
+    H.add_shard(path, exact_mtp_tensors(path))
     return path
 
 

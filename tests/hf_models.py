@@ -1,7 +1,7 @@
 """Tiny random models in the layouts of published checkpoints, built WITH transformers, and
 transformers' own greedy tokens / logits over them (the reference specdec must match).
 
-Each ``build_<family>(path) -> Path`` writes a seeded float32 model (hidden 64, 2-3 layers,
+Each ``build_<family>(path) -> Path`` writes a seeded float32 model (hidden 64, 2-4 layers,
 vocab 512, max_position_embeddings >= 256) through ``save_pretrained``, sharded
 (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``) where the real
 checkpoint is. The config uses the real checkpoint's keys with the shapes shrunk; special token
@@ -358,24 +358,84 @@ def build_mimo_cycle(path) -> Path:
     return build_mimo(path, post=cycle_weights)
 
 
-# ---- families specdec must refuse -----------------------------------------------------------
+# ---- Gemma-2, Gemma-3, Phi-3: config.json in the Hub's (transformers-4) spelling -------------
+GEMMA_WINDOW = 8  # sliding_window of the Gemma models (4096 / 512 on the Hub)
+PHI3_ORIGINAL = 32  # Phi-3's original_max_position_embeddings (4096 on the Hub)
+
+
+def _gemma(path, config_cls: str, model_cls: str, sharded: bool, **kw) -> Path:
+    """A tiny Gemma (hidden 64, head_dim 16, query_pre_attn_scalar 24 != head_dim, window
+    GEMMA_WINDOW, tied), its config.json rewritten as the Hub's: ``rope_theta``, no
+    ``layer_types`` (the default pattern rebuilds them), ``hidden_act`` next to
+    ``hidden_activation``, ``cache_implementation: hybrid``."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+                max_position_embeddings=256, query_pre_attn_scalar=24,
+                sliding_window=GEMMA_WINDOW, tie_word_embeddings=True, pad_token_id=0,
+                eos_token_id=1, bos_token_id=2)
+    path = _build(path, config_cls, model_cls, sharded=sharded, **{**base, **kw})
+    config = read_config(path)
+    for key in ("layer_types", "_sliding_window_pattern"):
+        config.pop(key, None)
+    rope = config.pop("rope_parameters")
+    if "full_attention" in rope:  # Gemma-3's, nested by layer type
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    config = t4_spelling({**config, "rope_parameters": rope})
+    config.update(hidden_act="gelu_pytorch_tanh", cache_implementation="hybrid")
+    write_config(path, config)
+    return path
+
+
 def build_gemma2(path) -> Path:
-    """gemma-2-2b: softcapping, query_pre_attn_scalar, alternating sliding window, gelu."""
-    return _build(path, "Gemma2Config", "Gemma2ForCausalLM", vocab_size=VOCAB, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
-                  max_position_embeddings=256, query_pre_attn_scalar=16, sliding_window=16,
-                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-                  tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    """gemma-2-9b: attention and final logit soft caps (10 and 5 here, 50 and 30 on the Hub:
+    small enough to bite at these scales), 3 layers sliding / full / sliding (transformers'
+    default alternation), ``sliding_window_size`` as gemma-2-9b writes it, sharded."""
+    path = _gemma(path, "Gemma2Config", "Gemma2ForCausalLM", True, num_hidden_layers=3,
+                  attn_logit_softcapping=10.0, final_logit_softcapping=5.0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    write_config(path, {**read_config(path), "sliding_window_size": GEMMA_WINDOW})
+    return path
+
+
+def build_gemma3(path) -> Path:
+    """gemma-3 text (1b's layout: one model.safetensors): q/k norms, no soft caps, 4 layers
+    local / local / global / local (``sliding_window_pattern`` 3 here, 6 on the Hub), the
+    local layers' ``rope_local_base_freq`` 1e4, the global ones' ``rope_theta`` 1e6 with
+    4b's linear ``rope_scaling``."""
+    return _gemma(path, "Gemma3TextConfig", "Gemma3ForCausalLM", False, num_hidden_layers=4,
+                  sliding_window_pattern=3, rope_local_base_freq=10000.0,
+                  rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
 
 
 def build_phi3(path) -> Path:
-    """Phi-3-mini-4k-instruct: fused qkv_proj / gate_up_proj."""
-    return _build(path, "Phi3Config", "Phi3ForCausalLM", vocab_size=VOCAB, hidden_size=64,
+    """Phi-3.5-mini: fused ``qkv_proj`` / ``gate_up_proj``, GQA (4/2 heads), ``longrope``
+    (``rope_scaling.type``, ``short_factor`` and ``long_factor``) extended from
+    ``original_max_position_embeddings`` PHI3_ORIGINAL to 256, ``sliding_window`` 262144 (past
+    every position), sharded; config.json in the Hub spelling."""
+    half = 64 // 4 // 2
+
+    def scaling():  # a fresh dict each time: transformers fills in the one it is given
+        return {"type": "longrope", "short_factor": [1.0 + 0.05 * j for j in range(half)],
+                "long_factor": [1.0 + 1.5 * j for j in range(half)]}
+    path = _build(path, "Phi3Config", "Phi3ForCausalLM", vocab_size=VOCAB, hidden_size=64,
                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=256,
-                  original_max_position_embeddings=256, rms_norm_eps=1e-5,
-                  bos_token_id=1, eos_token_id=500, pad_token_id=500, sliding_window=None)
+                  num_key_value_heads=2, max_position_embeddings=256,
+                  original_max_position_embeddings=PHI3_ORIGINAL, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, rope_scaling=scaling(), sliding_window=262144,
+                  bos_token_id=1, eos_token_id=500, pad_token_id=500)
+    config = t4_spelling({k: v for k, v in read_config(path).items() if k != "rope_parameters"})
+    write_config(path, {**config, "rope_theta": 10000.0, "rope_scaling": scaling()})
+    return path
+
+
+# ---- families specdec must refuse -----------------------------------------------------------
+def build_starcoder2(path) -> Path:
+    """starcoder2-3b: LayerNorm with biases, a GELU ``c_fc``/``c_proj`` MLP, tied."""
+    return _build(path, "Starcoder2Config", "Starcoder2ForCausalLM", sharded=False,
+                  vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=0)
 
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
@@ -393,12 +453,14 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "minimax_m2": build_minimax_m2,
     "mimo": build_mimo,
     "gemma2": build_gemma2,
+    "gemma3": build_gemma3,
     "phi3": build_phi3,
+    "starcoder2": build_starcoder2,
 }
 # the published checkpoint is sharded (7B and up); Llama-3.2-1B is one model.safetensors
 SHARDED = {"llama2", "llama3", "llama31", "llama31_t4", "mistral_v01", "mistral_v03", "qwen25",
            "qwen25_yarn", "qwen3", "qwen3_moe", "minimax_m2", "mimo", "gemma2", "phi3"}
-ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = {"starcoder2": "Starcoder2ForCausalLM"}  # of the refused families
 
 
 # ---- config.json rewrites ------------------------------------------------------------------

@@ -21,7 +21,7 @@ import hf_models as H
 BASE = ["llama2", "llama3", "llama31", "llama32", "mistral_v01", "mistral_v03", "qwen25",
         "qwen25_yarn", "qwen3", "qwen3_moe", "minimax_m2"]
 CASES = BASE + [f"{b}_t4" for b in BASE]
-REFUSED = ["gemma2", "phi3"]
+REFUSED = ["starcoder2"]  # Gemma-2/3 and Phi-3: tests/test_gemma_phi3.py
 
 MAX_NEW = 32
 TOL = 1e-4
@@ -269,7 +269,7 @@ def test_refuses_unsupported_architecture(name, family_dir):
 
 
 @pytest.mark.parametrize("spelling", ["t5", "t4"])
-@pytest.mark.parametrize("rope_type", ["longrope", "foo"])
+@pytest.mark.parametrize("rope_type", ["proportional", "foo"])
 def test_refuses_unsupported_rope_type(spelling, rope_type, family_dir, tmp_path):
     path = H.copy_folder(family_dir("llama2"), tmp_path / "m")
     cfg = H.read_config(path)

@@ -231,7 +231,8 @@ def test_mtp_without_model_uses_the_sibling_folder_unless_the_target_holds_mtp_l
         (bare / "model.safetensors.index.json").read_text())["weight_map"]
         if k.startswith(H.MTP_PREFIX)})
     with pytest.raises(ValueError, match=r"no config.json.*not a MiMoForCausalLM, "
-                                         r"DeepseekV3ForCausalLM, Qwen3_5ForCausalLM or "
+                                         r"DeepseekV3ForCausalLM, Glm4MoeForCausalLM, "
+                                         r"Qwen3_5ForCausalLM or "
                                          r"Qwen3NextForCausalLM checkpoint holding its MTP"):
         spec_llm(bare, "mtp", None)
     shutil.copytree(mimo, root / "bare" / "mtp")  # a head folder beside the target

@@ -183,10 +183,8 @@ def test_interleaved_equals_deepseek_v3_up_to_its_channel_order():
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
-     r"rope_scaling\.rope_type='longrope'.*default, linear, llama3, yarn"),
     ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
-     r"rope_parameters\.rope_type='mrope'.*default, linear, llama3, yarn"),
+     r"rope_parameters\.rope_type='mrope'.*default, linear, llama3, yarn, longrope"),
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
      r"rope_type='proportional'"),
     # dynamic NTK would make a request's tokens depend on its batch: refused, with why

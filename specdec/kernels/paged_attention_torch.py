@@ -22,7 +22,10 @@ key ``j`` is seen by the query at position ``p`` iff ``p - W < j <= p``, transfo
 
 and without one (``W = None``) positions ``0 <= j < visible[i]``. Key position ``j`` of ``r``
 lives in slot ``block_table[r, j // bs] * bs + j % bs``. Scores are scaled by ``scale``
-(default ``D ** -0.5``).
+(default ``D ** -0.5``), then, with a soft cap ``c`` (Gemma-2's ``attn_logit_softcapping``),
+squashed to ``c * tanh(s / c)`` (in (-c, c)) before the mask and the softmax. An attention
+sink (gpt-oss: a learned logit per query head) is one more entry of the softmax with no value:
+``out = sum_j e^(s_j) v_j / (e^(sink) + sum_j e^(s_j))``.
 
 Worked example: query_start_loc = [0, 3, 4], seq_lens = [5, 9] (request 0: a 3-token chunk
 after 2 cached tokens; request 1: one decode token), N = 5 (token 4 is padding)
@@ -33,7 +36,7 @@ sees keys 1..4, token 3 (position 8) sees keys 5..8.
 ``bound`` (the gather length L) is any host int >= max(seq_lens): keys outside the
 token's range are masked out, so the result does not depend on it. Shapes depend only on N, B,
 the block table's width, ``bound`` and ``max_query_len``; nothing is read back to the host.
-The window and scale are per call (layers may differ), not part of the plan.
+The window, scale, soft cap and sinks are per call (layers may differ), not part of the plan.
 
 Query rows: the queries sit in R rows of T tokens, each row T consecutive tokens of one
 request (padded), and each row gathers its request's L keys once, so a layout gathers R * L
@@ -151,6 +154,38 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      query_rows, out_rows)
 
 
+def check_softcap(softcap) -> None:
+    """Raise ValueError unless ``softcap`` is None or a number > 0."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0):
+        raise ValueError(f"softcap={softcap!r} must be None or a number > 0")
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                     scale: float | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [..., Hq, Tq, D], k/v [..., Hkv, Tk, D] (Hkv divides Hq: grouped), mask [..., 1 or
+    Hq, Tq, Tk] bool (True: attend) -> [..., Hq, Tq, D]. SDPA; with ``softcap`` c or
+    ``sinks``, the same math spelled out as transformers' eager attention: scores ``q.k *
+    scale`` in float32, ``c * tanh(s / c)``, masked, softmax, cast to v's dtype, times v.
+    ``sinks`` (gpt-oss): one extra logit per query row, broadcastable to [..., Hq, Tq, 1],
+    that joins the softmax and is then dropped (its row's weights sum to less than 1)."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return scores.softmax(-1).to(v.dtype) @ v
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1].to(v.dtype) @ v
+
+
 def gather_keys(cache: torch.Tensor, p: PagedPlan) -> torch.Tensor:
     """cache [S, H, D] -> [R, L, H, D]: each query row's request's key positions 0..L-1 (one
     index_select: a 2-D advanced index, or a gather per request then per token, costs several
@@ -175,12 +210,16 @@ def tokens_of(out: torch.Tensor, p: PagedPlan) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     p: PagedPlan, *, sliding_window: int | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
 
     ``sliding_window`` W (None: full causal) drops the keys before ``visible - W`` with an
-    [R, T, L] mask built per call; ``scale`` None is ``D ** -0.5``."""
+    [R, T, L] mask built per call; ``scale`` None is ``D ** -0.5``; ``softcap`` (None: none)
+    caps the scores; ``sinks`` [Hq] (None: none) adds a per-head logit to each softmax
+    (``masked_attention``)."""
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     hq, d = q.shape[1:]
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -194,7 +233,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # [R, Hkv, T * G, D] x [R, Hkv, D, L]: query row (t, g) of each kv head
     queries = rows_of(q, p).reshape(rows, t, hkv, g, d).permute(0, 2, 1, 3, 4)
     mask = mask[:, None, :, None, :].expand(rows, 1, t, g, length)
-    out = F.scaled_dot_product_attention(
-        queries.reshape(rows, hkv, t * g, d), keys, values,
-        attn_mask=mask.reshape(rows, 1, t * g, length), scale=scale)
+    if sinks is not None:  # query row (t, g) of kv head h takes head h * G + g's sink
+        sinks = sinks.view(hkv, 1, g).expand(hkv, t, g).reshape(hkv, t * g, 1)
+    out = masked_attention(queries.reshape(rows, hkv, t * g, d), keys, values,
+                           mask.reshape(rows, 1, t * g, length), scale=scale, softcap=softcap,
+                           sinks=sinks)
     return tokens_of(out.view(rows, hkv, t, g, d).permute(0, 2, 1, 3, 4), p).reshape(-1, hq, d)

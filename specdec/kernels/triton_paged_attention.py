@@ -1,6 +1,7 @@
 """Paged attention as one Triton kernel: no gather of the cache, each token reads only its
 own request's keys in ``[max(0, visible - W), visible)`` (``visible`` read on the device,
-``W`` the sliding window, none by default).
+``W`` the sliding window, none by default), scores optionally soft-capped (``c * tanh(s / c)``),
+the softmax optionally joined by a per-head sink logit (gpt-oss).
 
 Same contract and formulas as the torch reference (``paged_attention_torch.py``, the oracle;
 ``tests/test_paged_attention.py`` compares them under ``TRITON_INTERPRET=1``). One program
@@ -11,7 +12,10 @@ loop length is data-dependent but the launch shape is not: grid ``(N, Hkv)``), w
 online softmax (running max ``m``, sum ``l``, accumulator ``acc``) in float32 (float64 for a
 float64 cache). Keys outside ``[lo, visible)`` are never read (a decode token with window W
 reads W keys), so the static bound the torch path gathers up to plays no part here. The
-window is a runtime argument (0 = none), never specialized: one binary for every window.
+window and the soft cap are runtime arguments (0 = none), never specialized: one binary for
+every window and cap. A sink starts the online softmax at ``m = sink, l = 1`` (an entry
+with no value), ``HAS_SINKS`` being a constexpr. tanh is ``1 - 2 / (exp(2x) + 1)`` (exact at +-inf, no libdevice call,
+so the interpreter and every backend run it).
 E.g. visible = 40, W = 20, BLOCK_N = 16: lo = 20, the loop reads keys 20..35 then 36..39
 (4 live keys of 16); keys 0..19 are never touched.
 
@@ -27,7 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.paged_attention_torch import check_sliding_window, token_requests
+from specdec.kernels.paged_attention_torch import (
+    check_sliding_window,
+    check_softcap,
+    token_requests,
+)
 
 KEYS_PER_ITERATION = 16  # BLOCK_N (x BLOCK_G x BLOCK_D products live in registers)
 
@@ -44,10 +52,11 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "softcap"])
 def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stride_s,
                             kv_stride_h, out_ptr, out_stride_t, out_stride_h, req_ptr,
                             qsl_ptr, seq_lens_ptr, table_ptr, table_stride, scale, window,
+                            softcap, sinks_ptr, HAS_SINKS: tl.constexpr,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
@@ -66,8 +75,12 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     heads = h * GROUP + g
     q = tl.load(q_ptr + i * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0).to(ACC)
-    m = tl.full([BLOCK_G], float("-inf"), ACC)
-    l = tl.full([BLOCK_G], 0.0, ACC)
+    if HAS_SINKS:  # the sink: an entry of the softmax with no value
+        m = tl.load(sinks_ptr + heads, mask=g_live, other=0.0).to(ACC)
+        l = tl.full([BLOCK_G], 1.0, ACC)
+    else:
+        m = tl.full([BLOCK_G], float("-inf"), ACC)
+        l = tl.full([BLOCK_G], 0.0, ACC)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, ACC)
     n = tl.arange(0, BLOCK_N)
     # a while loop, not range(lo, visible, ...): triton 3.6's interpreter cannot turn a
@@ -83,6 +96,8 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
         kv_mask = live[:, None] & d_live[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(ACC)  # [BLOCK_N, BLOCK_D]
         s = tl.reduce(q[:, None, :] * k[None, :, :], 2, _add) * scale  # [BLOCK_G, BLOCK_N]
+        if softcap > 0:
+            s = softcap * (1 - 2 / (tl.exp(2 * s / softcap) + 1))  # softcap * tanh(s / softcap)
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, _max))
         p = tl.exp(s - m_new[:, None])
@@ -118,11 +133,14 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     p: TritonPlan, *, sliding_window: int | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] (unit last stride), k_cache/v_cache [S, Hkv, D] (same layout) ->
     [N, Hq, D] in q's dtype. ``sliding_window`` None = full causal, ``scale`` None =
-    ``D ** -0.5`` (as the torch path). O(1) host checks only."""
+    ``D ** -0.5``, ``softcap`` None = no cap, ``sinks`` [Hq] (contiguous) None = no sink (as
+    the torch path). O(1) host checks only."""
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     req, qsl, seq_lens, table, block_size = p
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -130,6 +148,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: q.stride()={q.stride()}, k_cache.stride()="
                          f"{k_cache.stride()}, v_cache.stride()={v_cache.stride()}: need unit "
                          "last strides and the same cache layout")
+    if sinks is not None and (sinks.shape != (hq,) or sinks.stride(0) != 1):
+        raise ValueError(f"paged_attention: sinks of shape {tuple(sinks.shape)}: need [{hq}], "
+                         "contiguous")
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -138,6 +159,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
         k_cache.stride(1), out, out.stride(0), out.stride(1), req, qsl, seq_lens, table,
         table.stride(0), d ** -0.5 if scale is None else scale, sliding_window or 0,
+        float(softcap or 0), q if sinks is None else sinks, HAS_SINKS=sinks is not None,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=KEYS_PER_ITERATION, ACC=acc)

@@ -351,11 +351,60 @@ def _dequantized(tensors, block: tuple[int, int] | None, file_of: str):
                          f"reverse): {sorted(pending)}")
 
 
+# e2m1 (FP4) code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (gpt-oss's experts, OCP microscaling) -> float32: blocks [..., R, G, 16] uint8
+    (32 e2m1 codes of a block, two a byte, the low nibble first), scales [..., R, G] uint8
+    (e8m0: the block's factor ``2 ** (s - 127)``) -> [..., R, G * 32]. E.g. one block whose
+    first byte is 0x2F and scale 128: values [-6 * 2, 1 * 2, ...] (0xF = -6, 0x2 = 1)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or \
+            blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
+                         f"{tuple(scales.shape)} {scales.dtype}: need uint8 [..., G, 16] and "
+                         "[..., G]")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
+def dequantized_mxfp4(tensors, file_of: str):
+    """(name, tensor) pairs with each ``X_blocks`` [E, R, G, 16] and its ``X_scales`` (any
+    order, any shard) replaced by one float32 ``X`` [E, G * 32, R] (``dequantize_mxfp4``, the
+    last two dims swapped as transformers does: gpt-oss's unquantized layout [E, in, out]); at
+    most the pairs still waiting for their other half are held."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if not name.endswith(MXFP4_SUFFIXES):
+            yield name, t
+            del t
+            continue
+        key, suffix = name[:-7], name[-7:]
+        if key not in pending:
+            pending[key] = t.clone()  # held past its file
+            del t
+            continue
+        other = pending.pop(key)
+        blocks, scales = (t, other) if suffix == "_blocks" else (other, t)
+        del t, other
+        yield key, _finite(file_of, key, dequantize_mxfp4(blocks, scales).transpose(-1, -2))
+        del blocks, scales
+    if pending:
+        raise ValueError(f"{file_of}: mxfp4 tensors without their _blocks or _scales half: "
+                         f"{sorted(pending)}")
+
+
 def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
               rename: Callable[[str], str | None] | None = None,
               ignore: Callable[[str], bool] | None = None,
               weight_block_size: tuple[int, int] | None = None,
-              shard: Shard | None = None) -> None:
+              shard: Shard | None = None,
+              convert: Callable[[Iterator, str], Iterator] | None = None) -> None:
     """Copy the folder's tensors into ``dest`` (name -> preallocated tensor, views such as row
     slices of a merged weight allowed; ``copy_`` casts the dtype), one file at a time: peak host
     memory is about one weight file on top of ``dest``.
@@ -367,6 +416,8 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
     with its ``weight_scale_inv`` before it is copied (``dequantize_blocks``). ``shard(name)``,
     on the renamed name: read only that slice of the tensor (``iter_tensors``).
+    ``convert(pairs, folder)``: a family's rewrite of the (stored name, tensor) stream before renaming
+    (gpt-oss: MXFP4 pairs dequantized, stacked experts split into each expert's tensors).
     """
     if shard is not None and weight_block_size is not None:
         raise ValueError(f"checkpoint {str(path)!r}: a block-quantized FP8 checkpoint "
@@ -379,8 +430,9 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
             renamed = rename(name) if rename is not None else name
             return None if renamed is None else shard(renamed)
     with torch.no_grad():
-        for name, t in _dequantized(iter_tensors(path, shard=by_stored), weight_block_size,
-                                    str(path)):
+        tensors = _dequantized(iter_tensors(path, shard=by_stored), weight_block_size,
+                               str(path))
+        for name, t in (tensors if convert is None else convert(tensors, str(path))):
             name = rename(name) if rename is not None else name
             if name is not None and not (ignore is not None and ignore(name)):
                 seen.add(name)

@@ -20,12 +20,21 @@ from pathlib import Path
 from specdec.models.layers.rotary import ROPE_CONFIG_KEYS, rope_parameters
 
 QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
+# attention_bias=True means biases on q/k/v only (o_proj has none), as the layers implement it
+QKV_BIAS_ARCHS = QWEN2_ARCHS + ("Glm4MoeForCausalLM",)
+# attention_bias=True means biases on q/k/v and o_proj (the family's layers take both)
+QKVO_BIAS_ARCHS = ("GptOssForCausalLM",)
+# their quantization_config may say mxfp4 (experts stored MXFP4, dequantized at load)
+MXFP4_ARCHS = ("GptOssForCausalLM",)
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
                "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
-               "Qwen3_5ForConditionalGeneration": "qwen3_5_text"}
+               "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+               "Glm4MoeForCausalLM": "glm4_moe", "Gemma2ForCausalLM": "gemma2",
+               "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
+               "GptOssForCausalLM": "gpt_oss"}
 # hybrid models: layer_types may say linear_attention (default schedule: every
 # full_attention_interval-th layer full, the others linear)
 LINEAR_ATTENTION_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
@@ -49,7 +58,8 @@ HEAD_KEYS = frozenset({
     "target_hidden_size", "num_nextn_predict_layers", "eagle_config", "speculative_config",
     "use_aux_hidden_state",
 })
-# keys read here (fields) with the values they may take when not implemented
+# keys read here (fields) with the values they may take when not implemented; a family that
+# reads one of them itself (its CONFIG_KEYS, e.g. Gemma's hidden_act) checks it instead
 REFUSED_VALUES = {"hidden_act": ("silu",), "mlp_bias": (False,)}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -64,8 +74,11 @@ class ModelConfig:
     None for the default rope. ``layer_types[i]`` is ``full_attention`` or
     ``sliding_attention`` (then layer i sees ``sliding_window`` keys) or, for a hybrid
     architecture (``LINEAR_ATTENTION_ARCHS``), ``linear_attention``; None = all full.
-    ``extra`` keeps the family's and a draft head's own keys (``num_experts``,
-    ``draft_vocab_size``, ...) so they round-trip through ``to_hf_dict``.
+    ``rope_by_layer_type``: the rotary parameters of the layers of a type that has its own
+    (transformers-5 form each, ``rope_theta`` included; Gemma-3's ``sliding_attention``
+    layers), the others use ``rope``; None = one rope for every layer. ``extra`` keeps the
+    family's and a draft head's own keys (``num_experts``, ``draft_vocab_size``, ...) so they
+    round-trip through ``to_hf_dict``.
     """
 
     vocab_size: int
@@ -83,6 +96,7 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    rope_by_layer_type: dict[str, dict] | None = None
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 0
     architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
@@ -131,6 +145,10 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("config layer_types has sliding_attention layers but "
                                  "sliding_window is null")
+        if self.rope_by_layer_type is not None and not set(self.rope_by_layer_type) <= (
+                set(LAYER_TYPES) - {"full_attention"}):
+            raise ValueError(f"config rope_by_layer_type={self.rope_by_layer_type!r}: keys "
+                             f"must be layer types other than full_attention {LAYER_TYPES}")
         if not self.architectures or not all(isinstance(a, str) for a in self.architectures):
             raise ValueError(f"config architectures={self.architectures!r}: "
                              "must be a non-empty list of str")
@@ -159,7 +177,13 @@ class ModelConfig:
     def weight_block_size(self) -> tuple[int, int] | None:
         """The FP8 block size of a block-quantized checkpoint (None: not quantized)."""
         q = self.extra.get("quantization_config")
-        return None if q is None else fp8_block_size(q)
+        return None if q is None or is_mxfp4(q, self.architectures) else fp8_block_size(q)
+
+    def rope_of(self, layer: int) -> dict:
+        """Layer ``layer``'s rotary parameters: its type's own (``rope_by_layer_type``) or
+        ``rope``."""
+        kind = self.layer_types[layer] if self.layer_types else "full_attention"
+        return (self.rope_by_layer_type or {}).get(kind, self.rope)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """Keys layer ``layer`` sees at most (None = every earlier key)."""
@@ -173,14 +197,16 @@ class ModelConfig:
         ``extra``). A key nobody reads, or a value that is not implemented, raises ValueError
         naming it."""
         for key, allowed in REFUSED_VALUES.items():
-            if key in d and d[key] not in allowed:
+            if key in d and key not in family_keys and d[key] not in allowed:
                 raise ValueError(f"config {key}={d[key]!r}: allowed {list(allowed)}")
         archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if archs[0] not in QWEN2_ARCHS and d.get("attention_bias", False):
+        if archs[0] not in QKV_BIAS_ARCHS + QKVO_BIAS_ARCHS and d.get("attention_bias", False):
             raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
-                             "bias on o_proj too, which is not supported (Qwen2 layout only)")
+                             "bias on o_proj too, which is not supported (q/k/v-only layouts: "
+                             f"{list(QKV_BIAS_ARCHS)})")
         names = {f.name for f in fields(cls)} - {"extra", "architectures", "rope_scaling",
-                                                 "rope_theta", "layer_types", "sliding_window"}
+                                                 "rope_theta", "layer_types", "sliding_window",
+                                                 "rope_by_layer_type"}
         read = (names | set(ROPE_CONFIG_KEYS) | set(REFUSED_VALUES) | LAYOUT_KEYS
                 | {"quantization_config"})
         unknown = sorted(set(d) - read - IGNORED_KEYS - HEAD_KEYS - family_keys)
@@ -198,15 +224,15 @@ class ModelConfig:
         kwargs["bos_token_id"] = d.get("bos_token_id")
         if "torch_dtype" not in d and d.get("dtype") is not None:
             kwargs["torch_dtype"] = d["dtype"]
-        if "quantization_config" in d:
+        if "quantization_config" in d and not is_mxfp4(d["quantization_config"], archs):
             fp8_block_size(d["quantization_config"])  # refused unless implemented
-        rope = rope_parameters(d)
+        rope, by_type = _rope_by_layer_type(d)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         extra = {k: v for k, v in d.items()
                  if k in HEAD_KEYS | family_keys | {"quantization_config"}}
         return cls(architectures=list(archs), extra=extra, rope_theta=rope["rope_theta"],
                    rope_scaling=None if scaling == {"rope_type": "default"} else scaling,
-                   **_attention_layout(d, archs), **kwargs)
+                   rope_by_layer_type=by_type, **_attention_layout(d, archs), **kwargs)
 
     @classmethod
     def from_folder(cls, path: str | Path, family_keys: frozenset[str] = frozenset()
@@ -226,8 +252,10 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """The transformers-4 spelling (``rope_theta`` + ``rope_scaling``), which both
-        transformers 4 and 5 and vLLM read."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        transformers 4 and 5 and vLLM read; a rope per layer type is written as transformers 5
+        nests it (``rope_parameters: {"full_attention": ..., "sliding_attention": ...}``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("extra", "rope_by_layer_type")}
         d["model_type"] = self.model_type
         d["hidden_act"] = "silu"
         scaling = dict(self.rope_scaling or {})
@@ -235,6 +263,10 @@ class ModelConfig:
             if key in scaling:
                 d[key] = scaling.pop(key)
         d["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+        if self.rope_by_layer_type:
+            for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
+                d.pop(key, None)
+            d["rope_parameters"] = {"full_attention": self.rope, **self.rope_by_layer_type}
         if self.model_type == "qwen2":
             del d["attention_bias"]  # implied by the architecture
         for key in ("layer_types", "sliding_window"):
@@ -242,6 +274,23 @@ class ModelConfig:
                 del d[key]
         d.update(self.extra)
         return dict(sorted(d.items()))
+
+
+def _rope_by_layer_type(d: dict) -> tuple[dict, dict[str, dict] | None]:
+    """(the rope of full-attention layers, {layer type: its rope} for the other types or None)
+    from ``rope_parameters`` nested by layer type, as transformers 5 writes Gemma-3's
+    (``{"full_attention": {...}, "sliding_attention": {...}}``), or from a flat spelling
+    (one rope for every layer)."""
+    nested = d.get("rope_parameters")
+    if not (isinstance(nested, dict) and nested and set(nested) <= set(LAYER_TYPES)):
+        return rope_parameters(d), None
+    if d.get("rope_scaling"):
+        raise ValueError(f"config rope_scaling={d['rope_scaling']!r} next to rope_parameters "
+                         "nested by layer type: give one")
+    ropes = {kind: rope_parameters({**d, "rope_parameters": params or {}})
+             for kind, params in nested.items()}
+    main = ropes.pop("full_attention", None) or rope_parameters({**d, "rope_parameters": {}})
+    return main, ropes or None
 
 
 def _attention_layout(d: dict, archs: list[str]) -> dict:
@@ -269,6 +318,12 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
     if types is not None and set(types) <= {"full_attention"}:
         return {"sliding_window": None, "layer_types": None}
     return {"sliding_window": window, "layer_types": types}
+
+
+def is_mxfp4(q, archs: list[str]) -> bool:
+    """Whether ``quantization_config`` is gpt-oss's ``{"quant_method": "mxfp4", ...}`` on an
+    architecture whose loader dequantizes it (``MXFP4_ARCHS``)."""
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4" and archs[0] in MXFP4_ARCHS
 
 
 def fp8_block_size(q) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """The decoder skeleton every target family fills in plain PyTorch (gpt-fast style) with HF
 parameter names: token embedding, a stack of layers, the final norm, the lm_head, aux hidden
 states, tensor-parallel sharding and the HF-folder loader. A family (``llama.py``,
-``qwen3.py``, ``minimax_m2.py``, ``deepseek.py``, ``qwen3_5.py``) is a subclass supplying its
-layers, norm, rotary, config check and checkpoint names; ``DecoderLayer`` is the pre-norm block
-most of them stack.
+``qwen3.py``, ``minimax_m2.py``, ``deepseek.py``, ``qwen3_5.py``, ``gemma.py``, ``phi3.py``,
+``gpt_oss.py``) is a subclass supplying its layers, norm, rotary, config check and checkpoint
+names; ``DecoderLayer`` is the pre-norm block most of them stack.
 
 The engine's contract (every target family keeps it):
 - ``forward(input_ids, positions, kv=None, aux_layer_ids=()) -> (hidden, aux)``: with
@@ -72,11 +72,14 @@ class DecoderForCausalLM(nn.Module):
     ``model.layers.{i}.*``, ``model.norm.weight``, ``lm_head.weight``).
 
     What a family supplies: ``build_layer`` (its layer ``i``, with a ``mixer`` whose
-    ``kv_cache_spec`` the engine reads), ``NORM`` (the final norm's class), ``build_rotary``,
-    ``check_config`` (refuses or fills its config keys before anything is built),
-    ``CONFIG_KEYS`` (the config keys it reads beyond ``ModelConfig``'s), ``IGNORED_TENSORS``
-    (checkpoint names it skips, as vLLM does), ``MTP_AFTER_LAYERS`` and ``checkpoint_name``
-    (HF name on disk -> parameter name).
+    ``kv_cache_spec`` the engine reads), ``NORM`` (the final norm's class), ``build_rotary``
+    (a layer type with a rope of its own, ``ModelConfig.rope_by_layer_type``, gets that one
+    instead), ``embed`` and ``compute_logits`` where they differ (Gemma scales the embedding
+    and caps the logits), ``check_config`` (refuses or fills its config keys before anything is
+    built), ``CONFIG_KEYS`` (the config keys it reads beyond ``ModelConfig``'s),
+    ``IGNORED_TENSORS`` (checkpoint names it skips, as vLLM does), ``MTP_AFTER_LAYERS``,
+    ``convert_tensors`` (the stored tensors rewritten: gpt-oss's stacked, MXFP4 experts) and
+    ``checkpoint_name`` (HF name on disk -> parameter name).
     """
 
     tp = TPContext()  # this rank's TP group once layers.parallel.shard_model sharded the model
@@ -101,6 +104,9 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = self.build_rotary()
+        self.type_rotary = {kind: RotaryEmbedding(config.head_dim, params,
+                                                  config.max_position_embeddings)
+                            for kind, params in (config.rope_by_layer_type or {}).items()}
 
     @staticmethod
     def check_config(config: ModelConfig) -> None:
@@ -133,19 +139,30 @@ class DecoderForCausalLM(nn.Module):
         if tp.sp and kv is None:
             raise ValueError("sequence parallelism runs the paged (kv) path only; the dense "
                              "kv=None forward needs sequence_parallel=False")
-        x = tp.shard(self.model.embed_tokens(input_ids))
-        rope = self.rope(positions, x.dtype)
+        x = tp.shard(self.embed(input_ids))
         inputs = []  # each layer's input: a list, which compile_dynamic's symbolic ids index
-        for layer in self.model.layers:
+        for layer, rope in zip(self.model.layers, self.layer_ropes(positions, x.dtype)):
             inputs.append(x)
             x = layer(x, rope, kv)
         stacked = (tp.gather(torch.stack([inputs[i] for i in aux_layer_ids], dim=-2))
                    if aux_layer_ids else None)
         return tp.gather(self.model.norm(x)), stacked
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [...] -> the first layer's input [..., H]: the embedding rows."""
+        return self.model.embed_tokens(input_ids)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """The rotary tables every layer of this forward uses."""
+        """The rotary tables of this forward's layers (but those of a type with its own)."""
         return self.rotary.tables(positions, dtype)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """Each layer's rotary tables for this forward: its type's own rope
+        (``type_rotary``), else ``rope``'s; each computed once."""
+        rope = self.rope(positions, dtype)
+        own = {kind: r.tables(positions, dtype) for kind, r in self.type_rotary.items()}
+        kinds = self.config.layer_types or ["full_attention"] * self.config.num_hidden_layers
+        return [own.get(kind, rope) for kind in kinds]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., vocab_size]."""
@@ -165,6 +182,11 @@ class DecoderForCausalLM(nn.Module):
                 int(name.split(".")[2]) >= self.config.num_hidden_layers:
             return None  # the MTP layers, stored after the target's (the head reads them)
         return None if self.IGNORED_TENSORS.fullmatch(name) else name
+
+    def convert_tensors(self, tensors, folder: str):
+        """The checkpoint's (stored name, tensor) pairs as this family loads them (before
+        ``checkpoint_name``); here as stored."""
+        return tensors
 
     def expected_tensors(self) -> dict[str, torch.Size]:
         """Name -> shape of every tensor a checkpoint holds (no ``lm_head.weight`` when tied)."""
@@ -205,5 +227,6 @@ class DecoderForCausalLM(nn.Module):
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
                              rename=model.checkpoint_name,
                              weight_block_size=config.weight_block_size,
-                             shard=None if slices is None else slices.get)
+                             shard=None if slices is None else slices.get,
+                             convert=model.convert_tensors)
         return model.to(device=device).eval()

@@ -17,13 +17,17 @@ from specdec.models.layers.moe import MoEMLP, is_moe_layer
 
 def build_layer(config: ModelConfig, layer_idx: int, *, qk_norm: str | None = None,
                 in_features: int | None = None, input_layernorm: bool = True,
-                sliding_window: int | None = None) -> DecoderLayer:
-    """One decoder layer of ``config``'s shape (its MLP a MoE where ``is_moe_layer``)."""
+                sliding_window: int | None = None, fused_checkpoint: bool = False
+                ) -> DecoderLayer:
+    """One decoder layer of ``config``'s shape (its MLP a MoE where ``is_moe_layer``);
+    ``fused_checkpoint``: its tensors are stored as ``qkv_proj`` and ``gate_up_proj``."""
     c = config
     attn = Attention(layer_idx, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                      c.head_dim, in_features=in_features, qkv_bias=c.attention_bias,
-                     qk_norm=qk_norm, eps=c.rms_norm_eps, sliding_window=sliding_window)
-    mlp = MoEMLP(c) if is_moe_layer(c, layer_idx) else MLP(c.hidden_size, c.intermediate_size)
+                     qk_norm=qk_norm, eps=c.rms_norm_eps, sliding_window=sliding_window,
+                     fused_checkpoint=fused_checkpoint)
+    mlp = (MoEMLP(c) if is_moe_layer(c, layer_idx) else
+           MLP(c.hidden_size, c.intermediate_size, fused_checkpoint=fused_checkpoint))
     return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps, input_layernorm)
 
 

@@ -3,8 +3,8 @@ registry does). The engine, the loader and the proposers go through here; a new 
 subclass of the decoder skeleton (``decoder.py``) and one line below.
 
 Example: ``load_model("Qwen3-0.6B/")`` reads its config, builds ``Qwen3ForCausalLM`` and
-streams the weights in; ``load_model`` of a Gemma-2 folder -> ``ValueError: config
-architectures=['Gemma2ForCausalLM'] is not supported; supported: [...]``.
+streams the weights in; ``load_model`` of a StarCoder2 folder -> ``ValueError: config
+architectures=['Starcoder2ForCausalLM'] is not supported; supported: [...]``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ from specdec.distributed import TPContext
 from specdec.models import checkpoint
 from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.deepseek import DeepseekV3ForCausalLM
+from specdec.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from specdec.models.glm4_moe import Glm4MoeForCausalLM
+from specdec.models.gpt_oss import GptOssForCausalLM
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
+from specdec.models.phi3 import Phi3ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from specdec.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
@@ -31,9 +35,14 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GQA + DeepSeek-V3's MoE, partial rotary
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # hybrid: gated DeltaNet + gated attention
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # the same, fused projections, MoE
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its text model (see qwen3_5)
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,  # soft caps, alternating sliding window
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # 5 local : 1 global, local rope, q/k norm
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up tensors, longrope
+    "GptOssForCausalLM": GptOssForCausalLM,  # sinks, alternating window, MXFP4 MoE
 }
 
 

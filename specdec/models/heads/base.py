@@ -3,8 +3,8 @@ weights a head references (``SharedWeights``), the default folder loader and the
 
 The families, one module each, picked by the ``architectures[0]`` of the folder
 (``registry``): ``mimo_mtp`` (MiMo's MTP layer), ``eagle`` (EAGLE-1, EAGLE-3),
-``deepseek_mtp`` and ``qwen3_5_mtp`` (the MTP layer a DeepSeek-V3 / Qwen3.5 target folder
-holds). Each reads the checkpoint layouts vLLM's loaders accept, including the folders people
+``deepseek_mtp``, ``glm4_moe_mtp`` and ``qwen3_5_mtp`` (the MTP layer a DeepSeek-V3 / GLM-4.5 /
+Qwen3.5 target folder holds). Each reads the checkpoint layouts vLLM's loaders accept, including the folders people
 download; what vLLM does is summarised in each module (read in vllm/model_executor/models/ and
 vllm/v1/, nothing copied).
 

@@ -25,28 +25,35 @@ import torch
 from torch import nn
 
 from specdec.models.config import ModelConfig
-from specdec.models.deepseek import DEEPSEEK_KEYS, build_layer, rotary, softmax_scale
+from specdec.models.decoder import DecoderForCausalLM, DecoderLayer
+from specdec.models.deepseek import DeepseekV3ForCausalLM, build_layer, rotary, softmax_scale
 from specdec.models.heads.base import DraftHead, read_tensors
-from specdec.models.layers.mla import MLAttention
 from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.rotary import RotaryEmbedding
 
-ARCH = "DeepseekV3ForCausalLM"
 OWN_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 class DeepseekMtpHead(DraftHead):
+    """The MTP layer of a ``FAMILY`` target (the class named as its architecture: its config
+    keys, checks and defaults); another family storing the same layout subclasses this with
+    its ``FAMILY``, ``build_block`` and ``build_rotary`` (``glm4_moe_mtp``)."""
+
     method = "mtp"
+    FAMILY: type[DecoderForCausalLM] = DeepseekV3ForCausalLM
 
     def __init__(self, config: ModelConfig, target, *, own_embed: bool = False,
                  own_head: bool = False):
+        arch, n = self.FAMILY.__name__, config.extra.get("num_nextn_predict_layers")
+        if config.architectures[0] != arch or n != 1:
+            raise ValueError(f"{type(self).__name__} config: architectures="
+                             f"{config.architectures}, num_nextn_predict_layers={n!r}; need "
+                             f"['{arch}'] and 1")
+        self.FAMILY.check_config(config)  # the family's defaults, before any layer is built
         super().__init__(config, target)
-        n = config.extra.get("num_nextn_predict_layers")
-        if config.architectures[0] != ARCH or n != 1:
-            raise ValueError(f"DeepseekMtpHead config: architectures={config.architectures}, "
-                             f"num_nextn_predict_layers={n!r}; need ['{ARCH}'] and 1")
-        self.rotary = rotary(config)
+        self.rotary = self.build_rotary(config)
         self.index = config.num_hidden_layers
-        layer = build_layer(config, self.index, softmax_scale(config), cache_idx=0)
+        layer = self.build_block(config, self.index)
         h, eps = config.hidden_size, config.rms_norm_eps
         layer.enorm, layer.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
         layer.eh_proj = nn.Linear(2 * h, h, bias=False)
@@ -61,6 +68,16 @@ class DeepseekMtpHead(DraftHead):
         self._bias = re.compile(rf"(model\.layers\.{self.index}\.mlp)\.gate\."
                                 r"e_score_correction_bias")
 
+    @staticmethod
+    def build_block(config: ModelConfig, index: int) -> DecoderLayer:
+        """The target's layer ``index`` (L), attending through KV layer 0 of the draft's cache."""
+        return build_layer(config, index, softmax_scale(config), cache_idx=0)
+
+    @staticmethod
+    def build_rotary(config: ModelConfig) -> RotaryEmbedding:
+        """The target's rope."""
+        return rotary(config)
+
     @property
     def layer(self) -> nn.Module:
         return self.model.layers[str(self.index)]
@@ -74,9 +91,9 @@ class DeepseekMtpHead(DraftHead):
 
     @classmethod
     def load(cls, path, target, aux_layer_ids=None):
-        """The MTP layer of a DeepSeek folder (the target's, or a head folder with the same
+        """The MTP layer of a ``FAMILY`` folder (the target's, or a head folder with the same
         names and config): only ``model.layers.L.*`` is read."""
-        config = ModelConfig.from_folder(path, DEEPSEEK_KEYS)
+        config = ModelConfig.from_folder(path, cls.FAMILY.CONFIG_KEYS)
         prefix = f"model.layers.{config.num_hidden_layers}."
         tensors = read_tensors(path, lambda name: not name.startswith(prefix))
         head = cls.from_checkpoint(config, target, tensors)
@@ -85,11 +102,11 @@ class DeepseekMtpHead(DraftHead):
 
     @classmethod
     def holds_layer(cls, config: dict, names: set[str]) -> bool:
-        """A DeepSeek target folder holds ``model.layers.L.eh_proj`` (L = its layer count)."""
+        """A target folder holds ``model.layers.L.eh_proj`` (L = its layer count)."""
         return f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in names
 
     def kv_cache_spec(self):
-        return [m.kv_cache_spec() for m in self.modules() if isinstance(m, MLAttention)]
+        return [self.layer.mixer.kv_cache_spec()]
 
     def load_tensors(self, tensors, path):
         """HF's ``mlp.gate.e_score_correction_bias`` loads into ``mlp.e_score_correction_bias``."""

@@ -20,12 +20,14 @@ from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.heads.base import DraftHead
 from specdec.models.heads.deepseek_mtp import DeepseekMtpHead
 from specdec.models.heads.eagle import Eagle3Head, EagleHead
+from specdec.models.heads.glm4_moe_mtp import Glm4MoeMtpHead
 from specdec.models.heads.mimo_mtp import MtpHead
 from specdec.models.heads.qwen3_5_mtp import Qwen3_5MtpHead
 
 HEADS: dict[str, type[DraftHead]] = {
     "MiMoForCausalLM": MtpHead,  # a head folder, or the MiMo target's (model.mtp_layers.*)
     "DeepseekV3ForCausalLM": DeepseekMtpHead,  # the target's layer L (model.layers.L.*)
+    "Glm4MoeForCausalLM": Glm4MoeMtpHead,  # the same layout, GLM's layer
     "Qwen3_5ForCausalLM": Qwen3_5MtpHead,  # the target's mtp.*
     "Qwen3NextForCausalLM": Qwen3_5MtpHead,
     "Qwen3_5ForConditionalGeneration": Qwen3_5MtpHead,
@@ -47,12 +49,12 @@ def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype =
     ``target``'s embed/lm_head.
 
     ``path`` may be a head folder of its own, a MiMo target folder holding
-    ``model.mtp_layers.*`` (the target's tensors there are skipped unread), a DeepSeek-V3
-    folder holding its MTP layer ``model.layers.L.*``, or a Qwen3.5 / Qwen3-Next folder
-    holding ``mtp.*``. ``aux_layer_ids``: an EAGLE-3 head's aux layers when its config names
-    none (the speculative config's ``draft_model_config``); else vLLM's default. Every tensor
-    the head needs must be present with its shape, and every other one known to be skipped:
-    ValueError naming them.
+    ``model.mtp_layers.*`` (the target's tensors there are skipped unread), a DeepSeek-V3 or
+    GLM-4.5 / 4.6 folder holding its MTP layer ``model.layers.L.*``, or a Qwen3.5 /
+    Qwen3-Next folder holding ``mtp.*``. ``aux_layer_ids``: an EAGLE-3 head's aux layers when
+    its config names none (the speculative config's ``draft_model_config``); else vLLM's
+    default. Every tensor the head needs must be present with its shape, and every other one
+    known to be skipped: ValueError naming them.
     """
     archs = checkpoint.load_config(path).get("architectures") or ["LlamaForCausalLM"]
 
@@ -68,8 +70,8 @@ def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype =
 
 def holds_mtp_layers(path: str | Path) -> bool:
     """Whether ``path`` is a target checkpoint holding its own MTP layer (its head class's
-    ``holds_layer``: MiMo, DeepSeek-V3, Qwen3.5 / Qwen3-Next); names from the files'
-    headers."""
+    ``holds_layer``: MiMo, DeepSeek-V3, GLM-4.5 / 4.6, Qwen3.5 / Qwen3-Next); names from the
+    files' headers."""
     path = Path(path)
     try:
         config = checkpoint.load_config(path)

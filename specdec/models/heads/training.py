@@ -21,7 +21,8 @@ def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig
     The target family's own keys that no head reads are left out: q/k-norm and attention-type
     keys (MiniMax-M2), the sliding window (a head attends to every earlier token), and for the
     Llama-style EAGLE heads the MoE keys (their MLP is dense; an MTP layer of a MoE target stays
-    a MoE). Eagle3 takes ``eagle_aux_hidden_state_layer_ids=[...]`` (default: vLLM's
+    a MoE), ``attention_bias`` (their attention has none, as published heads of gpt-oss or
+    GLM) and the target's ``quantization_config``. Eagle3 takes ``eagle_aux_hidden_state_layer_ids=[...]`` (default: vLLM's
     (2, L // 2, L - 3)) and optional ``draft_vocab_size``.
     """
     archs = {"mtp": [MTP_ARCH], "eagle": ["LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
@@ -30,7 +31,7 @@ def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig
     family = ARCHITECTURES.get(target_config.architectures[0], LlamaForCausalLM).CONFIG_KEYS
     unread = (family - MOE_CONFIG_KEYS) | {"layer_types", "sliding_window"}
     if method != "mtp":
-        unread |= MOE_CONFIG_KEYS
+        unread |= MOE_CONFIG_KEYS | {"attention_bias", "quantization_config"}
     d = {k: v for k, v in target_config.to_hf_dict().items() if k not in unread}
     d.update(architectures=archs[method], num_hidden_layers=1, tie_word_embeddings=False, **extra)
     if method == "mtp":

@@ -5,7 +5,12 @@ Two modes (the contract the engine relies on):
   limited to the last ``sliding_window`` keys when the layer has one.
 - ``kv`` given: x is flat ``[N, in]``; the layer calls ``kv.attend(layer_idx, q [N, Hq, D],
   k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq, D]`` with rotary already applied; the cache knows
-  the layer's window from ``kv_cache_spec()``.
+  the layer's window, scale and soft cap from ``kv_cache_spec()``.
+
+Layer options (Gemma): ``scale`` (``query_pre_attn_scalar ** -0.5`` instead of ``D ** -0.5``)
+and ``softcap`` (scores ``c * tanh(s / c)`` before the softmax, ``attn_logit_softcapping``);
+(gpt-oss) ``sinks``: a learned logit per query head, ``self_attn.sinks [Hq]``, that joins each
+softmax with no value (passed to ``kv.attend``), and ``o_bias`` (a bias on ``o_proj``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.attention import KVCacheSpec
+from specdec.kernels.paged_attention_torch import masked_attention
 from specdec.models.layers.linear import MergedLinear, save_merged_as_parts
 from specdec.models.layers.norm import RMSNorm
 
@@ -22,34 +28,43 @@ QK_NORMS = (None, "head", "full")
 
 
 class Attention(nn.Module):
-    """``qkv_proj`` (checkpoint names q_proj/k_proj/v_proj), ``o_proj``; ``qk_norm``:
-    None, ``"head"`` (Qwen3: ``q_norm``/``k_norm`` of width D on each head) or ``"full"``
-    (MiniMax-M2: of width Hq*D and Hkv*D over the whole projection), applied before rotary."""
+    """``qkv_proj`` (checkpoint names q_proj/k_proj/v_proj, or ``qkv_proj`` itself with
+    ``fused_checkpoint``: Phi-3), ``o_proj``; ``qk_norm``: None, ``"head"`` (Qwen3:
+    ``q_norm``/``k_norm`` of width D on each head) or ``"full"`` (MiniMax-M2: of width Hq*D
+    and Hkv*D over the whole projection), applied before rotary, of class ``norm`` (Gemma-3:
+    ``OffsetRMSNorm``); ``sliding_window``, ``scale``, ``softcap``, ``sinks``, ``o_bias``: the
+    module docstring."""
 
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, *, in_features: int | None = None, qkv_bias: bool = False,
                  qk_norm: str | None = None, eps: float = 1e-6,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None, norm: type[nn.Module] = RMSNorm,
+                 fused_checkpoint: bool = False, sinks: bool = False, o_bias: bool = False):
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={qk_norm!r}: allowed {QK_NORMS}")
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.sliding_window = sliding_window
+        self.sliding_window, self.scale, self.softcap = sliding_window, scale, softcap
         self.qk_norm = qk_norm
+        self.fused_checkpoint = fused_checkpoint
         d = head_dim
         self.qkv_proj = MergedLinear(in_features or hidden_size,
                                      {"q_proj": num_heads * d, "k_proj": num_kv_heads * d,
                                       "v_proj": num_kv_heads * d}, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * d, hidden_size, bias=False)
+        self.o_proj = nn.Linear(num_heads * d, hidden_size, bias=o_bias)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         if qk_norm is not None:
             q_width, k_width = (d, d) if qk_norm == "head" else (num_heads * d, num_kv_heads * d)
-            self.q_norm = RMSNorm(q_width, eps)
-            self.k_norm = RMSNorm(k_width, eps)
-        save_merged_as_parts(self)
+            self.q_norm = norm(q_width, eps)
+            self.k_norm = norm(k_width, eps)
+        if not fused_checkpoint:
+            save_merged_as_parts(self)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.n_kv, self.head_dim, self.sliding_window)
+        return KVCacheSpec(self.n_kv, self.head_dim, self.sliding_window, scale=self.scale,
+                           logit_softcap=self.softcap, sinks=self.sinks is not None)
 
     def forward(self, x: torch.Tensor, rope, kv=None) -> torch.Tensor:
         """x: [B, T, in] with kv=None, else [N, in]; rope: a ``layers.rotary.Rope`` for the
@@ -70,21 +85,26 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.apply(q), rope.apply(k)
         if kv is not None:
-            out = kv.attend(self.layer_idx, q, k, v)
+            sinks = {} if self.sinks is None else {"sinks": self.sinks}
+            out = kv.attend(self.layer_idx, q, k, v, **sinks)
         else:
             out = self.dense(q, k, v)
         return self.o_proj(out.reshape(*lead, hq * d))
 
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA over [B, T, H, D] (positions 0..T-1), windowed when the layer is."""
+        """Causal attention over [B, T, H, D] (positions 0..T-1), windowed, scaled, capped and
+        sunk as the layer is."""
         q, k, v = (t.transpose(-3, -2) for t in (q, k, v))  # [B, H, T, D]
-        gqa = self.n_heads != self.n_kv
-        if self.sliding_window is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if self.sliding_window is None and self.softcap is None and self.sinks is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=self.n_heads != self.n_kv)
         else:
-            t = q.shape[-2]
-            i = torch.arange(t, device=q.device)
+            i = torch.arange(q.shape[-2], device=q.device)
             lag = i[:, None] - i[None, :]  # query position - key position
-            mask = (lag >= 0) & (lag < self.sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            mask = lag >= 0
+            if self.sliding_window is not None:
+                mask &= lag < self.sliding_window
+            sinks = None if self.sinks is None else self.sinks.view(-1, 1, 1)
+            out = masked_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap,
+                                   sinks=sinks)
         return out.transpose(-3, -2)

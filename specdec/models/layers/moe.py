@@ -25,6 +25,10 @@ plus ``shared_experts(x_t)`` (an MLP of width ``n_shared_experts * I``) when
 shared_expert(x_t)`` (an MLP of width ``shared_expert_intermediate_size``, a gate [1, H]) when
 that is > 0 (either always run, on each rank's own tokens).
 
+gpt-oss options (constructor arguments, no config key): ``router_bias`` (``mlp.gate.bias
+[E]``), ``softmax_after_topk`` (keep the k largest logits, weights ``softmax`` over those k
+only), ``expert_bias`` and ``clamped_swiglu`` (each expert's, ``layers.mlp.MLP``).
+
 Dispatch, vLLM's naive DP+EP path: every rank all-gathers the ``[N, H]`` hidden of every rank
 (same N on every rank: the DP token-count sync is what makes this legal), computes its local
 experts' weighted outputs for all ``D*N`` tokens, and a reduce-scatter sums the ranks' partial
@@ -83,7 +87,9 @@ def is_moe_layer(config, layer: int) -> bool:
 
 
 class MoEMLP(nn.Module):
-    def __init__(self, config, dp: DPContext | None = None):
+    def __init__(self, config, dp: DPContext | None = None, *, router_bias: bool = False,
+                 softmax_after_topk: bool = False, expert_bias: bool = False,
+                 clamped_swiglu: tuple[float, float] | None = None):
         super().__init__()
         extra = config.extra
         e, k = num_experts(config), extra.get("num_experts_per_tok")
@@ -99,16 +105,22 @@ class MoEMLP(nn.Module):
             raise ValueError(f"scoring_func={self.scoring!r}: allowed {SCORING}")
         self.num_experts, self.top_k = e, k
         self.norm_topk_prob = bool(extra.get("norm_topk_prob", False))
+        self.softmax_after_topk = softmax_after_topk
+        if softmax_after_topk and self.scoring != "softmax":
+            raise ValueError(f"scoring_func={self.scoring!r}: softmax_after_topk needs "
+                             "'softmax'")
         self.topk_method = extra.get("topk_method", "greedy")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r}: allowed {TOPK_METHODS}")
         if self.topk_method == "noaux_tc":
             self._check_groups(extra)
         h = config.hidden_size
-        self.gate = nn.Linear(h, e, bias=False)
+        self.gate = nn.Linear(h, e, bias=router_bias)
         if extra.get("use_routing_bias", False) or self.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
-        self.experts = nn.ModuleDict({str(i): MLP(h, inter) for i in range(e)})
+        self.experts = nn.ModuleDict({str(i): MLP(h, inter, bias=expert_bias,
+                                                  clamped_swiglu=clamped_swiglu)
+                                      for i in range(e)})
         shared = extra.get("n_shared_experts") or 0
         if not isinstance(shared, int) or shared < 0:
             raise ValueError(f"n_shared_experts={shared!r}: must be an int >= 0")
@@ -170,6 +182,9 @@ class MoEMLP(nn.Module):
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
         if self.topk_method == "noaux_tc":
             return self._route_grouped(logits).to(x.dtype)
+        if self.softmax_after_topk:
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return torch.zeros_like(logits).scatter_(1, ids, F.softmax(top, dim=-1)).to(x.dtype)
         if self.scoring == "softmax":
             probs = F.softmax(logits, dim=-1)
             w, ids = probs.topk(self.top_k, dim=-1)

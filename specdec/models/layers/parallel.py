@@ -209,6 +209,15 @@ def shard_model(model: nn.Module, tp: TPContext) -> Slices:
                 f"tensor_parallel_size={tp.size}: the {type(model).__name__} family is not "
                 f"sharded yet (layer {i}: {type(attn).__name__}, {type(mlp).__name__}); "
                 "allowed: tensor_parallel_size=1")
+        if attn.fused_checkpoint or getattr(mlp, "fused_checkpoint", False):
+            raise ValueError(
+                f"tensor_parallel_size={tp.size}: {type(model).__name__} stores fused "
+                "qkv_proj / gate_up_proj tensors, whose per-rank rows are not one slice (not "
+                "sharded yet); allowed: tensor_parallel_size=1")
+        if attn.sinks is not None:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size}: {type(model).__name__} (attention sinks, "
+                "biased experts) is not sharded yet; allowed: tensor_parallel_size=1")
         prefix = f"model.layers.{i}."
         _shard_attention(layer.self_attn, tp, prefix + "self_attn.", out)
         if isinstance(layer.mlp, MoEMLP):

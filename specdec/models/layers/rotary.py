@@ -2,7 +2,7 @@
 
 ``rope_parameters(config)`` turns an HF ``config.json`` dict (transformers 4 or 5 spelling) into
 one transformers-5 ``rope_parameters`` dict; :class:`RotaryEmbedding` turns that into the
-inverse frequencies of its ``rope_type`` (default, linear, llama3, yarn) and, once
+inverse frequencies of its ``rope_type`` (default, linear, llama3, yarn, longrope) and, once
 per forward, into the cos/sin tables of a :class:`Rope`; ``Rope.apply`` rotates q/k heads
 (one kernel where Triton runs: ``specdec.kernels.apply_rope``).
 
@@ -20,7 +20,8 @@ import torch
 
 from specdec import kernels, platform
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+LEGACY_ROPE_TYPES = {"su": "longrope"}  # early Phi-3 configs' name (transformers and vLLM read it)
 
 # The top-level config.json keys ``rope_parameters`` reads (the model config can mark them as
 # read). ``original_max_position_embeddings`` outside the dict overrides the one inside for
@@ -37,9 +38,15 @@ _TYPE_KEYS = {
                          "original_max_position_embeddings"}),
     "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor",
                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "attention_factor",
+                           "original_max_position_embeddings"}),
 }
+# per-channel factor lists (their length is checked against the rotary width by
+# RotaryEmbedding)
+_FACTOR_LISTS = ("short_factor", "long_factor")
 _REQUIRED = {"default": (), "linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
+             "longrope": _FACTOR_LISTS}
 # Keys a type may carry without using them and without changing its math.
 _HARMLESS = frozenset({"type", "original_max_position_embeddings"})
 
@@ -66,9 +73,10 @@ def rope_parameters(config: dict) -> dict:
     becomes ``partial_rotary_factor = rotary_dim / head_dim`` as transformers' MiniMax-M2
     config does. Returns ``rope_type``, ``rope_theta`` (default 10000), ``partial_rotary_factor``
     if given, and the keys the type reads (``None`` values dropped; llama3/yarn get
-    ``original_max_position_embeddings``, default ``max_position_embeddings``). Raises
-    ValueError for a rope_type outside ``ROPE_TYPES``, a key the type does not read that
-    would change the math, a missing required key, or a bad value.
+    ``original_max_position_embeddings``, default ``max_position_embeddings``; longrope must
+    name it: transformers' Phi-3 defaults it to 4096, not to another key). Raises ValueError for
+    a rope_type outside ``ROPE_TYPES`` (``su`` is read as ``longrope``), a key the type does
+    not read that would change the math, a missing required key, or a bad value.
 
     Example: ``{"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}`` ->
     ``{"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}``.
@@ -81,6 +89,7 @@ def rope_parameters(config: dict) -> dict:
     raw = {k: v for k, v in dict(scaling or params or {}).items() if v is not None}
     rope_type = _agree(f"{where}.rope_type", raw.pop("rope_type", None), raw.get("type"),
                        f"{where}.type") or "default"
+    rope_type = LEGACY_ROPE_TYPES.get(rope_type, rope_type)
     if rope_type == "dynamic":
         raise ValueError(f"config {where}.rope_type='dynamic' is refused: dynamic NTK rescales "
                          "by the largest position in the batch, so a request's tokens would "
@@ -120,21 +129,34 @@ def rope_parameters(config: dict) -> dict:
     for key in _REQUIRED[rope_type]:
         if key not in out:
             raise ValueError(f"config {where}.{key} is required by rope_type={rope_type!r}")
-        _number(f"{where}.{key}", out[key])
-    if rope_type in ("llama3", "yarn"):
+        if key in _FACTOR_LISTS:
+            _factor_list(f"{where}.{key}", out[key])
+        else:
+            _number(f"{where}.{key}", out[key])
+    if rope_type in ("llama3", "yarn", "longrope"):
+        fallback = config.get("max_position_embeddings") if rope_type != "longrope" else None
         original = next((v for v in (config.get("original_max_position_embeddings"),
-                                     out.get("original_max_position_embeddings"),
-                                     config.get("max_position_embeddings")) if v is not None),
-                        None)
+                                     out.get("original_max_position_embeddings"), fallback)
+                         if v is not None), None)
         if original is None:
             raise ValueError(f"config {where}.original_max_position_embeddings is required by "
-                             f"rope_type={rope_type!r} (or max_position_embeddings)")
+                             f"rope_type={rope_type!r}")
         out["original_max_position_embeddings"] = _number(
             "original_max_position_embeddings", original)
     for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if key in out:
             _number(f"{where}.{key}", out[key], positive=False)
+    if rope_type == "longrope" and "factor" in out:
+        _number(f"{where}.factor", out["factor"])
     return out
+
+
+def _factor_list(where: str, value) -> list:
+    """``value`` when it is a non-empty list of positive numbers, else ValueError naming it."""
+    if not isinstance(value, list) or not value or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 for v in value):
+        raise ValueError(f"config {where}={value!r}: must be a non-empty list of positive numbers")
+    return value
 
 
 # ---- inverse frequencies [dim/2] float32 on `device`, op for op as transformers'
@@ -202,7 +224,35 @@ def _yarn(p: dict, dim: int, max_pos, device) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+def _longrope_is_long(p: dict, max_pos: int) -> bool:
+    """Whether longrope rotates by ``long_factor``: once per model, when it is extended past
+    its pretraining length (``max_position_embeddings > original_max_position_embeddings``),
+    as vLLM decides at its default ``max_model_len``. transformers decides per forward from
+    the sequence length (short up to ``original_max_position_embeddings``, then long, the
+    cache recomputed), so it agrees on every sequence longer than that, or, for a model not
+    extended, on every sequence; one rotation per position keeps the paged cache valid."""
+    return max_pos > p["original_max_position_embeddings"]
+
+
+def _longrope_attention_factor(p: dict, max_pos: int) -> float:
+    """``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))`` with ``factor``
+    (default ``max_position_embeddings / original``; 1 for factor <= 1), both factor sets."""
+    if p.get("attention_factor") is not None:
+        return p["attention_factor"]
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor", max_pos / original)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _longrope(p: dict, dim: int, max_pos, device) -> torch.Tensor:
+    factors = p["long_factor"] if _longrope_is_long(p, max_pos) else p["short_factor"]
+    # the factors as float32, written by device fills (a host tensor's copy would sync)
+    ext = torch.stack([torch.full((), f, dtype=torch.float32, device=device) for f in factors])
+    return 1.0 / (ext * p["rope_theta"] ** _exponents(dim, device))
+
+
+_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn,
+             "longrope": _longrope}
 
 
 class Rope(NamedTuple):
@@ -236,9 +286,10 @@ class RotaryEmbedding:
 
     head_dim: channels per head; params: a ``rope_parameters`` dict (normalised again here);
     max_position_embeddings: the config's (llama3/yarn take it as
-    original_max_position_embeddings when params lack one); interleaved: GPT-J pairs.
+    original_max_position_embeddings when params lack one; longrope needs it to pick its
+    factor set, ``_longrope_is_long``); interleaved: GPT-J pairs.
     ``rotary_dim = int(head_dim * partial_rotary_factor)`` (transformers' rounding), even.
-    ``attention_factor``: yarn's scale of cos and sin (1 for the other types).
+    ``attention_factor``: yarn's and longrope's scale of cos and sin (1 for the other types).
     ``inv_freq(device)`` [rotary_dim/2] float32 is computed on that device with device ops
     the first time it is asked for (no copy, no host sync), then kept; on the CPU it equals
     transformers' bit for bit (an accelerator's pow may differ in the last ulp).
@@ -258,8 +309,19 @@ class RotaryEmbedding:
                              f"{self.params}): must be even and >= 2")
         self.max_position_embeddings = max_position_embeddings
         self.interleaved = interleaved
-        self.attention_factor = (_yarn_attention_factor(self.params) if self.rope_type == "yarn"
-                                 else 1.0)
+        self.attention_factor = 1.0
+        if self.rope_type == "yarn":
+            self.attention_factor = _yarn_attention_factor(self.params)
+        elif self.rope_type == "longrope":
+            if max_position_embeddings is None:
+                raise ValueError("rope_type='longrope' needs max_position_embeddings (it picks "
+                                 "the factor set and the attention factor)")
+            for key in _FACTOR_LISTS:
+                if len(self.params[key]) != self.rotary_dim // 2:
+                    raise ValueError(f"config rope_scaling.{key} has {len(self.params[key])} "
+                                     f"factors: need rotary_dim/2 = {self.rotary_dim // 2}")
+            self.attention_factor = _longrope_attention_factor(self.params,
+                                                               max_position_embeddings)
         self._inv_freq = {}
 
     @classmethod
