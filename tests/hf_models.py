@@ -539,6 +539,23 @@ def tensor_names(path) -> list[str]:
 
 
 # ---- the transformers reference -------------------------------------------------------------
+def reference_cache(model_of, prompts: list[list[int]], max_new: int, logit_prompt: list[int],
+                    extra=lambda model: {}):
+    """key -> {"tokens": transformers' greedy continuations of ``prompts``, "logits": its last
+    logits for ``logit_prompt``, **extra(model)} of the model ``model_of(key)``, computed once
+    per key (a module's reference fixture returns this)."""
+    cache = {}
+
+    def get(key) -> dict:
+        if key not in cache:
+            model = model_of(key)
+            cache[key] = {"tokens": hf_greedy(None, prompts, max_new, model=model),
+                          "logits": hf_last_logits(None, logit_prompt, model=model),
+                          **extra(model)}
+        return cache[key]
+    return get
+
+
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 

@@ -33,16 +33,8 @@ def ds_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ds_reference(ds_dir):
-    cache = {}
-
-    def get(name: str) -> dict:
-        if name not in cache:
-            path = ds_dir(name)
-            model = H.hf_model(path)
-            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
-                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
-        return cache[name]
-    return get
+    return H.reference_cache(lambda name: H.hf_model(ds_dir(name)), PROMPTS, MAX_NEW,
+                             LOGIT_PROMPT)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -87,18 +87,10 @@ def family_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(family_dir):
-    """name -> transformers' greedy tokens for PROMPTS and last logits for LOGIT_PROMPT."""
-    cache = {}
-
-    def get(name: str) -> dict:
-        if name not in cache:
-            path = family_dir(name)
-            model = H.hf_model(path)
-            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
-                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model),
-                           "rope": model.config.rope_parameters}
-        return cache[name]
-    return get
+    """name -> transformers' greedy tokens for PROMPTS, last logits for LOGIT_PROMPT and its
+    rope parameters."""
+    return H.reference_cache(lambda name: H.hf_model(family_dir(name)), PROMPTS, MAX_NEW,
+                             LOGIT_PROMPT, lambda model: {"rope": model.config.rope_parameters})
 
 
 def load_specdec(path, dtype=torch.float32):

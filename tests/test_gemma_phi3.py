@@ -35,15 +35,6 @@ LOGIT_PROMPT = torch.randint(3, 500, (70,), generator=_gen).tolist()
 assert min(map(len, PROMPTS)) > max(H.GEMMA_WINDOW, H.PHI3_ORIGINAL)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread (see test_families)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """name -> its tiny model's folder, built once."""
@@ -58,17 +49,11 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """name -> transformers' greedy tokens for PROMPTS and last logits for LOGIT_PROMPT."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            model = H.hf_model(folder(name))
-            cache[name] = {"tokens": H.hf_greedy(None, PROMPTS, MAX_NEW, model=model),
-                           "logits": H.hf_last_logits(None, LOGIT_PROMPT, model=model),
-                           "layer_types": getattr(model.config, "layer_types", None)}
-        return cache[name]
-    return get
+    """name -> transformers' greedy tokens for PROMPTS, last logits for LOGIT_PROMPT and its
+    layer types."""
+    return H.reference_cache(lambda name: H.hf_model(folder(name)), PROMPTS, MAX_NEW,
+                             LOGIT_PROMPT, lambda model: {"layer_types": getattr(
+                                 model.config, "layer_types", None)})
 
 
 def dense_last_logits(model, prompt) -> torch.Tensor:

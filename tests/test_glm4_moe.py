@@ -38,16 +38,8 @@ def glm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(glm_dir):
-    cache = {}
-
-    def get(name: str) -> dict:
-        if name not in cache:
-            path = glm_dir(name)
-            model = H.hf_model(path)
-            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
-                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
-        return cache[name]
-    return get
+    return H.reference_cache(lambda name: H.hf_model(glm_dir(name)), PROMPTS, MAX_NEW,
+                             LOGIT_PROMPT)
 
 
 @pytest.fixture(scope="module")

@@ -30,15 +30,6 @@ LOGIT_PROMPT = torch.randint(3, 500, (40,), generator=_gen).tolist()
 assert min(map(len, PROMPTS)) > G.WINDOW
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread (see test_families)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """{"bf16": the bf16-copy layout, "mxfp4": the same weights with MXFP4 experts}."""
@@ -57,17 +48,10 @@ def _transformers_dequantize():
 def reference(folders):
     """layout -> transformers' greedy tokens for PROMPTS and last logits for LOGIT_PROMPT
     (MXFP4: transformers' model with its own dequantization of the experts)."""
-    cache = {}
-
-    def get(layout):
-        if layout not in cache:
-            model = (H.hf_model(folders["bf16"]) if layout == "bf16" else
-                     G.dequantized_reference(folders["bf16"], folders["mxfp4"],
-                                             _transformers_dequantize()))
-            cache[layout] = {"tokens": H.hf_greedy(None, PROMPTS, MAX_NEW, model=model),
-                             "logits": H.hf_last_logits(None, LOGIT_PROMPT, model=model)}
-        return cache[layout]
-    return get
+    return H.reference_cache(
+        lambda layout: H.hf_model(folders["bf16"]) if layout == "bf16" else
+        G.dequantized_reference(folders["bf16"], folders["mxfp4"], _transformers_dequantize()),
+        PROMPTS, MAX_NEW, LOGIT_PROMPT)
 
 
 def dense_last_logits(model, prompt) -> torch.Tensor:

@@ -34,16 +34,9 @@ def q35_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def q35_reference(q35_dir):
-    cache = {}
-
-    def get(name: str) -> dict:
-        if name not in cache:
-            path = q35_dir(name)
-            model = Q.hf_vl_model(path) if name == "qwen3_5_vl" else H.hf_model(path)
-            cache[name] = {"tokens": H.hf_greedy(path, PROMPTS, MAX_NEW, model=model),
-                           "logits": H.hf_last_logits(path, LOGIT_PROMPT, model=model)}
-        return cache[name]
-    return get
+    return H.reference_cache(
+        lambda name: (Q.hf_vl_model if name == "qwen3_5_vl" else H.hf_model)(q35_dir(name)),
+        PROMPTS, MAX_NEW, LOGIT_PROMPT)
 
 
 @pytest.mark.parametrize("case,chunk", [("qwen3_5", 256), ("qwen3_5", 7), ("qwen3_5", 16),

@@ -116,10 +116,19 @@ def rotary(config: ModelConfig) -> RotaryEmbedding:
                            interleaved=config.extra.get("rope_interleave", True))
 
 
+CORRECTION_BIAS = re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias")
+
+
+def correction_bias_name(name: str) -> str:
+    """HF's ``*.mlp.gate.e_score_correction_bias`` is the MoE's ``*.mlp.e_score_correction_bias``
+    (DeepSeek-V3, GLM-4.5); any other name as it is."""
+    m = CORRECTION_BIAS.fullmatch(name)
+    return f"{m[1]}.e_score_correction_bias" if m else name
+
+
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
     CONFIG_KEYS = DEEPSEEK_KEYS
     MTP_AFTER_LAYERS = True
-    _BIAS = re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias")
     check_config = staticmethod(check_config)
 
     def build_layer(self, layer_idx: int) -> nn.Module:
@@ -129,5 +138,4 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return rotary(self.config)
 
     def checkpoint_name(self, name: str) -> str | None:
-        m = self._BIAS.fullmatch(name)
-        return super().checkpoint_name(f"{m[1]}.e_score_correction_bias" if m else name)
+        return super().checkpoint_name(correction_bias_name(name))

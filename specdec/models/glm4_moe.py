@@ -16,13 +16,11 @@ skipped here.
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.decoder import DecoderForCausalLM, DecoderLayer
-from specdec.models.deepseek import is_moe_layer
+from specdec.models.deepseek import correction_bias_name, is_moe_layer
 from specdec.models.layers.attention import Attention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import DEEPSEEK_MOE_KEYS, MOE_CONFIG_KEYS, MoEMLP
@@ -74,12 +72,10 @@ def build_layer(config: ModelConfig, layer_idx: int, cache_idx: int | None = Non
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     CONFIG_KEYS = GLM4_MOE_KEYS
     MTP_AFTER_LAYERS = True
-    _BIAS = re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias")
     check_config = staticmethod(check_config)
 
     def build_layer(self, layer_idx: int) -> nn.Module:
         return build_layer(self.config, layer_idx)
 
     def checkpoint_name(self, name: str) -> str | None:
-        m = self._BIAS.fullmatch(name)
-        return super().checkpoint_name(f"{m[1]}.e_score_correction_bias" if m else name)
+        return super().checkpoint_name(correction_bias_name(name))
