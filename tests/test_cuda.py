@@ -14,8 +14,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
            "for i in range(10):"]
 
 
-def build(method, backend, **kw):
-    spec = None if method is None else {"method": method, "num_speculative_tokens": 3}
+def build(method, backend, spec_extra=None, **kw):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
+                                        **(spec_extra or {})}
     if method == "draft_model":  # the target's own folder drafts (accepted at every position)
         from specdec.engine.llm import DEFAULT_MODEL
         spec["model"] = str(DEFAULT_MODEL)
@@ -148,3 +149,17 @@ def test_uniform_decodes_capture_nothing_after_start_up(method, monkeypatch):
     assert decodes and all(s.captured and not s.new_graphs for s in decodes)
     made = sum(s.new_graphs.get("target", 0) for s in llm.steps)
     assert made == len(graph.seen - warm_up) > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model", "ngram"])
+def test_k_per_step_captured_equals_eager(method):
+    """K per step (3 alone, 1 at 2-3 requests, 0 at 4+) with arrivals and sampled requests:
+    each K's captured steps give eager's tokens and acceptance; every step with a request
+    replayed a graph."""
+    kw = dict(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=32)
+    schedule = {"num_speculative_tokens_per_batch_size": [[2, 3, 1], [4, 8, 0]]}
+    eager = run_arrivals(build(method, "eager", spec_extra=schedule, **kw))
+    llm = build(method, "cuda_graph", spec_extra=schedule, **kw)
+    assert run_arrivals(llm) == eager
+    assert all(s.captured for s in llm.steps if s.num_reqs)
+    assert {s.num_spec_tokens for s in llm.steps if s.num_reqs} >= {0, 1, 3}
