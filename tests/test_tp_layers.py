@@ -48,7 +48,8 @@ BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
             "qwen3": hf_models.build_qwen3,
             "qwen3_moe": hf_models.build_qwen3_moe, "minimax_m2": hf_models.build_minimax_m2,
             "llama_tied_mqa": build_llama_tied_mqa, "minimax_mqa": build_minimax_mqa,
-            "glm4_moe": hf_glm4_moe.build_glm}
+            "glm4_moe": hf_glm4_moe.build_glm, "gemma2": hf_models.build_gemma2,
+            "gemma3": hf_models.build_gemma3}
 N = 10  # tokens: two requests of 6 and 4
 
 
