@@ -478,3 +478,119 @@ def test_heads_of_family_targets_build_save_and_load(root, family, tmp_path):
         assert type(loaded) is type(head)
         for name, t in head.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], t), name
+
+
+# ---- 7. EAGLE-3 in the speculators format (RedHatAI/*-speculator.eagle3) -------------------------
+def write_speculators(path, eagle_dir, edit=None) -> Path:
+    """The EAGLE-layout head of ``eagle_dir`` rewritten as a ``speculators`` folder: the Llama
+    keys under ``transformer_layer_config``, the EAGLE-3 keys at the top, ``speculators_config``
+    (speculative_tokens 5, unused: K comes from the speculative config), ``midlayer.*`` stored
+    as ``layers.0.*``, safetensors. ``norm_before_residual`` is written only when false
+    (absent means true in this format)."""
+    from safetensors.torch import load_file
+    c = H.read_config(eagle_dir)
+    top = {k: c.pop(k) for k in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                                 "norm_before_residual", "torch_dtype") if k in c}
+    if top.get("norm_before_residual", False) is True:
+        del top["norm_before_residual"]
+    else:
+        top["norm_before_residual"] = False
+    config = dict(top, architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
+                  speculators_version="0.1.0", norm_before_fc=False, has_no_defaults_at_init=False,
+                  target_hidden_size=c["hidden_size"],
+                  auto_map={"": "eagle3.Eagle3SpeculatorConfig"},
+                  transformer_layer_config=dict(c, architectures=["LlamaForCausalLM"]),
+                  speculators_config={
+                      "algorithm": "eagle3", "default_proposal_method": "greedy",
+                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5,
+                                            "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                      "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+                                   "architectures": ["LlamaForCausalLM"]}})
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v
+               for k, v in load_file(str(Path(eagle_dir) / "model.safetensors")).items()}
+    path = Path(path)
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    H.write_config(path, edit(config) if edit else config)
+    return path
+
+
+@pytest.fixture(scope="module")
+def speculators_dirs(root, llama):
+    """norm_before_residual -> (EAGLE-layout folder, the same weights as a speculators folder)."""
+    out = {}
+    for nbr in (False, True):
+        eagle = write_eagle3(root / f"eagle-layout-{nbr}", llama, fmt="safetensors",
+                             dtype=torch.float32)
+        H.write_config(eagle, dict(H.read_config(eagle), norm_before_residual=nbr))
+        out[nbr] = (eagle, write_speculators(root / f"speculators-{nbr}", eagle))
+    return out
+
+
+def draft_logits(head, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = head.config.hidden_size
+    aux = torch.randn(2, 5, 3 * h, generator=gen)
+    ids = torch.randint(0, head.config.vocab_size, (2, 5), generator=gen)
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        logits_hidden, _ = head(ids, positions, head.combine_hidden_states(aux))
+        return head.compute_logits(logits_hidden)
+
+
+@pytest.mark.parametrize("nbr", [False, True], ids=["residual-raw", "norm-before-residual"])
+def test_speculators_layout_equals_the_eagle_layout(speculators_dirs, llama, nbr):
+    from specdec.models.heads import load_head
+    from specdec.models.registry import load_model
+    target = load_model(llama)
+    eagle_dir, spec_dir = speculators_dirs[nbr]
+    eagle, spec = load_head(eagle_dir, target), load_head(spec_dir, target)
+    assert type(spec) is Eagle3Head and spec.midlayer.norm_before_residual is nbr
+    assert spec.aux_layer_ids == (0, 1, 1) and spec.draft_vocab_size == 96
+    assert spec.state_dict().keys() == eagle.state_dict().keys()
+    for name, t in eagle.state_dict().items():
+        assert torch.equal(spec.state_dict()[name], t), name
+    want = draft_logits(eagle)
+    assert torch.equal(draft_logits(spec), want)
+    # the flag is honoured: the other setting of the same weights drafts differently
+    other = load_head(speculators_dirs[not nbr][0], target)
+    other.load_state_dict(eagle.state_dict())
+    assert not torch.allclose(draft_logits(other), want)
+    runs = []
+    for head_dir in (eagle_dir, spec_dir):  # K from the speculative config, not the head's 5
+        outs = spec_llm(llama, "eagle3", head_dir).generate(PROMPTS, max_tokens=MAX_TOKENS,
+                                                             ignore_eos=True)
+        runs.append([(o.token_ids, o.num_drafted, o.num_accepted) for o in outs])
+    assert runs[0] == runs[1]
+    assert [r[0] for r in runs[1]] == plain(llama)
+
+
+def _set(path, value):
+    def edit(c):
+        *outer, key = path
+        d = c
+        for k in outer:
+            d = d[k]
+        d[key] = value
+        return c
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_set(["speculators_model_type"], "eagle"), r"speculators_model_type='eagle': only 'eagle3'"),
+    (_set(["speculators_config", "algorithm"], "medusa"),
+     r"speculators_config.algorithm='medusa': only 'eagle3'"),
+    (_set(["norm_before_fc"], True), r"norm_before_fc=True: only false"),
+    (_set(["fusion_bias"], True), r"keys \['fusion_bias'\]: not supported"),
+    (_set(["target_hidden_size"], 128), r"target_hidden_size=128: must equal hidden_size=64"),
+    (_set(["norm_before_residual"], "yes"), r"norm_before_residual='yes': must be true or false"),
+], ids=["model-type", "algorithm", "norm-before-fc", "unknown-key", "target-hidden",
+        "nbr-type"])
+def test_a_speculators_config_that_changes_the_math_is_refused(speculators_dirs, root, llama,
+                                                               edit, match):
+    from specdec.models.heads import load_head
+    from specdec.models.registry import load_model
+    where = root / f"speculators-bad-{len(list(root.glob('speculators-bad-*')))}"
+    head = write_speculators(where, speculators_dirs[False][0], edit=edit)
+    with pytest.raises(ValueError, match=match):
+        load_head(head, load_model(llama))

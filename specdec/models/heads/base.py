@@ -88,11 +88,11 @@ class DraftHead(nn.Module):
     def load(cls, path: str | Path, target: DecoderForCausalLM,
              aux_layer_ids: list[int] | tuple[int, ...] | None = None) -> DraftHead:
         """The head of folder ``path``, in float32 on the CPU (``registry.load_head`` names
-        the folder in errors and casts): ``config.json`` (EAGLE's ``bias`` flag popped), the
-        class ``for_config`` picks, its ``load_options``, the folder's tensors but those it
+        the folder in errors and casts): ``config.json`` (``read_config``; EAGLE's ``bias``
+        flag popped), the class ``for_config`` picks, its ``load_options``, the folder's tensors but those it
         ``skips`` (shared copies as meta tensors of their shape), ``from_checkpoint`` and
         ``load_tensors``."""
-        d = checkpoint.load_config(path)
+        d = cls.read_config(path)
         fc_bias = d.pop("bias", None)  # EAGLE's flag for an fc bias (EAGLE-1 heads only)
         if fc_bias is not None and not isinstance(fc_bias, bool):
             raise ValueError(f"config bias={fc_bias!r}: must be true or false")
@@ -103,6 +103,12 @@ class DraftHead(nn.Module):
         head = head_cls.from_checkpoint(config, target, tensors, **options)
         head.load_tensors(tensors, path)
         return head
+
+    @classmethod
+    def read_config(cls, path: str | Path) -> dict:
+        """The folder's config as this class reads it (a family may translate another
+        format's)."""
+        return checkpoint.load_config(path)
 
     @classmethod
     def for_config(cls, config: ModelConfig) -> type[DraftHead]:

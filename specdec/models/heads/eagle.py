@@ -45,6 +45,13 @@ Published folders:
   ``embed_tokens.weight``; a ``LlamaForCausalLM`` architecture with ``draft_vocab_size`` or aux
   ids in its config counts as EAGLE-3. MoE keys copied from a MoE target's config are not read
   (vLLM's Llama layer reads none: the head's MLP is dense).
+- EAGLE-3 in the ``speculators`` format (RedHatAI/*-speculator.eagle3, e.g. gpt-oss-20b's;
+  vLLM detects it by the config's ``speculators_model_type`` and translates it in
+  transformers_utils/configs/speculators/): the config is rewritten by
+  ``speculators_to_eagle3_config``; tensors are ``layers.0.*`` (vLLM's own name, which
+  ``midlayer.*`` is renamed to), ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, optional
+  ``embed_tokens``. ``norm_before_residual`` (true by default there, as vLLM reads it) makes
+  the layer's residual the ``hidden_norm``-ed hidden instead of the raw one.
 """
 
 from __future__ import annotations
@@ -154,8 +161,10 @@ class Eagle3Head(_LlamaStyleHead):
         if not isinstance(eagle_config, dict) or not eagle_config.get("use_aux_hidden_state", True):
             raise ValueError(f"Eagle3Head config eagle_config={eagle_config!r}: only "
                              "use_aux_hidden_state=true (fc over 3 target layers) is supported")
-        if extra.get("norm_before_residual", False):
-            raise ValueError("Eagle3Head config norm_before_residual=True is not supported")
+        norm_before_residual = extra.get("norm_before_residual", False)
+        if type(norm_before_residual) is not bool:
+            raise ValueError(f"Eagle3Head config norm_before_residual={norm_before_residual!r}: "
+                             "must be true or false")
         if extra.get("target_hidden_size", config.hidden_size) != config.hidden_size:
             raise ValueError(f"Eagle3Head config target_hidden_size={extra['target_hidden_size']}: "
                              f"must equal hidden_size={config.hidden_size}")
@@ -168,7 +177,7 @@ class Eagle3Head(_LlamaStyleHead):
         self.draft_vocab_size = draft_vocab
         h = config.hidden_size
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.midlayer = _Eagle3Layer(config)
+        self.midlayer = _Eagle3Layer(config, norm_before_residual)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         if draft_vocab < config.vocab_size:
@@ -179,14 +188,21 @@ class Eagle3Head(_LlamaStyleHead):
         return super().skips(name) or name == "t2d"  # target -> draft mask: unused (vLLM too)
 
     @classmethod
+    def read_config(cls, path):
+        """The folder's config; a ``speculators``-format one translated
+        (``speculators_to_eagle3_config``)."""
+        d = super().read_config(path)
+        return speculators_to_eagle3_config(d) if SPECULATORS_KEY in d else d
+
+    @classmethod
     def load_options(cls, fc_bias, aux_layer_ids):
         return dict(super().load_options(fc_bias, aux_layer_ids), aux_layer_ids=aux_layer_ids)
 
     def load_tensors(self, tensors, path):
-        """As the base's, ``d2t`` (absent: zeros) checked to be integer and to map every
-        draft id into the target vocabulary."""
+        """As the base's, ``layers.0.*`` read as ``midlayer.*``, ``d2t`` (absent: zeros)
+        checked to be integer and to map every draft id into the target vocabulary."""
+        tensors = _midlayer_names(tensors)
         if hasattr(self, "d2t"):
-            tensors = dict(tensors)
             d2t = tensors.setdefault("d2t", torch.zeros_like(self.d2t))  # absent: vLLM's zeros
             if d2t.is_floating_point() or d2t.dtype == torch.bool:
                 raise ValueError(f"checkpoint {str(path)!r}: d2t has dtype {d2t.dtype}; need "
@@ -230,14 +246,18 @@ class Eagle3Head(_LlamaStyleHead):
 
 
 class _Eagle3Layer(DecoderLayer):
-    def __init__(self, config: ModelConfig):
+    """``norm_before_residual``: the residual is ``hidden_norm(hidden)`` (else ``hidden``)."""
+
+    def __init__(self, config: ModelConfig, norm_before_residual: bool = False):
         base = build_layer(config, 0, in_features=2 * config.hidden_size)
         super().__init__(base.self_attn, base.mlp, config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
 
     def run(self, embeds, hidden, rope, kv):
-        attn_in = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        return self(hidden, rope, kv, attn_in=attn_in)
+        normed = self.hidden_norm(hidden)
+        attn_in = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
+        return self(normed if self.norm_before_residual else hidden, rope, kv, attn_in=attn_in)
 
 
 def head_aux_layer_ids(config: dict) -> list | None:
@@ -270,3 +290,79 @@ def _keeps_own_embedding(tensors: dict[str, torch.Tensor], target: DecoderForCau
     if same:
         del tensors[OWN_EMBED]
     return not same
+
+
+SPECULATORS_KEY = "speculators_model_type"  # marks a config in the ``speculators`` format
+# speculators top-level keys that change nothing here (bookkeeping, training-only, the dtype
+# the tensors are stored in); any key outside these and the ones translated is refused
+_SPECULATORS_IGNORED = frozenset({
+    "architectures", "auto_map", "speculators_version", "has_no_defaults_at_init",
+    "embed_requires_grad", "torch_dtype", "dtype", "transformers_version", "model_type",
+    "_name_or_path", "name_or_path"})
+
+
+def speculators_to_eagle3_config(config: dict) -> dict:
+    """A ``speculators``-format EAGLE-3 head config -> the config ``Eagle3Head`` reads.
+
+    Key mapping (as vLLM's speculators config reads it):
+
+    - ``speculators_model_type``: must be ``"eagle3"`` (else ValueError naming it), as must
+      ``speculators_config.algorithm`` when given;
+    - ``transformer_layer_config`` (a Llama config: sizes, heads, rope, eps, vocab): the base
+      of the result, its ``architectures`` set to ``["Eagle3LlamaForCausalLM"]``;
+    - ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` (when
+      non-empty): copied to the top level, read (and checked) as an EAGLE-layout head's;
+    - ``norm_before_residual``: copied, **true when absent** (vLLM's default for this format);
+    - ``norm_before_fc``: only false is supported (true: ValueError naming it);
+    - ``speculators_config.proposal_methods[0].speculative_tokens``: ignored. specdec's
+      ``num_speculative_tokens`` is required in the speculative config and has no
+      head-provided default; ``proposal_type`` and ``verifier`` are informational;
+    - ``torch_dtype`` / ``dtype``: kept (the stored dtype); ``architectures``, ``auto_map``,
+      ``speculators_version``, ``has_no_defaults_at_init``, ``embed_requires_grad``: ignored;
+    - any other top-level key: ValueError naming it (it may change the math).
+    """
+    kind = config.get(SPECULATORS_KEY)
+    if kind != "eagle3":
+        raise ValueError(f"speculators config {SPECULATORS_KEY}={kind!r}: only 'eagle3' is "
+                         "supported")
+    spec = config.get("speculators_config") or {}
+    if type(spec) is not dict:  # JSON objects load as dicts
+        raise ValueError(f"speculators config speculators_config={spec!r}: must be an object")
+    if spec.get("algorithm", kind) != kind:
+        raise ValueError(f"speculators config speculators_config.algorithm="
+                         f"{spec['algorithm']!r}: only 'eagle3' is supported")
+    layer = config.get("transformer_layer_config")
+    if type(layer) is not dict:
+        raise ValueError(f"speculators config transformer_layer_config={layer!r}: must be a "
+                         "Llama config object")
+    if config.get("norm_before_fc", False) is not False:
+        raise ValueError(f"speculators config norm_before_fc={config['norm_before_fc']!r}: "
+                         "only false is supported")
+    translated = {SPECULATORS_KEY, "speculators_config", "transformer_layer_config",
+                  "draft_vocab_size", "target_hidden_size", AUX_IDS_KEY,
+                  "norm_before_residual", "norm_before_fc"}
+    unknown = sorted(set(config) - translated - _SPECULATORS_IGNORED)
+    if unknown:
+        raise ValueError(f"speculators config keys {unknown}: not supported (they may change "
+                         "the head's math)")
+    out = dict(layer, architectures=["Eagle3LlamaForCausalLM"])
+    for key in ("torch_dtype", "dtype"):
+        if key in config and key not in out:
+            out[key] = config[key]
+    out["draft_vocab_size"] = config.get("draft_vocab_size")
+    if config.get("target_hidden_size") is not None:
+        out["target_hidden_size"] = config["target_hidden_size"]
+    out["norm_before_residual"] = config.get("norm_before_residual", True)
+    if config.get(AUX_IDS_KEY):
+        out[AUX_IDS_KEY] = config[AUX_IDS_KEY]
+    return out
+
+
+def _midlayer_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``layers.0.*`` (the speculators / vLLM name) -> ``midlayer.*``, unless the folder also
+    holds that ``midlayer.*`` name: then it keeps its name and the load names it unexpected."""
+    out = {}
+    for name, t in tensors.items():
+        key = "midlayer." + name.removeprefix("layers.0.")
+        out[key if name.startswith("layers.0.") and key not in tensors else name] = t
+    return out

@@ -19,7 +19,12 @@ from specdec.models import checkpoint
 from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.heads.base import DraftHead
 from specdec.models.heads.deepseek_mtp import DeepseekMtpHead
-from specdec.models.heads.eagle import Eagle3Head, EagleHead
+from specdec.models.heads.eagle import (
+    SPECULATORS_KEY,
+    Eagle3Head,
+    EagleHead,
+    speculators_to_eagle3_config,
+)
 from specdec.models.heads.glm4_moe_mtp import Glm4MoeMtpHead
 from specdec.models.heads.mimo_mtp import MtpHead
 from specdec.models.heads.qwen3_5_mtp import Qwen3_5MtpHead
@@ -51,14 +56,19 @@ def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype =
     ``path`` may be a head folder of its own, a MiMo target folder holding
     ``model.mtp_layers.*`` (the target's tensors there are skipped unread), a DeepSeek-V3 or
     GLM-4.5 / 4.6 folder holding its MTP layer ``model.layers.L.*``, or a Qwen3.5 /
-    Qwen3-Next folder holding ``mtp.*``. ``aux_layer_ids``: an EAGLE-3 head's aux layers when
+    Qwen3-Next folder holding ``mtp.*``, or an EAGLE-3 head in the ``speculators`` format
+    (``speculators_model_type``: eagle3). ``aux_layer_ids``: an EAGLE-3 head's aux layers when
     its config names none (the speculative config's ``draft_model_config``); else vLLM's
     default. Every tensor the head needs must be present with its shape, and every other one
     known to be skipped: ValueError naming them.
     """
-    archs = checkpoint.load_config(path).get("architectures") or ["LlamaForCausalLM"]
+    config = checkpoint.load_config(path)
 
     def build() -> DraftHead:
+        # a ``speculators``-format folder (``speculators_model_type``, as vLLM detects it):
+        # its translated config names the class
+        d = speculators_to_eagle3_config(config) if SPECULATORS_KEY in config else config
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
         if archs[0] not in HEADS:
             raise ValueError(f"head config architectures={archs}: allowed one of "
                              f"{list(HEADS)}")
