@@ -8,7 +8,7 @@ the median), on the embedded model with the repeat workload (``specdec bench --w
 repeat``'s prompts), greedy. From those figures the method's schedule
 (``specdec.bench.report.best_k_schedule``: the fastest K per concurrency, plain as K 0), then
 the method with that schedule (``num_speculative_tokens_per_batch_size``) against plain again,
-interleaved. Printed per method and concurrency: plain tok/s, each fixed K and the schedule as
+interleaved. Each engine runs one unmeasured round first. Printed per method and concurrency: plain tok/s, each fixed K and the schedule as
 a ratio to plain, and the schedule's mean step K. CPU figures say what a CPU does: a draft
 head costs about a quarter of the 4-layer embedded target per step here.
 """
@@ -34,7 +34,10 @@ def engine(method: str | None, k: int, conc: int, schedule=None) -> LLM:
 
 
 def interleaved(engines: dict, prompts, params, repeats: int) -> dict:
-    """name -> (median tokens/s over ``repeats`` rounds, mean step K of the last round)."""
+    """name -> (median tokens/s over ``repeats`` rounds after a warm-up round, mean step K of
+    the last round)."""
+    for llm in engines.values():
+        llm.generate(prompts, params)
     times = {name: [] for name in engines}
     mean_k = {}
     for _ in range(repeats):
