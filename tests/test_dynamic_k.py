@@ -257,8 +257,9 @@ def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 39))
 def test_a_host_drafter_at_k_zero_drafts_nothing_and_keeps_up(tokens, cut):
-    """ngram and suffix asked for K 0 propose nothing; suffix's tree still takes those
-    tokens, so its next proposal at K 3 equals one from a drafter that saw them at K 3."""
+    """ngram and suffix asked for K 0 propose nothing (suffix does not even extend its tree);
+    suffix's next proposal at K 3 takes every token since, so it equals one from a drafter
+    that proposed at K 3 all along."""
     cfg = {"ngram": SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2),
            "suffix": SpeculativeConfig("suffix", 3, suffix_decoding_min_token_prob=0.0)}
     cut = min(cut, len(tokens))

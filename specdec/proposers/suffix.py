@@ -119,13 +119,13 @@ class SuffixProposer:
 
     def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
-        K, none past max_model_len); its tree takes the new tokens whatever ``k`` (0: no
-        search)."""
-        tree = self.own.setdefault(request_id, SuffixTree(self.depth))
-        tree.extend(request_id, token_ids[tree.size:])  # the tokens since the last step
+        K, none past max_model_len). ``k`` 0: nothing at all; its tree takes the tokens since
+        its last proposal at the next one (a request that ends first never builds it)."""
         k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
+        tree = self.own.setdefault(request_id, SuffixTree(self.depth))
+        tree.extend(request_id, token_ids[tree.size:])  # the tokens since its last proposal
         own = tree_drafts(tree, token_ids, k, self.factor, self.min_prob, own=True)
         other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob, own=False)
         return (other if other[0] > own[0] else own)[1]
