@@ -237,7 +237,7 @@ def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
             "--workload", "repeat"]
     assert itl.main(args + ["--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith("K schedule from this run"))
+    line = next(x for x in out.splitlines() if x.startswith("hint: K schedule from this run"))
     schedule = json.loads(line.split("--k-schedule '")[1].split("'")[0])
     assert [r[0] for r in schedule][0] == 1 and schedule[-1][1] == 2
     assert itl.main(args + ["--out", str(tmp_path / "b"), "--k-schedule",

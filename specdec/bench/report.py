@@ -131,7 +131,7 @@ def k_schedule_lines(results: dict) -> list[str]:
         g = groups.setdefault((c["method"], c["mode"], c["prompt_len"], c["output_len"]), {})
         g.setdefault(c["concurrency"], {0: plain[key]})[c["k"]] = c["summary"][
             "output_tokens_per_s"]
-    return [f"K schedule from this run for {m} {mode} (prompt {p}, output {o}; the fastest K "
+    return [f"hint: K schedule from this run for {m} {mode} (prompt {p}, output {o}; the fastest K "
             f"per concurrency, 0 = plain): --k-schedule '{best_k_schedule(g)}' -k "
             f"{max(k for ks in g.values() for k in ks)}"
             for (m, mode, p, o), g in groups.items()]
