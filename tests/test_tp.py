@@ -212,7 +212,7 @@ def test_seed000_one_planning_all_reduce_per_dp_rank_per_step(seed_run):
         assert len(driver.collectives) == len(driver.steps) + 1
         for step in driver.collectives:
             assert [op for op, _ in step if op == "all_reduce"] == ["all_reduce"]
-            assert step[0] == ("all_reduce", (3, 2))
+            assert step[0] == ("all_reduce", (4, 2))
     for peer in run.tp_peers:  # peers plan nothing
         assert not any(op == "all_reduce" for step in peer.collectives for op, _ in step)
 
