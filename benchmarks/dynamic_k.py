@@ -7,9 +7,11 @@ each concurrency, interleaved (one generate of each engine per round, ``--repeat
 the median), on the embedded model with the repeat workload (``specdec bench --workload
 repeat``'s prompts), greedy. From those figures the method's schedule
 (``specdec.bench.report.best_k_schedule``: the fastest K per concurrency, plain as K 0), then
-the method with that schedule (``num_speculative_tokens_per_batch_size``) against plain again,
-interleaved. Each engine runs one unmeasured round first. Printed per method and concurrency: plain tok/s, each fixed K and the schedule as
-a ratio to plain, and the schedule's mean step K. CPU figures say what a CPU does: a draft
+the method with that schedule (``num_speculative_tokens_per_batch_size``) and with the
+measured policy (``num_speculative_tokens_policy="goodput"``, K up to the largest of ``--ks``)
+against plain again, interleaved. Each engine runs one unmeasured round first (the policy
+keeps what it measured there). Printed per method and concurrency: plain tok/s, each fixed K,
+the schedule and the policy as a ratio to plain, and the mean step K of the last two. CPU figures say what a CPU does: a draft
 head costs about a quarter of the 4-layer embedded target per step here.
 """
 
@@ -25,10 +27,12 @@ from specdec.bench.report import best_k_schedule
 from specdec.bench.sweep import PromptSource
 
 
-def engine(method: str | None, k: int, conc: int, schedule=None) -> LLM:
+def engine(method: str | None, k: int, conc: int, schedule=None, policy=None) -> LLM:
     spec = None if method is None else {"method": method, "num_speculative_tokens": k}
     if schedule is not None:
         spec["num_speculative_tokens_per_batch_size"] = schedule
+    if policy is not None:
+        spec["num_speculative_tokens_policy"] = policy
     return LLM(speculative_config=spec, max_num_seqs=conc,
                max_num_batched_tokens=max(256, conc * (k + 1)))
 
@@ -70,7 +74,7 @@ def main(argv=None) -> int:
     table = Table(title=f"tok/s / plain, embedded model, repeat workload, greedy, "
                         f"{args.repeats} interleaved rounds (median)")
     for col in ("method", "conc", "plain tok/s", *(f"K={k}" for k in args.ks), "schedule",
-                "mean K"):
+                "mean K", "goodput", "mean K"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for method in args.methods:
         fixed = {}  # conc -> {K: tok/s}
@@ -80,13 +84,15 @@ def main(argv=None) -> int:
             fixed[c] = {k: tps for k, (tps, _) in got.items()}
         schedule = best_k_schedule(fixed)
         for c in args.concurrency:
-            got = interleaved({"plain": plain, "dyn": engine(method, k_max, c, schedule)},
+            got = interleaved({"plain": plain, "dyn": engine(method, k_max, c, schedule),
+                               "goodput": engine(method, k_max, c, policy="goodput")},
                               prompts[c], params, args.repeats)
             base = fixed[c][0]
             table.add_row(method, str(c), f"{base:.0f}",
                           *(f"{fixed[c][k] / base:.2f}" for k in args.ks),
-                          f"{got['dyn'][0] / got['plain'][0]:.2f}", f"{got['dyn'][1]:.2f}")
-        table.add_row("", "", "", *([""] * len(args.ks)), str(schedule), "")
+                          *(f"{v:.2f}" for name in ("dyn", "goodput")
+                            for v in (got[name][0] / got["plain"][0], got[name][1])))
+        table.add_row("", "", "", *([""] * len(args.ks)), str(schedule), "", "", "")
     Console().print(table)
     return 0
 

@@ -35,6 +35,7 @@ GRAPH_MODES = ("eager", "torchair", "full_cuda_graph")
 FULL_GRAPH_MODES = ("torchair", "full_cuda_graph")
 # Methods whose head reads the target's intermediate ("aux") hidden states.
 AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states")
+K_POLICIES = ("goodput",)  # num_speculative_tokens_policy values (specdec/engine/k_policy.py)
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class SpeculativeConfig:
     # (0 <= k <= num_speculative_tokens; 0 switches speculation off); a batch size in no
     # range drafts num_speculative_tokens. None: K every step
     num_speculative_tokens_per_batch_size: list | None = None
+    # "goodput": each step's K (at most the schedule's above) is the one the engine's measured
+    # acceptance and step times say emits the most tokens per second (engine/k_policy.py).
+    # None: the K above
+    num_speculative_tokens_policy: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -95,6 +100,7 @@ class SpeculativeConfig:
         self._check_prompt_lookup()
         self._check_suffix_keys()
         self._check_k_schedule()
+        self._check_k_policy()
         ids = self.aux_layer_ids_configured
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
@@ -177,6 +183,16 @@ class SpeculativeConfig:
                 raise ValueError(f"{name}: batch-size ranges {list(a)} and {list(b)} overlap")
         self.num_speculative_tokens_per_batch_size = entries
 
+    def _check_k_policy(self) -> None:
+        policy, name = self.num_speculative_tokens_policy, "num_speculative_tokens_policy"
+        if policy is None:
+            return
+        if policy not in K_POLICIES:
+            raise ValueError(f"{name}={policy!r}; allowed: {K_POLICIES} or None")
+        if self.method == "extract_hidden_states":
+            raise ValueError(f"{name}={policy!r} with method='extract_hidden_states' (it "
+                             "drafts nothing); allowed: None")
+
     def k_for_batch_size(self, batch_size: int) -> int:
         """The K of a step that runs ``batch_size`` requests (the schedule's, else K)."""
         for lo, hi, k in self.num_speculative_tokens_per_batch_size or ():
@@ -186,7 +202,9 @@ class SpeculativeConfig:
 
     @property
     def step_ks(self) -> tuple[int, ...]:
-        """Every K a step can run, ascending (one for a fixed K)."""
+        """Every K a step can run, ascending (one for a fixed K; 0..K under a policy)."""
+        if self.num_speculative_tokens_policy is not None:
+            return tuple(range(self.num_speculative_tokens + 1))
         return tuple(sorted({self.num_speculative_tokens, *(
             k for _, _, k in self.num_speculative_tokens_per_batch_size or ())}))
 

@@ -216,7 +216,7 @@ def test_the_sweep_gives_its_schedule_to_every_speculative_engine():
     engines, skipped = itl.build_engines(sweep, itl.expand(sweep))
     assert not skipped
     ngram = engines["ngram", True, 3].llm
-    assert ngram.scheduler.k_for_batch_size(2) == 1 and ngram.runner.step_ks == (1, 3)
+    assert ngram.scheduler.pick_k(2, True) == 1 and ngram.runner.step_ks == (1, 3)
     assert engines["none", True, 0].llm.spec is None
 
 

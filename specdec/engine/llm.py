@@ -16,6 +16,7 @@ from specdec.engine.dp_engine import generate_across_ranks, parallel_role
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
+from specdec.engine.k_policy import GoodputPolicy
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, check_tp_backend
@@ -142,7 +143,7 @@ class LLM:
         fill = self.padded and self.graph_backend not in SHAPE_FREE_BACKENDS
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_model_len, self.allocator, num_speculative_tokens=k,
-                                   fill_drafts=fill, k_for_batch_size=self._k_for_batch_size())
+                                   fill_drafts=fill, pick_k=self._pick_k(k))
         proposer, aux_ids = None, ()
         if self.spec is not None:
             proposer, aux_ids = build_proposer(
@@ -170,12 +171,20 @@ class LLM:
         if self.graph_backend == "compile_dynamic" and self.dp.size == 1:
             self.graph_warmup_seconds += self._warm_up_code_paths()
 
-    def _k_for_batch_size(self):
-        """The scheduler's batch size -> K map: the speculative config's K schedule, or None
-        (K every step)."""
-        if self.spec is None or not self.spec.num_speculative_tokens_per_batch_size:
+    def _pick_k(self, k: int):
+        """The scheduler's (batch size, decode-only step) -> K: the speculative config's K
+        schedule, under its policy (``self.k_policy``) if one is set; None: K every step."""
+        spec, self.k_policy = self.spec, None
+        if spec is None:
             return None
-        return self.spec.k_for_batch_size
+        if spec.num_speculative_tokens_policy == "goodput":
+            self._previous_k = k
+            policy = self.k_policy = GoodputPolicy(
+                k, lambda n: self.padder.dispatch(n).num_tokens)
+            return lambda n, decode_only: policy.pick(n, spec.k_for_batch_size(n), decode_only)
+        if spec.num_speculative_tokens_per_batch_size:
+            return lambda n, decode_only: spec.k_for_batch_size(n)
+        return None
 
     @property
     def startup(self) -> str | None:
@@ -355,6 +364,7 @@ class LLM:
         rows = (sampled if drafts is None else torch.cat([sampled, drafts], dim=1)).tolist()
         sampled, drafts = [r[:width] for r in rows], [r[width:] for r in rows]
         logprobs = self._logprobs(scheduled, sampled)
+        decoding = [not s.request.is_prefilling for s in scheduled]
         new_tokens = {}
         for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
             new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
@@ -362,6 +372,13 @@ class LLM:
                          self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
                          new_tokens, self.runner.last_step_captured, self._new_graphs(),
                          plan.num_spec_tokens)
+        if self.k_policy is not None and not self._warming_up:
+            self.k_policy.observe(len(scheduled), plan.num_spec_tokens,
+                                  rec.seconds if all(decoding) else None,
+                                  [len(valid_tokens(row)) - 1
+                                   for row, d in zip(sampled, decoding) if d],
+                                  min(self._previous_k, plan.num_spec_tokens))
+            self._previous_k = plan.num_spec_tokens  # the K of the next step's drafts
         self.steps.append(rec)
         return rec
 

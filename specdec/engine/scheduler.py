@@ -3,7 +3,7 @@
 Each step, running decode requests come first (1 + their drafts each; with ``fill_drafts``
 1 + K each, filler after fewer drafts, so the padded step keeps its uniform shape), then
 prefill chunks fill what is left of the budget. K is the step's (``step_k``): with a K
-schedule (``k_for_batch_size``) it follows the step's batch size, drafts past it are not
+schedule or policy (``pick_k``) it follows the step's batch size, drafts past it are not
 verified. A prefill chunk that stops short of the
 prompt's end makes a *discarded* request: its sampled token is junk, but the drafter still
 runs on it.
@@ -33,7 +33,7 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
-                 fill_drafts: bool = False, on_finish=None, k_for_batch_size=None):
+                 fill_drafts: bool = False, on_finish=None, pick_k=None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -41,8 +41,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
         self.fill_drafts = fill_drafts  # a decode with < K drafts still feeds 1 + K tokens
         self.on_finish = on_finish  # called with each running request that ends, any reason
-        # batch size -> the step's K (None: num_speculative_tokens every step)
-        self.k_for_batch_size = k_for_batch_size
+        # (batch size, decode-only step) -> the step's K (None: num_speculative_tokens
+        # every step)
+        self.pick_k = pick_k
         self.step_k = num_speculative_tokens  # the last schedule()'s K
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,11 +105,13 @@ class Scheduler:
 
     def _step_k(self) -> int:
         """The step's K from its batch size: the running requests and the waiting ones that
-        free rows admit (what the step runs unless the token budget stops admission first)."""
-        if self.k_for_batch_size is None:
+        free rows admit (what the step runs unless the token budget stops admission first);
+        decode-only: no request of it prefills."""
+        if self.pick_k is None:
             return self.num_speculative_tokens
-        return self.k_for_batch_size(
-            len(self.running) + min(len(self.waiting), len(self.free_rows)))
+        admitted = min(len(self.waiting), len(self.free_rows))
+        decode_only = not admitted and not any(r.is_prefilling for r in self.running)
+        return self.pick_k(len(self.running) + admitted, decode_only)
 
     def _reserve(self, req: Request, num_tokens: int) -> None:
         end = req.num_computed_tokens + num_tokens + self.num_speculative_tokens
