@@ -128,6 +128,45 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
                      num_computed, table, rows, target_ids, block_table)
 
 
+# ---- pytest-xdist (setup.cfg: -n 2 --dist loadfile): a test file is one unit of work, on one
+# worker (its module fixtures are built once), except the tests below, units of their own sent
+# first: test_graphs.py's compile tests, each minutes of dynamo tracing -- they run beside the
+# rest of the suite instead of after it. One unit per engine its tests share (the module's
+# ``warmed`` fixture builds an engine in each worker that asks for it). -n 0: one process.
+SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
+    f"tests/test_graphs.py::{test}": f"tests/test_graphs.py@{unit}" for test, unit in (
+        ("test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager[eagle3]", "eagle3"),
+        ("test_compile_dynamic_compiles_nothing_after_start_up[eagle3]", "eagle3"),
+        ("test_served_graphs_after_start_up_are_counted_in_metrics[compile_dynamic]", "eagle3"),
+        ("test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model", "inductor"),
+        ("test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager[None]", "plain"),
+        ("test_compile_dynamic_compiles_nothing_after_start_up[None]", "plain"),
+    )}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SCHEDULED_FIRST's units; the units go out in collection order."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SCHEDULED_FIRST.get(nodeid) or super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False  # not largest unit (most tests) first
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """An xdist worker's collection (the order the units are sent in): SCHEDULED_FIRST's tests
+    first, in its order. Outside xdist nothing changes."""
+    if hasattr(config, "workerinput"):
+        first = {nodeid: i for i, nodeid in enumerate(SCHEDULED_FIRST)}
+        items.sort(key=lambda item: first.get(item.nodeid, len(first)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread_for_the_suite():
     """The suite runs with one torch intra-op thread: its models are tiny, and on 2 cores a

@@ -4,6 +4,7 @@ target over the same tokens (no KV cache, no engine), for plain decoding, EAGLE-
 (padded and ragged), greedy and sampled; and a stop string under speculation."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,16 @@ def finished(url: str, reason: str) -> float:
     """The server's specdec:request_success_total for one finish reason."""
     key = "specdec:request_success_total" + json.dumps({"finished_reason": reason})
     return metrics(url).get(key, 0.0)
+
+
+def finished_by(url: str, reason: str, want: float, timeout_s: float = 30.0) -> float:
+    """``finished`` once it reaches ``want`` (or after ``timeout_s``): a request that a stop
+    string ended has its stream end at once, and the engine counts it as it frees it, before
+    its next step -- a read right after the response can come first on a busy box."""
+    deadline = time.monotonic() + timeout_s
+    while (got := finished(url, reason)) < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
 
 NAME = "specdec-logprobs"
 TOL = 1e-5
@@ -281,7 +292,7 @@ def test_a_stop_string_under_eagle3_ends_the_tokens_too(eagle3):
             "include_usage": True}})
         assert sum((c["token_ids"] for e in events for c in e["choices"]), []) == plain[:want]
         assert events[-1]["usage"]["completion_tokens"] == want
-        assert finished(s.url, "stop") == stops + 2
+        assert finished_by(s.url, "stop", stops + 2) == stops + 2
 
 
 def test_tokenizer_info(eagle3):
