@@ -109,6 +109,10 @@ class KVCache:
         self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
                                     or s.logit_softcap is not None or s.sinks for s in paged)
                                 and not platform.unverified_gpu_paths())
+        # the rotary + cache write kernel (kernels.triton_rope.rope_write_kv): where Triton
+        # runs, once it has run on a GPU (until then platform.unverified_gpu_paths())
+        self.fused_rope_write = (bool(paged) and platform.triton_available(self.k[0].device)
+                                 and platform.unverified_gpu_paths())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -178,6 +182,32 @@ class PagedKV:
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
+        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
+                     else kernels.paged_attention)
+        return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
+                         scale=spec.scale, softcap=spec.logit_softcap, sinks=sinks)
+
+    def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, num_q_heads: int, rope,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``attend`` from one projection's q, k and v heads, qkv [N, Hq + 2 Hkv, D], before
+        rotary (``rope``: a ``layers.rotary.Rope``): rotary and the K/V write in one kernel
+        (``kernels.rope_write_kv``) where the cache allows it (``fused_rope_write``; full,
+        neox-layout rotary), else ``rope.apply`` then ``attend``."""
+        hkv = (qkv.shape[1] - num_q_heads) // 2
+        if not (self.cache.fused_rope_write and not rope.interleaved
+                and rope.cos.shape[-1] == qkv.shape[-1]):
+            qk = rope.apply(qkv[:, :num_q_heads + hkv])
+            return self.attend(layer_idx, qk[:, :num_q_heads], qk[:, num_q_heads:],
+                               qkv[:, num_q_heads + hkv:], sinks)
+        spec = self.cache.specs[layer_idx]
+        if spec.sinks != (sinks is not None):
+            raise ValueError(f"layer {layer_idx}: its KVCacheSpec has sinks={spec.sinks} but "
+                             f"attend got {'no' if sinks is None else 'a'} sinks tensor")
+        self._plan_once(qkv.shape[0])
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        from specdec.kernels.triton_rope import rope_write_kv  # where Triton runs only
+        q = rope_write_kv(qkv, rope.cos, rope.sin, self._write_slots, k_cache, v_cache,
+                          num_q_heads)
         attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
                      else kernels.paged_attention)
         return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,

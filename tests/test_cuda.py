@@ -163,3 +163,31 @@ def test_k_per_step_captured_equals_eager(method):
     assert run_arrivals(llm) == eager
     assert all(s.captured for s in llm.steps if s.num_reqs)
     assert {s.num_spec_tokens for s in llm.steps if s.num_reqs} >= {0, 1, 3}
+
+
+def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
+    """The rotary + K/V write kernel (opt-in until this runs: SPECDEC_UNVERIFIED_GPU_PATHS=1)
+    against the torch formula in bf16 on the GPU, then in the engine: the same greedy tokens
+    and acceptance as the CPU's torch path, captured."""
+    from specdec.kernels import rope_torch
+    from specdec.kernels.triton_rope import rope_write_kv
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(64, 48, 128, device="cuda", generator=g).bfloat16()
+    cos, sin = (torch.randn(64, 1, 128, device="cuda", generator=g).bfloat16()
+                for _ in range(2))
+    slots = torch.randperm(200, device="cuda", generator=g)[:64]
+    k, v = (torch.zeros(201, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_ref, v_ref = (torch.zeros(201, 8, 128, device="cuda") for _ in range(2))
+    q = rope_write_kv(qkv, cos, sin, slots, k, v, 32)
+    q_ref = rope_torch.rope_write_kv(qkv.float(), cos.float(), sin.float(), slots, k_ref,
+                                     v_ref, 32)
+    for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
+        torch.testing.assert_close(got, want.bfloat16())
+    monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
+    cuda, cuda_acc, llm = generate("eagle3", "cuda_graph")
+    assert llm.runner.kv.fused_rope_write and llm.runner.proposer.kv.fused_rope_write
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
+        PROMPTS, max_tokens=48)
+    assert cuda == [o.token_ids for o in outs]
+    assert cuda_acc == [o.num_accepted for o in outs]

@@ -73,3 +73,45 @@ def test_formula_is_hf_rotate_half():
     hf = x * ang.cos() + torch.cat((-x[..., 8:], x[..., :8]), -1) * ang.sin()
     rope = RotaryEmbedding.default(16, 1e4).tables(pos, torch.float64)
     torch.testing.assert_close(rope.apply(x), hf, rtol=1e-6, atol=1e-6)  # float32 angles
+
+
+@settings(max_examples=30)
+@given(n=st.integers(0, 5), hq=st.integers(1, 4), hkv=st.integers(1, 2),
+       d=st.sampled_from([2, 8, 16]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_fused_rope_and_cache_write_equals_rope_then_index_copy(n, hq, hkv, d, dtype, seed):
+    """The attention layer's rotary + K/V cache write as one kernel: the same rotated q, the
+    same cache rows written (rotated k, v as given), every other row untouched."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, hq + 2 * hkv, d, generator=g).to(dtype)
+    cos, sin = (torch.randn(n, 1, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(2 * n + 1, generator=g)[:n]
+    cache = [torch.randn(2 * n + 1, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    got_k, got_v = (c.clone() for c in cache)
+    q = ROPE.rope_write_kv(qkv, cos, sin, slots, got_k, got_v, hq)
+    exact = dtype != torch.bfloat16  # bf16: the kernel works in float32 and rounds once
+    want_k, want_v = (c.clone() if exact else c.float() for c in cache)
+    args = (qkv, cos, sin) if exact else (qkv.float(), cos.float(), sin.float())
+    want_q = rope_torch.rope_write_kv(*args, slots, want_k, want_v, hq)
+    tol = {torch.float32: 1e-6, torch.float64: 1e-14, torch.bfloat16: None}[dtype]
+    for got, want in ((q, want_q), (got_k, want_k), (got_v, want_v)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want.to(dtype), rtol=tol, atol=tol)
+    untouched = torch.ones(2 * n + 1, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(got_k[untouched], cache[0][untouched])
+    assert torch.equal(got_v[untouched], cache[1][untouched])
+
+
+def test_fused_rope_and_cache_write_compiles_for_an_h100():
+    """bf16, Llama-3-8B's head layout (32 q heads, 8 KV heads, D 128), a 64-token step."""
+    qkv = torch.randn(64, 48, 128, dtype=torch.bfloat16)
+    cos, sin = (torch.randn(64, 1, 128, dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(257, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(64)
+    [(args, kwargs)] = launch_args(
+        ROPE._rope_write_kv_kernel,
+        lambda _: ROPE.rope_write_kv(qkv, cos, sin, slots, k_cache, v_cache, 32), [None])
+    assert (kwargs["HQ"], kwargs["HKV"], kwargs["HEAD_DIM"]) == (32, 8, 128)
+    assert compile_for_cuda(ROPE._rope_write_kv_kernel, args, kwargs).asm["cubin"]

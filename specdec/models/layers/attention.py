@@ -72,6 +72,12 @@ class Attention(nn.Module):
         hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)  # tensor parallel with SP: x holds N/T tokens, qkv all N
         lead = qkv.shape[:-1]
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        if self.qk_norm is None and kv is not None and hasattr(kv, "attend_qkv"):
+            # the paged cache: rotary and the K/V write in one kernel where it can
+            out = kv.attend_qkv(self.layer_idx, qkv.view(*lead, hq + 2 * hkv, d), hq, rope,
+                                **sinks)
+            return self.o_proj(out.reshape(*lead, hq * d))
         if self.qk_norm is None:  # one rotary pass over q and k together
             qkv = qkv.view(*lead, hq + 2 * hkv, d)
             qk = rope.apply(qkv[..., :hq + hkv, :])
@@ -85,7 +91,6 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.apply(q), rope.apply(k)
         if kv is not None:
-            sinks = {} if self.sinks is None else {"sinks": self.sinks}
             out = kv.attend(self.layer_idx, q, k, v, **sinks)
         else:
             out = self.dense(q, k, v)
