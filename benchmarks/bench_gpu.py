@@ -16,6 +16,10 @@ draft is accepted (the best case of speculation at the real cost per step). Samp
 (``--temperature``, top-p 0.9) run the padded configs of the capturing backends (captured
 like greedy ones: graph calls/step says so). ``--device cpu --backends eager replay --models
 llama-tiny`` runs the same code on a CPU (a smoke run: CPU times say nothing about a GPU).
+A backend named ``B+async`` (e.g. ``cuda_graph+async``) runs B with async scheduling (the
+next decode launched before the host reads the step); its steps overlap, so its ms/step and
+tokens/s come from the wall time of the whole timed run (``wall_tokens_per_s``, reported for
+every row) instead of the steps' own times.
 """
 
 import argparse
@@ -50,7 +54,7 @@ def configs(backends: list[str], temperature: float) -> list[tuple[str, bool, st
     for method in ("none", "eagle3", "mtp"):
         for backend in backends:
             out.append((method, True, backend, 0.0))
-            if backend in CAPTURING and temperature > 0:
+            if backend.partition("+")[0] in CAPTURING and temperature > 0:
                 out.append((method, True, backend, temperature))
             if method != "none" and backend == "eager":
                 out.append((method, False, backend, 0.0))
@@ -75,13 +79,16 @@ def over_plain(rows: list[dict]) -> None:
 
 def build(model: str, method: str, padded: bool, backend: str, conc: int, device, k: int,
           dtype: torch.dtype):
+    """The engine of one config (``backend``: a graph backend, + "+async" for async
+    scheduling)."""
+    backend, _, overlap = backend.partition("+")
     spec = None
     if method != "none":
         spec = {"method": method, "num_speculative_tokens": k,
                 "disable_padded_drafter_batch": not padded}
     kw = dict(device=str(device), dtype=dtype, max_num_seqs=conc, max_model_len=256,
               max_num_batched_tokens=max(256, conc * (k + 1)), graph_backend=backend,
-              check_host_syncs=False)
+              check_host_syncs=False, async_scheduling=overlap == "async")
     if model == "embedded":
         return LLM(speculative_config=spec, **kw)
     target, heads = build_synthetic(model, dtype=dtype, device=device, init="zeros",
@@ -110,13 +117,22 @@ def measure(llm: LLM, conc: int, output_len: int, vocab: int, temperature: float
     for _ in range(2):  # warm-up: captures every bucket the run hits, compiles, allocates
         llm.generate(prompts, params)
     first, calls = len(llm.steps), graph_calls(llm)
-    llm.generate(prompts, params)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
     decode = [s for s in llm.steps[first + 1:] if s.num_reqs == conc]
     secs = [s.seconds for s in decode]
     tokens = sum(sum(s.new_tokens.values()) for s in decode)
-    return dict(ms_per_step=1e3 * statistics.median(secs), steps=len(secs),
-                tokens_per_s=tokens / sum(secs), tokens_per_step=tokens / len(secs) / conc,
-                graph_calls_per_step=(graph_calls(llm) - calls) / (len(llm.steps) - first))
+    steps = len(llm.steps) - first
+    wall_tokens_per_s = sum(len(o.token_ids) for o in outs) / wall
+    r = dict(ms_per_step=1e3 * statistics.median(secs), steps=len(secs),
+             tokens_per_s=tokens / sum(secs), tokens_per_step=tokens / len(secs) / conc,
+             graph_calls_per_step=(graph_calls(llm) - calls) / steps,
+             wall_tokens_per_s=wall_tokens_per_s)
+    if llm.async_scheduling:  # steps overlap: their own times double count
+        r.update(ms_per_step=1e3 * wall / steps, tokens_per_s=wall_tokens_per_s,
+                 overlapped_share=sum(s.overlapped for s in llm.steps[first:]) / steps)
+    return r
 
 
 def poisson_share(llm: LLM, rate: float, num: int, output_len: int, vocab: int) -> dict:
@@ -205,7 +221,8 @@ def main(argv=None) -> int:
                     help="none (plain), eagle3, mtp")
     ap.add_argument("--backends", nargs="+", default=["eager", "cuda_graph"],
                     help="eager, cuda_graph, compile (torch.compile per bucket, no graph), "
-                         "replay (the capture logic without a graph: CPU smoke runs)")
+                         "replay (the capture logic without a graph: CPU smoke runs); "
+                         "+async after one (cuda_graph+async): with async scheduling")
     ap.add_argument("--temperature", type=float, default=0.7,
                     help="sampled rows (top-p 0.9) beside the greedy ones; 0: greedy only")
     ap.add_argument("--request-rate", type=float, default=20.0,
@@ -256,19 +273,21 @@ def main(argv=None) -> int:
                         + (f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth
                            else "no weight-read limit off CUDA"))
     for col in ("model", "method", "mode", "backend", "T", "conc", "ms/step", "tok/s",
-                "x plain", "tok/step/req", "graph calls/step", "weight-read ms"):
+                "x plain", "tok/step/req", "graph calls/step", "weight-read ms",
+                "wall tok/s"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
             table.add_row(r["model"], r["method"], "", r["backend"], str(r["temperature"]),
-                          str(r["concurrency"]), r["error"][:60], "", "", "", "", "")
+                          str(r["concurrency"]), r["error"][:60], "", "", "", "", "", "")
             continue
         table.add_row(r["model"], r["method"], "padded" if r["padded"] else "ragged",
                       r["backend"], str(r["temperature"]), str(r["concurrency"]),
                       f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.0f}",
                       f"{r['over_plain']:.2f}" if r.get("over_plain") else "-",
                       f"{r['tokens_per_step']:.2f}", f"{r['graph_calls_per_step']:.2f}",
-                      f"{r['weight_read_ms']:.3f}" if r["weight_read_ms"] else "-")
+                      f"{r['weight_read_ms']:.3f}" if r["weight_read_ms"] else "-",
+                      f"{r['wall_tokens_per_s']:.0f}")
     out = Console(width=max(Console().width, 150))  # every column readable in a log file
     out.print(table)
     figures = goals(rows, shares)

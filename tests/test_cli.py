@@ -112,6 +112,7 @@ def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsy
     (["--max-tokens", "0"], "--max-tokens=0"),
     (["--temperature", "-1"], "--temperature=-1"),
     (["--dp", "0"], "--dp=0"),
+    (["--method", "ngram", "--async-scheduling"], "async_scheduling=True with method='ngram'"),
 ])
 def test_bad_config_is_one_line_exit_2(model, capsys, argv, match):
     code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT, *argv)
@@ -188,6 +189,20 @@ def test_device_dtype_and_graph_backend_flags_reach_the_engine(model, capsys):
     text = LLM(str(model), speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
                dtype="float64").generate(PROMPT, max_tokens=10)[0].text
     assert eager.startswith(PROMPT + text)
+
+
+def test_async_scheduling_flag_reaches_the_engine_and_keeps_the_text(model, capsys):
+    """--async-scheduling: the same text as without."""
+    argv = ["generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "12",
+            "--method", "eagle3", "-k", "2", "--graph-backend", "replay"]
+    code, sync, _ = run(capsys, *argv)
+    code2, overlapped, _ = run(capsys, *argv, "--async-scheduling")
+    assert code == code2 == 0 and sync.split("\n\n")[0] == overlapped.split("\n\n")[0]
+    from specdec.commands.cli import build_parser
+    from specdec.commands.flags import engine_kwargs
+    for command in (["generate", "--prompt", PROMPT], ["serve"]):
+        args = build_parser().parse_args([*command, "--async-scheduling"])
+        assert engine_kwargs(args)["async_scheduling"] is True
 
 
 def test_the_commands_leave_the_backend_to_the_devices_default(monkeypatch):

@@ -191,3 +191,15 @@ def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
         PROMPTS, max_tokens=48)
     assert cuda == [o.token_ids for o in outs]
     assert cuda_acc == [o.num_accepted for o in outs]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_async_scheduling_equals_sync_on_cuda(method):
+    """The next decode launched before the host read (pinned copy + event, then the device-side
+    inputs): the synchronous tokens and acceptance, no host sync inside the steps."""
+    sync, sync_acc, _ = generate(method, "cuda_graph")
+    got, got_acc, llm = generate(method, "cuda_graph", async_scheduling=True,
+                                 check_host_syncs=True)
+    assert got == sync and got_acc == sync_acc
+    assert any(s.overlapped for s in llm.steps)
+    assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}

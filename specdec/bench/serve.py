@@ -361,6 +361,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the launched server's step wrapper (default: its default, cuda_graph on "
                         "CUDA, else eager); "
                         "replay counts the steps a CUDA graph would capture, on CPU")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="the launched server launches each decode step before reading the "
+                        "one before (as specdec serve --async-scheduling; default: off)")
 
 
 def options(args) -> dict:
@@ -408,6 +411,8 @@ def run_from_args(args) -> int:
                 serve_args += ["--model", args.model]
             if args.graph_backend:
                 serve_args += ["--graph-backend", args.graph_backend]
+            if args.async_scheduling:
+                serve_args += ["--async-scheduling"]
             proc, base_url = launch(serve_args)
         else:
             base_url = args.base_url.rstrip("/")

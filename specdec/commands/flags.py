@@ -144,12 +144,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-backend", default=None, choices=BACKENDS,
                    help="step wrapper of captured steps (default: the speculative config's "
                         "graph_mode, else cuda_graph on CUDA and eager elsewhere)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the host has read the one before "
+                        "(padded heads, draft models or none; one rank; default: off)")
 
 
 def engine_kwargs(args) -> dict:
     """LLM keyword arguments from add_engine_arguments' flags."""
     return dict(device=args.device or default_device(), dtype=args.dtype,
-                graph_backend=args.graph_backend)
+                graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
 
 
 def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):

@@ -2,6 +2,7 @@
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +20,8 @@ from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
 from specdec.engine.k_policy import GoodputPolicy
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
-from specdec.engine.runner import ModelRunner, check_tp_backend
-from specdec.engine.scheduler import Scheduler
+from specdec.engine.runner import ModelRunner, StepBatch, check_tp_backend
+from specdec.engine.scheduler import ScheduledRequest, Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.graphs import SHAPE_FREE_BACKENDS, resolve_backend
 from specdec.models.heads import SharedWeights
@@ -64,7 +65,7 @@ class LLM:
                  tp: TPContext | None = None,
                  target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str = "inductor",
-                 check_host_syncs: bool | None = None):
+                 check_host_syncs: bool | None = None, async_scheduling: bool = False):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
         dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``)."""
@@ -114,6 +115,10 @@ class LLM:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
         self.padded = self.spec is None or self.spec.is_padded
+        self.async_scheduling = check_bool("async_scheduling", async_scheduling)
+        if self.async_scheduling:
+            self._check_async(tensor_parallel_size, dp_size)
+        self._in_flight: Launched | None = None  # async: a step launched, not yet read
         self.steps: list[StepRecord] = []
         self._warming_up = False  # throwaway requests run (extract_hidden_states writes no file)
         self._next_id = 0
@@ -123,6 +128,22 @@ class LLM:
             check_tp_backend(TPContext(0, tensor_parallel_size), self.graph_backend)
             return
         self._build_engine(head, model, k, compile_backend)
+
+    def _check_async(self, tensor_parallel_size: int, dp_size: int) -> None:
+        """async_scheduling overlaps a single rank's padded steps: refuse what it cannot."""
+        for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                           ("data_parallel_size", dp_size)):
+            if size > 1:
+                raise ValueError(f"async_scheduling=True with {name}={size}: not supported yet;"
+                                 " allowed: 1")
+        spec = self.spec
+        if spec is not None and (spec.drafts_on_host or not spec.is_padded
+                                 or spec.method == "extract_hidden_states"):
+            what = ("disable_padded_drafter_batch=True" if not spec.is_padded
+                    else f"method={spec.method!r}")
+            raise ValueError(f"async_scheduling=True with {what}: the next step's inputs must "
+                             "come from the device (a padded head or draft model); allowed: "
+                             "methods mtp, eagle, eagle3, draft_model, padded, or none")
 
     def _build_engine(self, head, model: Path | None, k: int, compile_backend: str) -> None:
         """This rank's scheduler, proposer and runner over the checked target and head, sized
@@ -143,7 +164,8 @@ class LLM:
         fill = self.padded and self.graph_backend not in SHAPE_FREE_BACKENDS
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_model_len, self.allocator, num_speculative_tokens=k,
-                                   fill_drafts=fill, pick_k=self._pick_k(k))
+                                   fill_drafts=fill, pick_k=self._pick_k(k),
+                                   reserve_ahead=1 + k if self.async_scheduling else 0)
         proposer, aux_ids = None, ()
         if self.spec is not None:
             proposer, aux_ids = build_proposer(
@@ -291,6 +313,10 @@ class LLM:
             raise ValueError(f"reason={reason!r}: allowed 'abort', 'stop'")
         return self.scheduler.abort_by_id(request_id, reason) is not None
 
+    def has_unfinished(self) -> bool:
+        """Requests waiting or running, or (async scheduling) a step not yet read."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
     def _check_single_rank(self, name: str) -> None:
         if self.launcher:
             sizes = ", ".join(f"{k}={v}" for k, v in (
@@ -324,13 +350,25 @@ class LLM:
         try:
             return self._step()
         except BaseException as e:
-            for s in self.scheduler.scheduled:
+            in_flight, self._in_flight = self._in_flight, None
+            for s in self.scheduler.scheduled + (in_flight.scheduled if in_flight else []):
                 if s.request.status != Status.FINISHED:
                     s.request.error = f"{type(e).__name__}: {e}"
                     self.scheduler.abort(s.request, "error")
             raise
 
     def _step(self) -> StepRecord | None:
+        """Launch a step (or take the one in flight), with async scheduling launch the next
+        decode behind it when it can (``_continue``), then read and apply it."""
+        launched, self._in_flight = self._in_flight or self._launch(), None
+        if not isinstance(launched, Launched):  # no work, or an idle DP rank's step
+            return launched
+        if self.async_scheduling and self._can_continue(launched):
+            self._in_flight = self._continue(launched)
+        return self._complete(launched)
+
+    def _launch(self) -> "Launched | StepRecord | None":
+        """Schedule, plan and launch one step (device work queued, nothing read back)."""
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
         for s in scheduled:
@@ -353,13 +391,73 @@ class LLM:
             return rec
         batch = self.runner.prepare(scheduled, plan)
         self.runner.send_step(batch)  # the one TP broadcast of the step's host inputs
+        return self._execute(Launched(scheduled, batch, start, ncoll))
+
+    def _execute(self, launched: "Launched") -> "Launched":
         syncs = None
         if self.check_host_syncs:  # proof machinery, only when asked (tests, a flag)
             with (forbid_host_sync() if self.padded else count_host_syncs()) as counter:
-                sampled, drafts = self.runner.execute(batch)
+                launched.sampled, launched.drafts = self.runner.execute(launched.batch)
             syncs = 0 if self.padded else counter.count
         else:
-            sampled, drafts = self.runner.execute(batch)
+            launched.sampled, launched.drafts = self.runner.execute(launched.batch)
+        launched.host_syncs, launched.draft_seconds = syncs, self.runner.last_draft_seconds
+        return launched
+
+    def _can_continue(self, launched: "Launched") -> bool:
+        """Whether the step after ``launched`` is known before its results: a uniform decode
+        of every running request again (no waiting request a free row would admit, the same
+        K, no log-probabilities asked, room for one more decode in max_model_len)."""
+        sch, plan = self.scheduler, launched.batch.plan
+        k = plan.num_spec_tokens
+        uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) + s.num_filler
+                      for s in launched.scheduled)
+        if (not uniform or self._warming_up or len(launched.scheduled) != len(sch.running)
+                or (sch.waiting and sch.free_rows)):
+            return False
+        if sch.pick_k is not None and sch.pick_k(len(sch.running), True) != k:
+            return False
+        limit = self.max_model_len - (2 * (1 + k) + k)
+        reqs = [s.request for s in launched.scheduled]
+        return (all(r.num_computed_tokens <= limit and r.params.logprobs is None
+                    and r.params.prompt_logprobs is None for r in reqs)
+                # one request at least still runs after this step, whatever it accepts
+                and any(len(r.output_token_ids) + 1 + k < r.params.max_tokens for r in reqs))
+
+    def _continue(self, launched: "Launched") -> "Launched":
+        """Launch the decode after ``launched`` from its device outputs; its host work then
+        runs while this one executes. Its outputs are copied to the host first (a captured
+        step's are overwritten by the next replay): on CUDA into pinned memory behind an
+        event, which the host read then waits for alone (not for the step after)."""
+        cuda = self.device.type == "cuda"
+        outputs = [launched.sampled, launched.drafts]
+        launched.sampled, launched.drafts = (
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(
+                t, non_blocking=cuda) for t in outputs)
+        if cuda:
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        k = launched.batch.plan.num_spec_tokens
+        grown = []  # KV blocks up to this step's end + one more decode (the host lags one)
+        for i, s in enumerate(launched.scheduled):
+            blocks = s.request.block_ids
+            have = len(blocks)
+            self.scheduler.reserve(s.request, 1 + k)
+            grown.append((i, have, blocks[have:]))
+        self.runner.extend_block_tables(grown)
+        batch = self.runner.advance_decode(launched.batch, *outputs)
+        scheduled = [ScheduledRequest(s.request, 1 + k, [0] * k) for s in launched.scheduled]
+        nxt = Launched(scheduled, batch, time.perf_counter(), len(self.dp.collectives),
+                       overlapped=True)
+        return self._execute(nxt)
+
+    def _complete(self, launched: "Launched") -> StepRecord:
+        """The step's one host read, then its results applied to each request."""
+        scheduled, plan = launched.scheduled, launched.batch.plan
+        self.scheduler.scheduled = scheduled
+        sampled, drafts = launched.sampled, launched.drafts
+        if launched.copied is not None:  # async on CUDA: its outputs' copy to the host
+            launched.copied.synchronize()
         width = sampled.shape[1]  # the step's one host read (after the drafter was launched)
         rows = (sampled if drafts is None else torch.cat([sampled, drafts], dim=1)).tolist()
         sampled, drafts = [r[:width] for r in rows], [r[width:] for r in rows]
@@ -367,11 +465,17 @@ class LLM:
         decoding = [not s.request.is_prefilling for s in scheduled]
         new_tokens = {}
         for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
+            if s.request.status == Status.FINISHED:  # async: it ended at the step before
+                continue
             new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
-        rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - start,
-                         self.runner.last_draft_seconds, syncs, len(self.dp.collectives) - ncoll,
-                         new_tokens, self.runner.last_step_captured, self._new_graphs(),
-                         plan.num_spec_tokens)
+        if self._in_flight is not None:  # the next step verifies the drafts just read
+            for s in self._in_flight.scheduled:
+                s.spec_token_ids = list(s.request.spec_token_ids)
+        rec = StepRecord(len(scheduled), plan.num_tokens, time.perf_counter() - launched.start,
+                         launched.draft_seconds, launched.host_syncs,
+                         len(self.dp.collectives) - launched.ncoll, new_tokens,
+                         plan.capturable, self._new_graphs(), plan.num_spec_tokens,
+                         launched.overlapped)
         if self.k_policy is not None and not self._warming_up:
             self.k_policy.observe(len(scheduled), plan.num_spec_tokens,
                                   rec.seconds if all(decoding) else None,
@@ -545,6 +649,22 @@ class LLM:
             return list(sampling_params)
         raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
                         "of them (one per prompt), or None")
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step whose device work is queued and whose results are not read yet."""
+
+    scheduled: list[ScheduledRequest]
+    batch: StepBatch
+    start: float  # perf_counter when its host work began
+    ncoll: int  # DP collectives before it
+    overlapped: bool = False  # launched before the previous step's results were read
+    sampled: torch.Tensor | None = None  # [B, 1 + K] int32 (device)
+    drafts: torch.Tensor | None = None  # [B, K] int32 (device) or None
+    host_syncs: int | None = None
+    draft_seconds: float = 0.0
+    copied: "torch.cuda.Event | None" = None  # async on CUDA: recorded after the host copy
 
 
 def valid_tokens(sampled: list[int]) -> list[int]:

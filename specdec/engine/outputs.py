@@ -55,3 +55,6 @@ class StepRecord:
     # step (after start-up each one stalled the step); only graphs that made one
     new_graphs: dict[str, int] = field(default_factory=dict)
     num_spec_tokens: int = 0  # the step's K (with a K schedule, its batch size's)
+    # async scheduling: launched before the previous step's results were read (its host
+    # work ran while that step executed)
+    overlapped: bool = False

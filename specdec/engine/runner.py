@@ -234,6 +234,43 @@ class ModelRunner:
                          sampling_variant([s.request.params for s in scheduled]), rows,
                          self.graph_num_rows(plan))
 
+    def extend_block_tables(self, grown: list[tuple[int, int, list[int]]]) -> None:
+        """Blocks requests gained after their step was prepared, (batch index, first new
+        column, block ids) each, into the device block table: one small copy, no host wait."""
+        entries = [(i, col + j, block) for i, col, blocks in grown
+                   for j, block in enumerate(blocks)]
+        if not entries:
+            return
+        t = torch.tensor(entries, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        t = t.to(self.device, non_blocking=True)
+        self.buffers.device["block_table"][t[:, 0], t[:, 1]] = t[:, 2].to(torch.int32)
+
+    def advance_decode(self, batch: StepBatch, sampled: torch.Tensor,
+                       drafts: torch.Tensor | None) -> StepBatch:
+        """The next step of a uniform decode whose results the host has not read (async
+        scheduling): the same requests, each feeding its last accepted token (``sampled``
+        [B, 1 + K] int32, -1 past its accepted ones) and the K ``drafts`` [B, K] the
+        drafter made for it, written into the step buffers on the device (no host read).
+        Positions move on by each request's 1 + accepted; the host bounds by the most
+        (1 + K)."""
+        x, plan = batch.inputs, batch.plan
+        b, k, bs = plan.num_reqs, plan.num_spec_tokens, self.block_size
+        n = b * (1 + k)
+        valid = (sampled >= 0).sum(dim=1)  # 1 + accepted
+        known = sampled.gather(1, (valid - 1)[:, None].long())
+        start = x.positions[:n].view(b, 1 + k)[:, 0] + valid
+        pos = start[:, None] + torch.arange(1 + k, device=start.device)
+        ids = known if drafts is None else torch.cat([known, drafts], dim=1)
+        x.input_ids[:n].copy_(ids.flatten())
+        x.positions[:n].copy_(pos.flatten())
+        blocks = x.block_table[:b].gather(1, (pos // bs).to(torch.int64))
+        x.slot_mapping[:n].copy_((blocks * bs + pos % bs).flatten())
+        x.seq_lens[:b].copy_(start + 1 + k)
+        if drafts is not None:
+            x.draft_token_ids[:b, :k].copy_(drafts)
+            x.num_draft_tokens[:b].fill_(k)
+        return replace(batch, max_seq_len=min(batch.max_seq_len + 1 + k, self.max_model_len))
+
     def graph_query_len(self, plan: StepPlan) -> int:
         """A captured step's bound on tokens per request: 1 + the step's K (uniform decode)
         or Np."""

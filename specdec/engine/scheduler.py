@@ -33,7 +33,8 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
-                 fill_drafts: bool = False, on_finish=None, pick_k=None):
+                 fill_drafts: bool = False, on_finish=None, pick_k=None,
+                 reserve_ahead: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -44,6 +45,9 @@ class Scheduler:
         # (batch size, decode-only step) -> the step's K (None: num_speculative_tokens
         # every step)
         self.pick_k = pick_k
+        # KV slots reserved past a step's tokens and its drafts: async scheduling runs one
+        # more decode (1 + K tokens) before the host reads the step
+        self.reserve_ahead = reserve_ahead
         self.step_k = num_speculative_tokens  # the last schedule()'s K
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -76,7 +80,7 @@ class Scheduler:
                     filler = k - len(spec)
                 n = 1 + len(spec) + filler
             scheduled.append(ScheduledRequest(req, n, spec, filler))
-            self._reserve(req, n)
+            self.reserve(req, n)
             budget -= n
         while self.waiting and budget > 0 and self.free_rows:
             req = self.waiting.popleft()
@@ -85,7 +89,7 @@ class Scheduler:
             self.running.append(req)
             n = min(req.num_tokens, budget)
             scheduled.append(ScheduledRequest(req, n, []))
-            self._reserve(req, n)
+            self.reserve(req, n)
             budget -= n
         return scheduled
 
@@ -113,8 +117,11 @@ class Scheduler:
         decode_only = not admitted and not any(r.is_prefilling for r in self.running)
         return self.pick_k(len(self.running) + admitted, decode_only)
 
-    def _reserve(self, req: Request, num_tokens: int) -> None:
-        end = req.num_computed_tokens + num_tokens + self.num_speculative_tokens
+    def reserve(self, req: Request, num_tokens: int) -> None:
+        """KV blocks for ``num_tokens`` more fed tokens, the drafts after them and
+        ``reserve_ahead`` (capped at max_model_len)."""
+        end = (req.num_computed_tokens + num_tokens + self.num_speculative_tokens
+               + self.reserve_ahead)
         self.allocator.ensure(req.block_ids, min(end, self.max_model_len))
 
     def abort(self, req: Request, reason: str) -> None:

@@ -99,7 +99,7 @@ class EngineCore:
         return RequestUpdate(request_id, [], reason, stats=FinishStats.of(req))
 
     def has_work(self) -> bool:
-        return self.llm.scheduler.has_unfinished()
+        return self.llm.has_unfinished()
 
     def gauges(self) -> tuple[int, int, int]:
         """(running, waiting, free KV blocks)."""

@@ -54,6 +54,9 @@ class StubLLM:
         self.scheduler = StubScheduler(max_num_seqs)
         self.steps: list[StepRecord] = []
 
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
     @classmethod
     def from_kwargs(cls, tokens_per_step: int, llm_kwargs: dict) -> "StubLLM":
         """From ``specdec serve``'s engine kwargs (the ones a stub has a use for)."""
