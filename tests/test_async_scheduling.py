@@ -95,6 +95,9 @@ def test_log_probabilities_run_synchronously_and_equal():
     (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                               "disable_padded_drafter_batch": True}),
      "async_scheduling=True with disable_padded_drafter_batch=True"),
+    (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                              "num_speculative_tokens_policy": "goodput"}),
+     "async_scheduling=True with num_speculative_tokens_policy='goodput'"),
     (dict(data_parallel_size=2), "async_scheduling=True with data_parallel_size=2"),
     (dict(tensor_parallel_size=2), "async_scheduling=True with tensor_parallel_size=2")])
 def test_what_cannot_overlap_is_refused_by_name(kw, match):

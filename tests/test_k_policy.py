@@ -27,13 +27,16 @@ def oracle(potentials: list[int], cost: list[float], cap: int) -> int:
 
 
 def run_steps(policy, batch: int, cap: int, potentials, cost, n: int) -> list[int]:
-    """``n`` decode-only steps: each picks K, then observes its cost and acceptance."""
-    ks = []
+    """``n`` decode-only steps: each picks K, then observes its cost and acceptance; as in
+    the engine, a step's decodes carry min(previous K, K) drafts (the first step: ``cap``)."""
+    ks = getattr(policy, "test_ks", [])
     for _ in range(n):
         k = policy.pick(batch, cap, True)
-        policy.observe(batch, k, cost[k], [min(a, k) for a in potentials], k)
+        asked = min(ks[-1] if ks else cap, k)
+        policy.observe(batch, k, cost[k], [min(a, asked) for a in potentials], asked)
         ks.append(k)
-    return ks
+    policy.test_ks = ks
+    return ks[-n:]
 
 
 @settings(max_examples=200, deadline=None)
@@ -44,37 +47,54 @@ def test_after_exploring_each_k_the_policy_picks_the_oracles_k(potentials, cost,
     rates = sorted(sum(1 + min(a, k) for a in potentials) / cost[k] for k in range(cap + 1))
     assume(len(rates) == 1 or rates[-1] - rates[-2] > 1e-6 * rates[-1])
     policy = GoodputPolicy(K, lambda n: n, refresh_steps=64)
-    explored = run_steps(policy, len(potentials), cap, potentials, cost, cap + 1)
-    assert explored == list(range(cap + 1))  # every bucket once, least recently run first
-    # exploring ran every K, so every position's acceptance was measured: the oracle's K
-    # until a K is due for its refresh
-    best = oracle(potentials, cost, cap)
-    assert set(run_steps(policy, len(potentials), cap, potentials, cost, 64 - cap)) == {best}
+    explored = run_steps(policy, len(potentials), cap, potentials, cost, 2 * (cap + 1))
+    # every K twice in a row, least recently run first: the second step of K verifies K
+    # drafts, so every position's acceptance is measured
+    assert explored == [k for k in range(cap + 1) for _ in range(2)]
+    best = oracle(potentials, cost, cap)  # then the oracle's K until a refresh is due
+    assert set(run_steps(policy, len(potentials), cap, potentials, cost,
+                         64 - 2 * (cap + 1))) == {best}
 
 
 def test_a_k_not_run_for_refresh_steps_runs_again_and_its_new_cost_counts():
-    """Drafts never kept: K = 0 is best; after ``refresh_steps`` decode-only steps each other
-    K runs once more. When K = 2's cost falls and its drafts are kept (a workload that
+    """Drafts never kept: K = 0 is best; a K not run for ``refresh_steps`` decode-only steps
+    runs again (twice). When K = 2's cost falls and its drafts are kept (a workload that
     changed), the refresh finds it."""
-    policy = GoodputPolicy(K, lambda n: n, refresh_steps=8, decay=0.0)
+    policy = GoodputPolicy(K, lambda n: n, refresh_steps=16, decay=0.0)
     cost = [1.0, 1.5, 2.0, 2.5]
-    ks = run_steps(policy, 2, K, [0, 0], cost, 16)
-    # K = j runs at step j and next at step j + 1 + 8 (8 decode-only steps later)
-    assert ks == [0, 1, 2, 3] + [0] * 6 + [1, 2, 3] + [0] * 3
+    ks = run_steps(policy, 2, K, [0, 0], cost, 24)
+    # K = j runs at steps 2j, 2j + 1 (then last run: decode step 2j + 2), next at 2j + 18
+    assert ks == [0, 0, 1, 1, 2, 2, 3, 3] + [0] * 12 + [1, 1, 2, 2]
     cost[2] = 1.2
-    ks = run_steps(policy, 2, K, [3, 3], cost, 16)
-    assert ks[-1] == 2 and policy.expected_tokens(2) == 3.0
+    ks = run_steps(policy, 2, K, [3, 3], cost, 32)
+    # K = 3 (its refresh; now the best measured: 4 tokens in 2.5) until K = 2 is measured
+    # again at its new cost (3 tokens in 1.2), then K = 2 between refreshes
+    assert ks == [3] * 12 + [0, 0, 1, 1] + [2] * 12 + [3, 3, 0, 0]
+    assert policy.expected_tokens(2) == 3.0
 
 
 def test_buckets_are_measured_apart_and_a_step_with_a_prefill_chunk_only_exploits():
     policy = GoodputPolicy(K, lambda n: 1 if n == 1 else 4)
     assert policy.pick(3, K, False) == K  # nothing measured: the cap
-    run_steps(policy, 1, K, [3], [1.0, 1.0, 1.0, 1.0], K + 1)  # bucket 1 only
+    run_steps(policy, 1, K, [3], [1.0, 1.0, 1.0, 1.0], 2 * (K + 1))  # bucket 1 only
     assert policy.pick(1, K, False) == K  # every draft kept, same cost: the largest K
     assert policy.pick(3, K, True) == 0  # bucket 4 explores from K = 0
     policy.observe(3, 0, None, [0, 0, 0], 0)  # a mixed step: acceptance counts, no time
-    assert policy.seconds[4] == [None] * (K + 1)
+    assert not any(policy.times[4])
     assert policy.pick(3, 1, False) == 1  # nothing timed in bucket 4: the cap
+
+
+def test_one_slow_step_does_not_move_the_pick():
+    """A step preempted or collected (15x its cost) is one of the last ``window`` times: the
+    least of them stands, so the pick stays."""
+    policy = GoodputPolicy(K, lambda n: n)
+    cost = [1.0, 1.2, 1.4, 1.6]
+    run_steps(policy, 2, K, [3, 3], cost, 2 * (K + 1))
+    best = oracle([3, 3], cost, K)
+    spiked = list(cost)
+    spiked[best] *= 15
+    run_steps(policy, 2, K, [3, 3], spiked, 1)
+    assert run_steps(policy, 2, K, [3, 3], cost, 8) == [best] * 8
 
 
 @pytest.mark.parametrize("value,match", [

@@ -9,32 +9,41 @@ step's expected tokens per second, ``E(K) / t(b, K)``:
   for min(the previous step's K, its K) drafts: the drafts of a step come from the step
   before, at that step's K;
 - ``t(b, K)``: the wall time of a decode-only step (no prefill chunk) of batch-size bucket b
-  (the padded request count: steps of one bucket run one captured shape) at K.
+  (the padded request count: steps of one bucket run one captured shape) at K: the least of
+  its last ``window`` steps (a preempted step, a garbage collection only add time; one such
+  step of 200 ms among 15 ms ones must not make K look slow).
 
-Both are exponentially decayed means (``decay`` per observed step), so they follow a workload
-that changes. A K that a bucket has not run yet, or not for ``refresh_steps`` of its decode-only
-steps, runs next (least recently run first): its cost is measured, and for a K above the
-current one the later drafts' acceptance too. A step with a prefill chunk neither explores nor
-times (its cost is not the decode's): it takes the best K known, else ``cap``.
+The acceptance shares are exponentially decayed means (``decay`` per observed step) and the
+times recent ones, so both follow a workload that changes. A K that a bucket has not run yet, or not for ``refresh_steps`` of its decode-only
+steps, runs next (least recently run first) for ``explore_steps`` decode-only steps in a row:
+the first after a smaller K verifies that K's drafts (filler after them), the next ones its own,
+so the later drafts' acceptance is measured too. A step with a prefill chunk neither explores nor
+times (its cost is not the decode's): it takes the best K known, else ``cap``. ``pick`` keeps
+the exploration's place: call it once per step.
 """
 
+from collections import deque
 from collections.abc import Callable
 
 
 class GoodputPolicy:
     def __init__(self, num_speculative_tokens: int, bucket_of: Callable[[int], int], *,
-                 refresh_steps: int = 64, decay: float = 0.9):
+                 refresh_steps: int = 64, explore_steps: int = 2, window: int = 4,
+                 decay: float = 0.9):
         self.bucket_of = bucket_of  # batch size -> its bucket (the padded request count)
         self.refresh_steps = refresh_steps
+        self.explore_steps = explore_steps
+        self.window = window
         self.decay = decay
         # per draft position j: [decayed decodes that kept draft j + 1, decayed decodes run
         # with K > j]
         self.kept = [[0.0, 0.0] for _ in range(num_speculative_tokens)]
-        # bucket -> per K: decayed mean step seconds (None: never run), decode-only steps
-        # run in the bucket when K last ran
-        self.seconds: dict[int, list[float | None]] = {}
+        # bucket -> per K: its last ``window`` step seconds, decode-only steps run in the
+        # bucket when K last ran
+        self.times: dict[int, list[deque]] = {}
         self.last_run: dict[int, list[float]] = {}
         self.steps: dict[int, int] = {}  # bucket -> decode-only steps timed
+        self.exploring: dict[int, tuple[int, int]] = {}  # bucket -> (K, decode steps to go)
 
     def expected_tokens(self, k: int) -> float:
         """E(K): tokens per decode at K (a position never drafted counts as kept)."""
@@ -43,12 +52,19 @@ class GoodputPolicy:
     def pick(self, batch_size: int, cap: int, decode_only: bool) -> int:
         """The step's K in 0..cap (see the module docstring)."""
         b = self.bucket_of(batch_size)
-        seconds, last = self._tables(b)
+        times, last = self._tables(b)
+        seconds = [min(t) if t else None for t in times]
         if decode_only:
+            k, left = self.exploring.get(b, (0, 0))
+            if left and k <= cap:
+                self.exploring[b] = (k, left - 1)
+                return k
             due = [k for k in range(cap + 1) if seconds[k] is None
                    or self.steps[b] - last[k] >= self.refresh_steps]
             if due:
-                return min(due, key=lambda k: (last[k], k))
+                k = min(due, key=lambda k: (last[k], k))
+                self.exploring[b] = (k, self.explore_steps - 1)
+                return k
         known = [k for k in range(cap + 1) if seconds[k] is not None]
         if not known:
             return cap
@@ -67,13 +83,13 @@ class GoodputPolicy:
             return
         b = self.bucket_of(batch_size)
         times, last = self._tables(b)
-        times[k] = seconds if times[k] is None else \
-            self.decay * times[k] + (1 - self.decay) * seconds
+        times[k].append(seconds)
         self.steps[b] += 1
         last[k] = self.steps[b]
 
     def _tables(self, b: int) -> tuple[list, list]:
-        if b not in self.seconds:
+        if b not in self.times:
             n = len(self.kept) + 1
-            self.seconds[b], self.last_run[b], self.steps[b] = [None] * n, [-1e18] * n, 0
-        return self.seconds[b], self.last_run[b]
+            self.times[b] = [deque(maxlen=self.window) for _ in range(n)]
+            self.last_run[b], self.steps[b] = [-1e18] * n, 0
+        return self.times[b], self.last_run[b]

@@ -137,6 +137,11 @@ class LLM:
                 raise ValueError(f"async_scheduling=True with {name}={size}: not supported yet;"
                                  " allowed: 1")
         spec = self.spec
+        if spec is not None and spec.num_speculative_tokens_policy is not None:
+            raise ValueError(f"async_scheduling=True with num_speculative_tokens_policy="
+                             f"{spec.num_speculative_tokens_policy!r}: the policy times each "
+                             "step, and overlapped steps have no time of their own; allowed: "
+                             "None (a num_speculative_tokens_per_batch_size schedule overlaps)")
         if spec is not None and (spec.drafts_on_host or not spec.is_padded
                                  or spec.method == "extract_hidden_states"):
             what = ("disable_padded_drafter_batch=True" if not spec.is_padded
