@@ -174,18 +174,10 @@ class PagedKV:
         """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied; may be strided views) -> [N, Hq, D];
         windowed, scaled and capped as the layer's ``KVCacheSpec`` says; ``sinks`` [Hq]: the
         layer's sink logits, given exactly when its spec has ``sinks``."""
-        spec = self.cache.specs[layer_idx]
-        if spec.sinks != (sinks is not None):
-            raise ValueError(f"layer {layer_idx}: its KVCacheSpec has sinks={spec.sinks} but "
-                             f"attend got {'no' if sinks is None else 'a'} sinks tensor")
-        self._plan_once(q.shape[0])
-        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        spec, k_cache, v_cache = self._layer(layer_idx, sinks, q.shape[0])
         k_cache.index_copy_(0, self._write_slots, k)
         v_cache.index_copy_(0, self._write_slots, v)
-        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
-                     else kernels.paged_attention)
-        return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
-                         scale=spec.scale, softcap=spec.logit_softcap, sinks=sinks)
+        return self._attention(q, k_cache, v_cache, spec, sinks)
 
     def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, num_q_heads: int, rope,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,15 +191,24 @@ class PagedKV:
             qk = rope.apply(qkv[:, :num_q_heads + hkv])
             return self.attend(layer_idx, qk[:, :num_q_heads], qk[:, num_q_heads:],
                                qkv[:, num_q_heads + hkv:], sinks)
+        spec, k_cache, v_cache = self._layer(layer_idx, sinks, qkv.shape[0])
+        from specdec.kernels.triton_rope import rope_write_kv  # where Triton runs only
+        q = rope_write_kv(qkv, rope.cos, rope.sin, self._write_slots, k_cache, v_cache,
+                          num_q_heads)
+        return self._attention(q, k_cache, v_cache, spec, sinks)
+
+    def _layer(self, layer_idx: int, sinks: torch.Tensor | None, num_tokens: int):
+        """-> (the layer's spec, checked against ``sinks``; its K and V caches), the
+        forward's plan built."""
         spec = self.cache.specs[layer_idx]
         if spec.sinks != (sinks is not None):
             raise ValueError(f"layer {layer_idx}: its KVCacheSpec has sinks={spec.sinks} but "
                              f"attend got {'no' if sinks is None else 'a'} sinks tensor")
-        self._plan_once(qkv.shape[0])
-        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        from specdec.kernels.triton_rope import rope_write_kv  # where Triton runs only
-        q = rope_write_kv(qkv, rope.cos, rope.sin, self._write_slots, k_cache, v_cache,
-                          num_q_heads)
+        self._plan_once(num_tokens)
+        return spec, self.cache.k[layer_idx], self.cache.v[layer_idx]
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
         attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
                      else kernels.paged_attention)
         return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
