@@ -128,11 +128,12 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
                      num_computed, table, rows, target_ids, block_table)
 
 
-# ---- pytest-xdist (setup.cfg: -n 2 --dist loadfile): a test file is one unit of work, on one
-# worker (its module fixtures are built once), except the tests below, units of their own sent
-# first: test_graphs.py's compile tests, each minutes of dynamo tracing -- they run beside the
-# rest of the suite instead of after it. One unit per engine its tests share (the module's
-# ``warmed`` fixture builds an engine in each worker that asks for it). -n 0: one process.
+# ---- pytest-xdist (the README's ``python -m pytest -n 2``): a test file is one unit of work, on
+# one worker (its module fixtures are built once), except the tests below, units of their own
+# sent first: test_graphs.py's compile tests, each minutes of dynamo tracing -- they run beside
+# the rest of the suite instead of after it. One unit per engine its tests share (the module's
+# ``warmed`` fixture builds an engine in each worker that asks for it). Without -n (a GPU box
+# without pytest-xdist included): one process, nothing here runs.
 SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
     f"tests/test_graphs.py::{test}": f"tests/test_graphs.py@{unit}" for test, unit in (
         ("test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager[eagle3]", "eagle3"),
@@ -146,8 +147,9 @@ SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with SCHEDULED_FIRST's units; the units go out in collection order."""
-    if config.getvalue("dist") != "loadfile":
+    """-n's default distribution (load) and loadfile: file units with SCHEDULED_FIRST's, sent
+    in collection order; another --dist is left to xdist."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
         return None
     from xdist.scheduler import LoadFileScheduling
 
