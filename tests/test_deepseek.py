@@ -286,6 +286,17 @@ def test_deepseek_mtp_k2_under_compile_equals_plain(ds_dir, ds_plain):
     assert sum(sum(o.num_drafted) for o in outs) > 0
 
 
+def test_deepseek_mtp_k2_async_scheduling_equals_plain(ds_dir, ds_plain):
+    """Async scheduling over MLA (latent rows written by the step launched before the host
+    read) and MoE, captured (replay): plain greedy's tokens, decodes overlapped."""
+    llm = LLM(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
+              graph_backend="replay", async_scheduling=True,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == ds_plain
+    assert any(s.overlapped for s in llm.steps)
+
+
 def test_deepseek_mtp_k2_dp2_with_an_idle_rank_equals_dp1(ds_dir, ds_plain):
     """DP=2, one rank never gets a request (it runs dummy steps: the target's MoE layers and
     the MTP layer's MoE exchange tokens across ranks), the other all of them: no hang (the
