@@ -73,15 +73,25 @@ def test_a_k_not_run_for_refresh_steps_runs_again_and_its_new_cost_counts():
     assert policy.expected_tokens(2) == 3.0
 
 
-def test_buckets_are_measured_apart_and_a_step_with_a_prefill_chunk_only_exploits():
-    policy = GoodputPolicy(K, lambda n: 1 if n == 1 else 4)
-    assert policy.pick(3, K, False) == K  # nothing measured: the cap
-    run_steps(policy, 1, K, [3], [1.0, 1.0, 1.0, 1.0], 2 * (K + 1))  # bucket 1 only
-    assert policy.pick(1, K, False) == K  # every draft kept, same cost: the largest K
-    assert policy.pick(3, K, True) == 0  # bucket 4 explores from K = 0
+def test_a_prefill_step_only_exploits_and_a_new_bucket_starts_from_its_neighbours():
+    """Bucket 1 measured: a new bucket (4) takes its times, scaled by a K both ran, and
+    explores its own K only after ``refresh_steps`` of its decode-only steps."""
+    policy = GoodputPolicy(K, lambda n: 1 if n == 1 else 4, refresh_steps=8)
+    assert policy.pick(3, K, False) == K  # nothing measured anywhere: the cap
     policy.observe(3, 0, None, [0, 0, 0], 0)  # a mixed step: acceptance counts, no time
     assert not any(policy.times[4])
-    assert policy.pick(3, 1, False) == 1  # nothing timed in bucket 4: the cap
+    cost_1 = [1.0, 1.2, 1.5, 1.9]
+    run_steps(policy, 1, K, [1], cost_1, 2 * (K + 1))  # bucket 1 only; one draft kept
+    assert policy.pick(1, K, False) == oracle([1], cost_1, K) == 1
+    assert policy.pick(3, K, True) == 1  # bucket 4 from bucket 1's figures: no exploring
+    # bucket 4 runs K = 1 at 4x bucket 1's times and K = 0 at 2x: estimates scale by K = 1
+    cost_4 = [2.0, 4.8, 5.0, 5.2]
+    ks = run_steps(policy, 3, K, [1, 1, 1], cost_4, 8)
+    assert ks[0] == 1 and policy.seconds(4) == pytest.approx(
+        [4.8 * 1.0 / 1.2, 4.8, 4.8 * 1.5 / 1.2, 4.8 * 1.9 / 1.2])
+    # its own K = 0, 2, 3 are explored once 8 of its decode steps have run
+    assert run_steps(policy, 3, K, [1, 1, 1], cost_4, 6) == [0, 0, 2, 2, 3, 3]
+    assert policy.seconds(4) == cost_4[:1] + [4.8] + cost_4[2:]
 
 
 def test_one_slow_step_does_not_move_the_pick():

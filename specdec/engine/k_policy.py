@@ -17,11 +17,16 @@ The acceptance shares are exponentially decayed means (``decay`` per observed st
 times recent ones, so both follow a workload that changes. A K that a bucket has not run yet, or not for ``refresh_steps`` of its decode-only
 steps, runs next (least recently run first) for ``explore_steps`` decode-only steps in a row:
 the first after a smaller K verifies that K's drafts (filler after them), the next ones its own,
-so the later drafts' acceptance is measured too. A step with a prefill chunk neither explores nor
+so the later drafts' acceptance is measured too. A K that another bucket has measured is not
+explored at once: its time is estimated from the nearest bucket that ran it (scaled by the two
+buckets' times at a K both ran), and it is explored after ``refresh_steps`` of this bucket's own
+decode-only steps (a run passes through many buckets as its requests end: exploring each K in
+each of them at once cost more than it found). A step with a prefill chunk neither explores nor
 times (its cost is not the decode's): it takes the best K known, else ``cap``. ``pick`` keeps
 the exploration's place: call it once per step.
 """
 
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -52,8 +57,8 @@ class GoodputPolicy:
     def pick(self, batch_size: int, cap: int, decode_only: bool) -> int:
         """The step's K in 0..cap (see the module docstring)."""
         b = self.bucket_of(batch_size)
-        times, last = self._tables(b)
-        seconds = [min(t) if t else None for t in times]
+        _, last = self._tables(b)
+        seconds = self.seconds(b)
         if decode_only:
             k, left = self.exploring.get(b, (0, 0))
             if left and k <= cap:
@@ -69,6 +74,22 @@ class GoodputPolicy:
         if not known:
             return cap
         return max(known, key=lambda k: self.expected_tokens(k) / seconds[k])
+
+    def seconds(self, b: int) -> list[float | None]:
+        """t(b, K) for each K: the least of bucket b's last times at K, else estimated from
+        the nearest bucket that ran K (times its ratio to b at a K both ran), else None."""
+        own = [min(t) if t else None for t in self.times[b]]
+        out = list(own)
+        nearest = sorted((abs(math.log(o / b)), o) for o in self.times if o != b)
+        for k in (k for k, t in enumerate(own) if t is None):
+            for _, o in nearest:
+                theirs = [min(t) if t else None for t in self.times[o]]
+                if theirs[k] is not None:
+                    both = [j for j, (x, y) in enumerate(zip(own, theirs))
+                            if x is not None and y is not None]
+                    out[k] = theirs[k] * (own[both[0]] / theirs[both[0]] if both else 1.0)
+                    break
+        return out
 
     def observe(self, batch_size: int, k: int, seconds: float | None, accepted: list[int],
                 asked: int) -> None:
@@ -91,5 +112,5 @@ class GoodputPolicy:
         if b not in self.times:
             n = len(self.kept) + 1
             self.times[b] = [deque(maxlen=self.window) for _ in range(n)]
-            self.last_run[b], self.steps[b] = [-1e18] * n, 0
+            self.last_run[b], self.steps[b] = [0] * n, 0
         return self.times[b], self.last_run[b]
