@@ -179,18 +179,17 @@ class PagedKV:
         v_cache.index_copy_(0, self._write_slots, v)
         return self._attention(q, k_cache, v_cache, spec, sinks)
 
+    def fuses_rope_write(self, rope, head_dim: int) -> bool:
+        """Whether ``attend_qkv`` serves a layer with this rope: the cache takes the fused
+        kernel (``KVCache.fused_rope_write``) and the rotary is full and neox-layout."""
+        return (self.cache.fused_rope_write and not rope.interleaved
+                and rope.cos.shape[-1] == head_dim)
+
     def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, num_q_heads: int, rope,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attend`` from one projection's q, k and v heads, qkv [N, Hq + 2 Hkv, D], before
-        rotary (``rope``: a ``layers.rotary.Rope``): rotary and the K/V write in one kernel
-        (``kernels.rope_write_kv``) where the cache allows it (``fused_rope_write``; full,
-        neox-layout rotary), else ``rope.apply`` then ``attend``."""
-        hkv = (qkv.shape[1] - num_q_heads) // 2
-        if not (self.cache.fused_rope_write and not rope.interleaved
-                and rope.cos.shape[-1] == qkv.shape[-1]):
-            qk = rope.apply(qkv[:, :num_q_heads + hkv])
-            return self.attend(layer_idx, qk[:, :num_q_heads], qk[:, num_q_heads:],
-                               qkv[:, num_q_heads + hkv:], sinks)
+        rotary (``rope``: a ``layers.rotary.Rope``; ``fuses_rope_write`` must hold): rotary
+        and the K/V write in one kernel (``kernels.triton_rope.rope_write_kv``)."""
         spec, k_cache, v_cache = self._layer(layer_idx, sinks, qkv.shape[0])
         from specdec.kernels.triton_rope import rope_write_kv  # where Triton runs only
         q = rope_write_kv(qkv, rope.cos, rope.sin, self._write_slots, k_cache, v_cache,

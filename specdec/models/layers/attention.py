@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.attention import KVCacheSpec
+from specdec.attention import KVCacheSpec, PagedKV
 from specdec.kernels.paged_attention_torch import masked_attention
 from specdec.models.layers.linear import MergedLinear, save_merged_as_parts
 from specdec.models.layers.norm import RMSNorm
@@ -73,13 +73,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # tensor parallel with SP: x holds N/T tokens, qkv all N
         lead = qkv.shape[:-1]
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
-        if self.qk_norm is None and kv is not None and hasattr(kv, "attend_qkv"):
-            # the paged cache: rotary and the K/V write in one kernel where it can
-            out = kv.attend_qkv(self.layer_idx, qkv.view(*lead, hq + 2 * hkv, d), hq, rope,
-                                **sinks)
-            return self.o_proj(out.reshape(*lead, hq * d))
         if self.qk_norm is None:  # one rotary pass over q and k together
             qkv = qkv.view(*lead, hq + 2 * hkv, d)
+            if isinstance(kv, PagedKV) and kv.fuses_rope_write(rope, d):
+                # rotary and the K/V write in one kernel
+                out = kv.attend_qkv(self.layer_idx, qkv, hq, rope, **sinks)
+                return self.o_proj(out.reshape(*lead, hq * d))
             qk = rope.apply(qkv[..., :hq + hkv, :])
             q, k, v = qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv:, :]
         else:
