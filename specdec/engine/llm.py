@@ -467,7 +467,9 @@ class LLM:
         rows = (sampled if drafts is None else torch.cat([sampled, drafts], dim=1)).tolist()
         sampled, drafts = [r[:width] for r in rows], [r[width:] for r in rows]
         logprobs = self._logprobs(scheduled, sampled)
-        decoding = [not s.request.is_prefilling for s in scheduled]
+        # the policy's decodes, read before the step's tokens are applied
+        decoding = ([not s.request.is_prefilling for s in scheduled]
+                    if self.k_policy is not None else [])
         new_tokens = {}
         for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
             if s.request.status == Status.FINISHED:  # async: it ended at the step before
