@@ -11,7 +11,9 @@ wrapper gives each of them every backend:
     compile      torch.compile(fn, fullgraph=True, dynamic=False): one graph per key
     compile_dynamic  torch.compile(fn, fullgraph=True, dynamic=True): sizes and int static
                  values symbolic, so one graph serves every step of a code path (a new
-                 path -- a row layout, a sampling variant -- compiles once at its first use);
+                 path -- a row layout, a sampling variant -- compiles once at its first use;
+                 a step compiled in parts, ``compiled_in_parts``, compiles only the part
+                 whose path is new);
                  the runner sends every step through it, not only capture buckets (CPU:
                  inductor fuses the per-op work of small-batch steps into C++ loops). With
                  inductor the weights are frozen into the graph as constants (inductor's
@@ -70,6 +72,14 @@ def _shapes_symbolic_only(compiled: Callable) -> Callable:
     return run
 
 
+def compile_dynamic(fn: Callable, compile_backend: str) -> Callable:
+    """``fn`` as the compile_dynamic backend compiles it: full graph, sizes and ints symbolic
+    (``_shapes_symbolic_only``), inductor's frozen weights."""
+    options = {"freezing": True} if compile_backend == "inductor" else None
+    return _shapes_symbolic_only(torch.compile(fn, fullgraph=True, dynamic=True,
+                                               backend=compile_backend, options=options))
+
+
 class _Captured:
     """One bucket's static inputs and outputs (and its CUDA graph, on cuda_graph).
 
@@ -121,10 +131,14 @@ class StepGraph:
     symbolic and dynamo's guards pick the graph.
     ``inputs_type``: a NamedTuple class that ``fn`` takes its tensors as (its one positional
     argument); the wrapper still passes them positionally (it keys and copies per tensor).
+    ``compiled_in_parts``: on compile_dynamic, what runs instead of ``fn`` compiled whole:
+    ``fn``'s work with its parts compiled apart (``compile_dynamic`` above), so a part that
+    does not read a static value is not traced again for each of its values (the target
+    step's forward: once per row layout, not once per sampling variant).
     """
 
     def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor",
-                 inputs_type: type | None = None):
+                 inputs_type: type | None = None, compiled_in_parts: Callable | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
         if backend in COMPILING:
@@ -133,6 +147,8 @@ class StepGraph:
                 raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
         if inputs_type is not None:
             fn = _taking(fn, inputs_type)
+            if compiled_in_parts is not None:
+                compiled_in_parts = _taking(compiled_in_parts, inputs_type)
         self.fn = fn
         self.backend = backend
         self.captured: dict[tuple, _Captured] = {}  # cuda_graph / replay, by key
@@ -146,9 +162,7 @@ class StepGraph:
             self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                           backend=compile_backend)
         elif backend == "compile_dynamic":
-            options = {"freezing": True} if compile_backend == "inductor" else None
-            self.compiled = _shapes_symbolic_only(torch.compile(
-                fn, fullgraph=True, dynamic=True, backend=compile_backend, options=options))
+            self.compiled = compiled_in_parts or compile_dynamic(fn, compile_backend)
         elif backend == "torchair":
             self.compiled = platform.compile_graph(fn, compile_backend)
         else:

@@ -475,9 +475,12 @@ def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model(monkey
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
     the frozen weights' prepacked matmuls) for the CPU steps of the embedded model give the
     eager engine's tokens: greedy requests with no compile after construction, then one
-    sampled request (warmed greedy only here and one sampled request alone, to keep the
-    inductor compiles few: its prefill and decode graphs compile at first use)."""
+    sampled request. To keep the inductor compiles few, the warm-up here is greedy only and
+    runs the two phases these arrivals need (the eager-backend tests above prove the whole
+    warm-up), and the sampled request runs alone (its verification compiles at first use)."""
     monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(llm_module, "warmup_phases",
+                        lambda *sizes: (((8,),), ((6, 6, 6), (), (17,))))
     prompts = [list(range(3, 3 + n)) for n in (7, 30, 2, 12, 19)]
 
     def arrivals(llm, params, prompts=prompts):

@@ -12,8 +12,10 @@ attention bounded by max_model_len; captured at start-up) and, on the capturing 
 chunks whose Np and Bp are capture sizes (key (Np, Bp) and the attention bound, a power of two
 >= the longest sequence; captured at first use). Each key has a graph per sampling variant
 (greedy, sampled, sampled with top-p). With ``compile_dynamic`` no step is captured: every
-step runs the dynamically compiled target step with its own bounds. Sampling draws
-counter-based random numbers (``counter_rng``), so a replay needs no generator state.
+step runs the dynamically compiled target step with its own bounds, compiled in two parts
+(the forward, once per row layout; the verification, once per sampling variant too).
+Sampling draws counter-based random numbers (``counter_rng``), so a replay needs no generator
+state.
 """
 
 import time
@@ -31,7 +33,7 @@ from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, 
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
-from specdec.graphs import SHAPE_FREE_BACKENDS, StepGraph
+from specdec.graphs import SHAPE_FREE_BACKENDS, StepGraph, compile_dynamic
 from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
@@ -126,8 +128,20 @@ class ModelRunner:
                                    header=header_words(dp.size))
         # TP: the driver's step inputs reach its peers through one broadcast per step
         self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
+        in_parts = None
+        if graph_backend == "compile_dynamic":
+            # the forward is traced once per row layout and the verification once per
+            # sampling variant too, instead of the whole step once per both
+            forward = compile_dynamic(self.target_forward, compile_backend)
+            verify = compile_dynamic(self.verify, compile_backend)
+
+            def in_parts(x: StepInputs, *, max_seq_len: int, max_query_len: int, variant: str,
+                         num_rows: int) -> tuple[torch.Tensor, ...]:
+                return verify(x, *forward(x, max_seq_len=max_seq_len,
+                                          max_query_len=max_query_len, num_rows=num_rows),
+                              variant=variant, num_rows=num_rows)
         self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
-                                      inputs_type=StepInputs)
+                                      inputs_type=StepInputs, compiled_in_parts=in_parts)
         self.last_step_captured = False  # whether the last execute() replayed a graph
         self.last_logits = self.last_hidden = None  # the last execute()'s (see there)
 
@@ -298,13 +312,27 @@ class ModelRunner:
     def target_step(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
                     variant: str, num_rows: int) -> tuple[torch.Tensor, ...]:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
-        forward, verification (greedy, or rejection sampling with counter-based random numbers,
-        with or without the top-p sort: ``variant``), token-table update, each row's
-        linear-attention state slot moved to its last accepted token. -> (sampled [Bp,
-        num_rows] int32, logits [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux
-        [Np, A, H]])."""
+        ``target_forward`` then ``verify``. -> (sampled [Bp, num_rows] int32, logits
+        [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux [Np, A, H]])."""
+        return self.verify(x, *self.target_forward(
+            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_rows=num_rows),
+            variant=variant, num_rows=num_rows)
+
+    def target_forward(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
+                       num_rows: int) -> tuple[torch.Tensor, ...]:
+        """The target's forward (``target_logits``) -> (first [Bp] int64 (each request's
+        first sampled position), logits, hidden[, aux])."""
         first = first_sampled_positions(x)
         logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first)
+        return (first, logits, hidden) + ((aux,) if aux is not None else ())
+
+    def verify(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor,
+               hidden: torch.Tensor, aux: torch.Tensor | None = None, *, variant: str,
+               num_rows: int) -> tuple[torch.Tensor, ...]:
+        """Verification (greedy, or rejection sampling with counter-based random numbers,
+        with or without the top-p sort: ``variant``), token-table update, each row's
+        linear-attention state slot moved to its last accepted token -> ``target_step``'s
+        outputs."""
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
