@@ -193,6 +193,25 @@ def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
     assert cuda_acc == [o.num_accepted for o in outs]
 
 
+def test_triton_rms_norm_on_cuda_and_in_the_step(monkeypatch):
+    """The RMSNorm kernel without a residual (opt-in until this runs) against F.rms_norm in
+    bf16 on the GPU, then in the engine (every RMSNorm module through it): the CPU's greedy
+    tokens and acceptance, captured."""
+    from specdec.kernels.triton_norm import rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 4096, device="cuda", generator=g).bfloat16()
+    w = torch.randn(4096, device="cuda", generator=g).bfloat16()
+    want = torch.nn.functional.rms_norm(x, w.shape, w, 1e-5)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), want)
+    monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
+    cuda, cuda_acc, _ = generate("eagle3", "cuda_graph")
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
+        PROMPTS, max_tokens=48)
+    assert cuda == [o.token_ids for o in outs]
+    assert cuda_acc == [o.num_accepted for o in outs]
+
+
 @pytest.mark.parametrize("method", [None, "eagle3"])
 def test_async_scheduling_equals_sync_on_cuda(method):
     """The next decode launched before the host read (pinned copy + event, then the device-side

@@ -66,3 +66,73 @@ def test_offset_and_gated_rms_norm_worked_examples():
     assert gated(x, torch.zeros(2)).tolist() == [0.0, 0.0]
     torch.testing.assert_close(gated(x, torch.full((2,), 30.0)),
                                torch.tensor([0.8485, 1.1314]) * 30, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "moe"])
+def test_a_forward_carrying_the_residual_into_the_triton_norms_equals_the_layer_by_layer_one(
+        monkeypatch, family):
+    """The decoder adds each layer's output in the next norm's kernel (the Triton kernel here,
+    interpreted): its hidden states and aux hidden states equal the torch formula run layer
+    by layer (``DecoderLayer.forward``, then the final norm), and every norm but the first
+    layer's input norm is a fused one."""
+    from helpers import moe_target, tiny_model
+
+    model = tiny_model().to(torch.float64) if family == "llama" else moe_target()
+    assert model.carries_residual
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    pos = torch.arange(7)[None]
+    with torch.no_grad():
+        x, inputs = model.embed(ids), []
+        for layer, rope in zip(model.model.layers, model.layer_ropes(pos, x.dtype)):
+            inputs.append(x)
+            x = layer(x, rope)
+        want = model.model.norm(x), torch.stack(inputs[:3], dim=-2)
+        calls = []
+
+        def counted(*args):
+            calls.append(1)
+            return NORM.add_rms_norm(*args)
+        monkeypatch.setattr(kernels, "add_rms_norm", counted)
+        got = model(ids, pos, aux_layer_ids=(0, 1, 2))
+    assert len(calls) == 2 * len(model.model.layers)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=25)
+@given(rows=st.integers(0, 9), hidden=st.sampled_from([1, 8, 24, 64]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), strided=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_triton_rms_norm_without_a_residual_equals_torch(rows, hidden, dtype, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, 2 * hidden, generator=g, dtype=dtype)
+    x = x[..., :hidden] if strided else x[..., :hidden].contiguous()
+    w = torch.randn(hidden, generator=g, dtype=dtype)
+    got = NORM.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got, norm_torch.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
+
+
+def test_the_rms_norm_module_takes_the_kernel_only_when_opted_in(monkeypatch):
+    """``RMSNorm`` runs ``kernels.rms_norm`` (the Triton kernel where Triton runs) only with
+    SPECDEC_UNVERIFIED_GPU_PATHS=1, and gives the same numbers as F.rms_norm either way."""
+    from specdec.models.layers.norm import RMSNorm
+
+    norm = RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    x = torch.randn(5, 8, dtype=torch.float64).float()
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return NORM.rms_norm(*args)
+    monkeypatch.setattr(kernels, "rms_norm", counted)
+    with torch.no_grad():
+        want = norm(x)
+        assert calls == []
+        monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
+        got = norm(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

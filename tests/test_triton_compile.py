@@ -50,6 +50,8 @@ LAUNCHES = [
     (NORM._add_rms_norm_kernel, lambda: NORM.add_rms_norm(
         torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16),
         torch.ones(64, dtype=torch.bfloat16), 1e-6)),
+    (NORM._add_rms_norm_kernel, lambda: NORM.rms_norm(
+        torch.randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16), 1e-6)),
     (ROPE._rope_kernel, lambda: ROPE.apply_rope(
         torch.randn(3, 12, 64, dtype=torch.bfloat16)[:, :8],
         *(torch.randn(3, 1, 64, dtype=torch.bfloat16) for _ in range(2)))),

@@ -13,7 +13,8 @@ proposer's), ``prepare_inputs_padded``, ``shift_first_pass_input_ids``, ``advanc
 cache gather) and paged_attention_torch.py (gather up to a static bound + SDPA) the same way,
 ``mla_attention`` (latent MLA over the same plan) between triton_mla_attention.py and
 mla_attention_torch.py;
-``add_rms_norm`` (residual add + RMSNorm) between triton_norm.py and norm_torch.py,
+``add_rms_norm`` (residual add + RMSNorm) and ``rms_norm`` between triton_norm.py and
+norm_torch.py,
 ``apply_rope`` (rotary embedding) between triton_rope.py and rope_torch.py.
 ``gather_backup_tokens``, ``prepare_next_token_ids_padded`` and
 ``slot_mapping_for_positions`` are the torch reference on every device (the first two
@@ -55,6 +56,7 @@ TORCH_IMPLS = {
     "paged_attention": paged_attention_torch.paged_attention,
     "mla_attention": mla_attention_torch.mla_attention,
     "add_rms_norm": norm_torch.add_rms_norm,
+    "rms_norm": norm_torch.rms_norm,
     "apply_rope": rope_torch.apply_rope,
 }
 # The Triton module (under specdec.kernels) of each dispatched name.
@@ -63,6 +65,7 @@ TRITON_MODULES = dict.fromkeys(TORCH_IMPLS, "triton_padded") | {
     "paged_attention": "triton_paged_attention",
     "mla_attention": "triton_mla_attention",
     "add_rms_norm": "triton_norm",
+    "rms_norm": "triton_norm",
     "apply_rope": "triton_rope"}
 
 
@@ -90,6 +93,7 @@ plan_paged_attention = _by_device("plan_paged_attention")
 paged_attention = _by_device("paged_attention")
 mla_attention = _by_device("mla_attention")
 add_rms_norm = _by_device("add_rms_norm")
+rms_norm = _by_device("rms_norm")
 apply_rope = _by_device("apply_rope")
 
 __all__ = [
@@ -106,6 +110,7 @@ __all__ = [
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
     "prepare_padded_step",
+    "rms_norm",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",
     "token_requests",

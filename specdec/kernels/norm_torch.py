@@ -13,4 +13,10 @@ import torch.nn.functional as F
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     h = x + residual
-    return h, F.rms_norm(h, weight.shape, weight, eps)
+    return h, rms_norm(h, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> ``x / sqrt(mean(x^2) + eps) * weight`` in x's dtype
+    (``F.rms_norm``: statistics and the weight product in float32)."""
+    return F.rms_norm(x, weight.shape, weight, eps)

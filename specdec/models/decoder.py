@@ -66,6 +66,22 @@ class DecoderLayer(nn.Module):
                                          norm.eps)  # one kernel where Triton runs
         return h + self.mlp(normed)
 
+    def forward_carried(self, x: torch.Tensor, carried: torch.Tensor | None, rope: Rope,
+                        kv=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` with the residual adds on both sides fused into the norms: the layer's
+        input is ``x + carried`` (``carried`` None: ``x``), added in the input norm's kernel;
+        its output ``h + mlp`` is left to the next norm. -> (input, h, mlp out), each
+        [..., H]: the next layer's input is ``h + mlp out``, the same sum ``forward`` makes."""
+        norm = self.input_layernorm
+        if carried is None:
+            attn_in = norm(x)
+        else:
+            x, attn_in = kernels.add_rms_norm(x, carried, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        h, normed = kernels.add_rms_norm(x, self.self_attn(attn_in, rope, kv), norm.weight,
+                                         norm.eps)
+        return x, h, self.mlp(normed)
+
 
 class DecoderForCausalLM(nn.Module):
     """Target model; parameter names are HF's (``model.embed_tokens.weight``,
@@ -103,6 +119,11 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # pre-norm layers and an RMSNorm at the end: each residual add runs in the next norm's
+        # kernel (DecoderLayer.forward_carried), one kernel per norm where Triton runs
+        self.carries_residual = type(self.model.norm) is RMSNorm and all(
+            type(layer) is DecoderLayer and hasattr(layer, "input_layernorm")
+            for layer in self.model.layers)
         self.rotary = self.build_rotary()
         self.type_rotary = {kind: RotaryEmbedding(config.head_dim, params,
                                                   config.max_position_embeddings)
@@ -139,14 +160,21 @@ class DecoderForCausalLM(nn.Module):
         if tp.sp and kv is None:
             raise ValueError("sequence parallelism runs the paged (kv) path only; the dense "
                              "kv=None forward needs sequence_parallel=False")
-        x = tp.shard(self.embed(input_ids))
+        x, carried = tp.shard(self.embed(input_ids)), None
         inputs = []  # each layer's input: a list, which compile_dynamic's symbolic ids index
         for layer, rope in zip(self.model.layers, self.layer_ropes(positions, x.dtype)):
-            inputs.append(x)
-            x = layer(x, rope, kv)
+            if self.carries_residual:  # the layer's input is x + carried
+                layer_input, x, carried = layer.forward_carried(x, carried, rope, kv)
+                inputs.append(layer_input)
+            else:
+                inputs.append(x)
+                x = layer(x, rope, kv)
         stacked = (tp.gather(torch.stack([inputs[i] for i in aux_layer_ids], dim=-2))
                    if aux_layer_ids else None)
-        return tp.gather(self.model.norm(x)), stacked
+        norm = self.model.norm
+        if carried is None:
+            return tp.gather(norm(x)), stacked
+        return tp.gather(kernels.add_rms_norm(x, carried, norm.weight, norm.eps)[1]), stacked
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [...] -> the first layer's input [..., H]: the embedding rows."""
