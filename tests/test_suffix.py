@@ -62,7 +62,7 @@ def test_the_tree_counts_every_string_up_to_its_depth(seqs, depth, chunk):
     for q in seqs:
         for i in range(len(q)):
             for j in range(i + 1, min(len(q), i + depth) + 1):
-                assert tree.find(q[i:j])[0] == count(seqs, q[i:j], depth)
+                assert tree.counts[tree.find(q[i:j])] == count(seqs, q[i:j], depth)
 
 
 @given(st.lists(SEQ, min_size=2, max_size=4), st.integers(1, 6))
@@ -71,9 +71,28 @@ def test_removing_a_sequence_leaves_the_counts_of_the_others(seqs, depth):
     tree.remove(seqs[0])
     rest = tree_of(seqs[1:], depth)
 
-    def as_dict(node):
-        return {t: (c[0], as_dict(c)) for t, c in node[1].items()}
-    assert as_dict(tree.root) == as_dict(rest.root)
+    def as_dict(tree, node=0):
+        return {t: (tree.counts[c], as_dict(tree, c)) for t, c in tree.children[node].items()}
+    assert as_dict(tree) == as_dict(rest)
+    # the freed nodes are reused: adding the sequence back takes no node more than before
+    size = len(tree.counts)
+    for start in range(0, len(seqs[0]), 3):
+        tree.extend("again", seqs[0][start:start + 3])
+    assert as_dict(tree) == as_dict(tree_of(seqs[1:] + seqs[:1], depth))
+    assert len(tree.counts) == size
+
+
+def test_the_garbage_collector_tracks_no_node():
+    """A full collection walks every tracked object: the trie keeps ints only, so its nodes
+    are none of them, however many tokens it holds."""
+    import gc
+
+    import random
+
+    rng = random.Random(0)
+    tree = tree_of([[rng.randrange(50) for _ in range(2000)]], 24)
+    assert len(tree.counts) > 10_000
+    assert not any(gc.is_tracked(c) for c in tree.children)
 
 
 @given(SEQ, st.lists(SEQ, max_size=3), st.integers(1, 6), st.integers(1, 5),

@@ -18,15 +18,34 @@ from specdec.config import SpeculativeConfig
 
 
 class SuffixTree:
-    """Counts of every string of up to ``depth`` tokens in the sequences added, as a trie:
-    node = [count, children {token: node}]. ``extend`` appends tokens to one sequence (its
-    open suffixes grow by one token each); ``remove`` takes a whole sequence out again."""
+    """Counts of every string of up to ``depth`` tokens in the sequences added, as a trie of
+    node ids: ``counts[node]`` (occurrences of the node's string) and ``children[node]``
+    ({token: child node}); node 0 is the root (the empty string). ``extend`` appends tokens to
+    one sequence (its open suffixes grow by one token each); ``remove`` takes a whole sequence
+    out again. Only ints are stored, so the garbage collector tracks none of the nodes (one
+    Python object per node made every full collection walk the whole trie: 115-131 ms
+    pauses in the middle of a serving step)."""
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.root = [0, {}]
+        self.counts = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self._free: list[int] = []  # ids of removed nodes, reused first
         self.size = 0  # tokens held, over every sequence
-        self._open: dict[object, list] = {}  # sequence key -> nodes of its open suffixes
+        self._open: dict[object, list[int]] = {}  # sequence key -> nodes of its open suffixes
+
+    def _child(self, node: int, token: int) -> int:
+        """The child of ``node`` for ``token``, made (count 0) if it is not there."""
+        child = self.children[node].get(token)
+        if child is None:
+            if self._free:
+                child = self._free.pop()
+            else:
+                child = len(self.counts)
+                self.counts.append(0)
+                self.children.append({})
+            self.children[node][token] = child
+        return child
 
     def extend(self, key, tokens: list[int]) -> None:
         """Append ``tokens`` to sequence ``key`` (a new key starts a sequence)."""
@@ -34,11 +53,9 @@ class SuffixTree:
         self.size += len(tokens)
         for t in tokens:
             grown = []
-            for node in open_nodes + [self.root]:
-                child = node[1].get(t)
-                if child is None:
-                    child = node[1][t] = [0, {}]
-                child[0] += 1
+            for node in open_nodes + [0]:
+                child = self._child(node, t)
+                self.counts[child] += 1
                 grown.append(child)
             # a suffix that reached the depth stops growing: keep the deepest depth - 1 open
             open_nodes[:] = grown[-(self.depth - 1):] if self.depth > 1 else []
@@ -48,36 +65,50 @@ class SuffixTree:
         self._open.pop(key, None)
 
     def remove(self, tokens: list[int]) -> None:
-        """Take a whole sequence added earlier out of the counts (nodes left at 0 go)."""
+        """Take a whole sequence added earlier out of the counts (nodes left at 0 go, with
+        the nodes below them)."""
         self.size -= len(tokens)
         for start in range(len(tokens)):
-            node = self.root
+            node = 0
             for t in tokens[start:start + self.depth]:
-                child = node[1][t]
-                child[0] -= 1
-                if child[0] == 0:
-                    del node[1][t]
+                child = self.children[node][t]
+                self.counts[child] -= 1
+                if self.counts[child] == 0:
+                    del self.children[node][t]
+                    self._release(child)
                     break
                 node = child
 
-    def find(self, tokens: list[int]):
+    def _release(self, node: int) -> None:
+        """Free ``node`` and every node below it."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(self.children[n].values())
+            self.children[n] = {}
+            self.counts[n] = 0
+            self._free.append(n)
+
+    def find(self, tokens: list[int]) -> int | None:
         """The node of the string ``tokens`` (at most ``depth`` long), or None."""
-        node = self.root
+        node = 0
         for t in tokens:
-            node = node[1].get(t)
+            node = self.children[node].get(t)
             if node is None:
                 return None
         return node
 
 
-def best_path(node, limit: int, min_prob: float) -> tuple[float, list[int]]:
+def best_path(tree: SuffixTree, node: int, limit: int, min_prob: float
+              ) -> tuple[float, list[int]]:
     """From ``node``, follow the most frequent child (ties: the smaller token) while the
     running product of child / parent counts stays >= ``min_prob``, at most ``limit`` tokens
     -> (sum of the products, tokens)."""
+    counts, children = tree.counts, tree.children
     prob, score, out = 1.0, 0.0, []
-    while len(out) < limit and node[1]:
-        token, child = max(node[1].items(), key=lambda kv: (kv[1][0], -kv[0]))
-        prob *= child[0] / node[0]
+    while len(out) < limit and children[node]:
+        token, child = max(children[node].items(), key=lambda kv: (counts[kv[1]], -kv[0]))
+        prob *= counts[child] / counts[node]
         if prob < min_prob:
             break
         score += prob
@@ -93,9 +124,9 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     best = (0.0, [])
     for m in range(1, min(tree.depth, len(tokens)) + 1):
         node = tree.find(tokens[len(tokens) - m:])
-        if node is None or node[0] < 1 + own:
+        if node is None or tree.counts[node] < 1 + own:
             break
-        found = best_path(node, min(k, int(m * factor)), min_prob)
+        found = best_path(tree, node, min(k, int(m * factor)), min_prob)
         if found[1] and found[0] >= best[0]:
             best = found
     return best
