@@ -19,7 +19,7 @@ from specdec.bench import serve as bench_serve
 from specdec.engine.llm import LLM
 from specdec.entrypoints.serve import build_server_app
 
-from helpers import ServerThread
+from helpers import ServerThread, metrics
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4
@@ -362,7 +362,8 @@ def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
 
 def test_engine_threads_sets_the_engine_process_torch_threads():
     """--engine-threads N: the engine process runs N torch threads (read back from its
-    torch and printed at start-up); below 1 is refused naming the flag."""
+    torch and printed at start-up); below 1 is refused naming the flag. The engine process
+    froze its start-up objects out of Python's collections (/metrics says how many)."""
     port = bench_serve.free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.commands.cli", "serve", "--method",
                              "none", "--max-model-len", "64", "--engine-threads", "1", "--port",
@@ -371,6 +372,8 @@ def test_engine_threads_sets_the_engine_process_torch_threads():
     try:
         line = proc.stdout.readline()
         assert "(engine process" in line and ", 1 torch threads)" in line, line
+        url = bench_serve.wait_healthy(proc, f"http://127.0.0.1:{port}", "serve", 120)
+        assert metrics(url)["specdec:engine_gc_frozen_objects"] > 10_000  # torch's alone
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

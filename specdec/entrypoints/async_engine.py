@@ -80,6 +80,9 @@ class _Frontend:
     gets exactly the batch plus ``max_waiting`` admitted whatever the timing of the engine
     loop; ``max_waiting=0``: no queue beyond the batch."""
 
+    frozen_objects = 0  # start-up objects frozen out of collections (an engine in the API
+    #                     process freezes none: the process is not only the engine's)
+
     def __init__(self, max_num_seqs: int, max_waiting: int, metrics):
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting!r}: must be an int >= 0")
@@ -242,6 +245,11 @@ class ProcessEngine(_Frontend):
         self.exitcode: int | None = None  # set when the engine process died
         self.on_engine_death = None  # called (no arguments) once the engine process died
         self._gauges = (0, 0, 0)  # running, waiting, free blocks: from the last output
+
+    @property
+    def frozen_objects(self) -> int:
+        """Start-up objects the engine process froze out of its collections."""
+        return self.info.frozen_objects if self.info is not None else 0
 
     def start_process(self, timeout_s: float = 600.0) -> EngineInfo:
         """Spawn the engine process and wait until its LLM is built; RuntimeError with the

@@ -15,12 +15,17 @@ STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0
 
 
 class ServerMetrics:
-    """One registry per server; ``engine`` gives live gauges (running, waiting, free KV blocks)."""
+    """One registry per server; ``engine_gauges`` gives live gauges (running, waiting, free KV
+    blocks)."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_gauges):
+    def __init__(self, engine_gauges, frozen_objects: int = 0):
         r = self.registry = CollectorRegistry()
+        Gauge("specdec:engine_gc_frozen_objects", "start-up objects the engine process moved "
+              "out of Python's collections (gc.freeze: a full collection then scans only what "
+              "serving made); 0 for an engine in the API process", registry=r).set(
+            frozen_objects)
         running, waiting, free_blocks = engine_gauges
         Gauge("specdec:num_requests_running", "requests in the running batch",
               registry=r).set_function(running)

@@ -97,7 +97,7 @@ def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
     from specdec.entrypoints.api_server import build_app
     from specdec.entrypoints.metrics import ServerMetrics
     engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
-                                    engine.free_blocks))
+                                    engine.free_blocks), engine.frozen_objects)
     return build_app(engine, model, engine.metrics, shutdown_timeout_s, max_request_bytes)
 
 
