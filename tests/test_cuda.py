@@ -30,6 +30,18 @@ def generate(method, backend, **kw):
     return [o.token_ids for o in outs], [o.num_accepted for o in outs], llm
 
 
+def assert_captured_cuda_equals_cpu():
+    """EAGLE-3 K=3 captured on CUDA gives the CPU torch path's greedy tokens and acceptance
+    (float32) -> the CUDA engine."""
+    cuda, cuda_acc, llm = generate("eagle3", "cuda_graph")
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
+        PROMPTS, max_tokens=48)
+    assert cuda == [o.token_ids for o in outs]
+    assert cuda_acc == [o.num_accepted for o in outs]
+    return llm
+
+
 @pytest.mark.parametrize("method", [None, "mtp", "eagle", "eagle3", "draft_model"])
 def test_cuda_graph_steps_equal_eager(method):
     eager, eager_acc, _ = generate(method, "eager")
@@ -47,12 +59,7 @@ def test_padded_steps_run_under_the_cuda_sync_error_mode(backend):
 def test_cuda_kernels_give_the_cpu_tokens():
     """The CUDA path (Triton paged attention, rotary, add+RMSNorm, prep) against the CPU's
     torch formulas: the same greedy tokens and acceptance, float32, captured."""
-    cuda, cuda_acc, _ = generate("eagle3", "cuda_graph")
-    spec = {"method": "eagle3", "num_speculative_tokens": 3}
-    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
-        PROMPTS, max_tokens=48)
-    assert cuda == [o.token_ids for o in outs]
-    assert cuda_acc == [o.num_accepted for o in outs]
+    assert_captured_cuda_equals_cpu()
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
@@ -184,13 +191,8 @@ def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
     for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
         torch.testing.assert_close(got, want.bfloat16())
     monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
-    cuda, cuda_acc, llm = generate("eagle3", "cuda_graph")
+    llm = assert_captured_cuda_equals_cpu()
     assert llm.runner.kv.fused_rope_write and llm.runner.proposer.kv.fused_rope_write
-    spec = {"method": "eagle3", "num_speculative_tokens": 3}
-    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
-        PROMPTS, max_tokens=48)
-    assert cuda == [o.token_ids for o in outs]
-    assert cuda_acc == [o.num_accepted for o in outs]
 
 
 def test_triton_rms_norm_on_cuda_and_in_the_step(monkeypatch):
@@ -204,12 +206,7 @@ def test_triton_rms_norm_on_cuda_and_in_the_step(monkeypatch):
     want = torch.nn.functional.rms_norm(x, w.shape, w, 1e-5)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), want)
     monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
-    cuda, cuda_acc, _ = generate("eagle3", "cuda_graph")
-    spec = {"method": "eagle3", "num_speculative_tokens": 3}
-    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
-        PROMPTS, max_tokens=48)
-    assert cuda == [o.token_ids for o in outs]
-    assert cuda_acc == [o.num_accepted for o in outs]
+    assert_captured_cuda_equals_cpu()
 
 
 @pytest.mark.parametrize("method", [None, "eagle3"])
