@@ -23,8 +23,8 @@ picks for each step, as for the runner's target step): a capturable step (``plan
 a uniform decode, or a mixed step where the backend captures those) runs it through the
 configured backend -- torch.compile / torchair, or a CUDA graph per (Np, Bp, attention bound)
 key -- every other padded step runs the same function eagerly (with ``compile_dynamic``, every
-padded step runs it compiled, with its own bounds). The ragged path reuses the first pass and
-the draft loop.
+padded step runs it compiled, with its own bounds, in two graphs: ``padded_first`` and
+``padded_loop``). The ragged path reuses the first pass and the draft loop.
 """
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
-from specdec.graphs import StepGraph
+from specdec.graphs import StepGraph, compile_dynamic
 from specdec.kernels import (
     DraftStep,
     PaddedPrep,
@@ -127,8 +127,20 @@ class DraftModelProposer(Proposer):
         self.seq_lens = buf(torch.int32)
         self.slot_mapping = buf(torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
+        in_parts = None
+        if graph_backend == "compile_dynamic":
+            # the first pass is traced once per row layout of the target's tokens, the loop
+            # once per row count and K (its shapes are the requests'), not both per both
+            first = compile_dynamic(self.padded_first, compile_backend)
+            loop = compile_dynamic(self.padded_loop, compile_backend)
+
+            def in_parts(x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
+                         loop_seq_len: int, num_drafts: int) -> torch.Tensor:
+                return loop(x, *first(x, max_seq_len=max_seq_len, max_query_len=max_query_len,
+                                      num_drafts=num_drafts),
+                            loop_seq_len=loop_seq_len, num_drafts=num_drafts)
         self.step_graph = StepGraph(self.padded_step, graph_backend, compile_backend,
-                                    inputs_type=PaddedStepInputs)
+                                    inputs_type=PaddedStepInputs, compiled_in_parts=in_parts)
 
     # ---- the per-method hooks ---------------------------------------------------------------
     def draft_features(self, x: DraftInputs) -> torch.Tensor:
@@ -183,17 +195,37 @@ class DraftModelProposer(Proposer):
         the first pass's; loop_seq_len: steps 2..K's; num_drafts: the step's K); nothing here
         reads a value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
+        ``padded_first`` over the target's Np tokens, then ``padded_loop`` over the Bp rows.
         """
+        return self.padded_loop(x, *self.padded_first(
+            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_drafts=num_drafts),
+            loop_seq_len=loop_seq_len, num_drafts=num_drafts)
+
+    def padded_first(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
+                     num_drafts: int) -> tuple[torch.Tensor, ...]:
+        """The padded step's layout and first pass -> (draft 1 [Bp] int32, the head's output
+        at the sample index [Bp, H], positions there [Bp] int64, num_rejected [Bp]); () for
+        ``num_drafts`` 0 (the head's KV still gets the step's tokens)."""
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
                                                                       max_query_len)
-        if num_drafts == 0:  # the head's KV still gets the step's tokens
+        if num_drafts == 0:
             self.head_pass(x.target_ids, x.positions, x.features, attn, sample_idx, next_ids)
-            return x.sampled.new_zeros((x.sampled.shape[0], 0))
+            return ()
         token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
                                         next_ids)
+        return token, hidden, x.positions[sample_idx], num_rejected
+
+    def padded_loop(self, x: PaddedStepInputs, token: torch.Tensor | None = None,
+                    hidden: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                    num_rejected: torch.Tensor | None = None, *, loop_seq_len: int,
+                    num_drafts: int) -> torch.Tensor:
+        """Drafts 2..``num_drafts`` from ``padded_first``'s outputs -> every draft [Bp,
+        num_drafts] int32."""
+        if num_drafts == 0:
+            return x.sampled.new_zeros((x.sampled.shape[0], 0))
         drafts = [token] + self.draft_loop_steps(
-            token, hidden, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
-            x.block_table, loop_seq_len, num_drafts - 1)
+            token, hidden, positions, x.seq_lens, num_rejected, x.num_reqs, x.block_table,
+            loop_seq_len, num_drafts - 1)
         return torch.stack(drafts, dim=1)
 
     def padded_layout(self, x: PaddedStepInputs, max_seq_len: int, max_query_len: int | None

@@ -31,16 +31,22 @@ class DraftLMProposer(DraftModelProposer):
         """The draft model reads no target state: the token ids stand in (never read)."""
         return x.input_ids
 
-    def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                    loop_seq_len: int, num_drafts: int) -> torch.Tensor:
-        """The padded draft step (as the base's: static shapes, no host read) -> [Bp,
-        num_drafts] (0: the prefix pass alone)."""
+    def padded_first(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
+                     num_drafts: int) -> tuple[torch.Tensor, ...]:
+        """The padded step's layout and the prefix pass over the target's tokens (every K,
+        0 too) -> (the next token ids [Bp] int32, None, positions at the sample index [Bp]
+        int64, num_rejected [Bp])."""
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
                                                                       max_query_len)
         self.head(x.target_ids, x.positions, None, kv=self.kv.bind(attn))
-        drafts = self.draft_loop_steps(
-            next_ids, None, x.positions[sample_idx], x.seq_lens, num_rejected, x.num_reqs,
-            x.block_table, loop_seq_len, num_drafts)
+        return next_ids, None, x.positions[sample_idx], num_rejected
+
+    def padded_loop(self, x: PaddedStepInputs, next_ids: torch.Tensor, hidden: None,
+                    positions: torch.Tensor, num_rejected: torch.Tensor, *, loop_seq_len: int,
+                    num_drafts: int) -> torch.Tensor:
+        """The K loop steps from the next tokens -> drafts [Bp, num_drafts] (0: none)."""
+        drafts = self.draft_loop_steps(next_ids, None, positions, x.seq_lens, num_rejected,
+                                       x.num_reqs, x.block_table, loop_seq_len, num_drafts)
         return torch.stack(drafts, dim=1) if drafts else next_ids.new_zeros((len(next_ids), 0))
 
     def _propose_ragged(self, x: DraftInputs) -> torch.Tensor:
