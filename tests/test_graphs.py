@@ -471,6 +471,28 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 
+def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(target, heads,
+                                                                           monkeypatch):
+    """The target step compiles in two parts: after a greedy warm-up, a sampled request of
+    the same shapes traces its verification alone (dynamo's cache of ``verify`` grows, that of
+    ``target_forward`` stays), and its tokens equal the eager engine's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    llm = make_llm(target, heads, None, graph_backend="compile_dynamic")
+
+    def graphs(method) -> int:
+        return len(_debug_get_cache_entry_list(method.__func__.__code__))
+    forward, verify = graphs(llm.runner.target_forward), graphs(llm.runner.verify)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1)
+    got = llm.generate([[1, 2, 3, 4, 5, 6, 7, 1]], params)[0].token_ids
+    assert graphs(llm.runner.target_forward) == forward > 0
+    assert graphs(llm.runner.verify) > verify
+    eager = make_llm(target, heads, None).generate([[1, 2, 3, 4, 5, 6, 7, 1]], params)
+    assert got == eager[0].token_ids
+
+
 def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model(monkeypatch):
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
     the frozen weights' prepacked matmuls) for the CPU steps of the embedded model give the
