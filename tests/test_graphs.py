@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdec.engine import llm as llm_module
+from specdec.engine.inputs import DEFAULT_MODEL
 from specdec.engine.llm import LLM
 from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
@@ -493,16 +494,23 @@ def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(targ
     assert got == eager[0].token_ids
 
 
-def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model(monkeypatch):
+def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes(monkeypatch):
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
-    the frozen weights' prepacked matmuls) for the CPU steps of the embedded model give the
-    eager engine's tokens: greedy requests with no compile after construction, then one
-    sampled request. To keep the inductor compiles few, the warm-up here is greedy only and
-    runs the two phases these arrivals need (the eager-backend tests above prove the whole
-    warm-up), and the sampled request runs alone (its verification compiles at first use)."""
+    the frozen weights' prepacked matmuls) for the CPU steps give the eager engine's tokens:
+    greedy requests with no compile after construction, then one sampled request. The model
+    is the embedded one's shape with one layer and seeded weights, and the warm-up here is
+    greedy only and runs the two phases these arrivals need (the eager-backend tests above
+    prove the whole warm-up), the sampled request alone (its verification compiles at first
+    use): inductor's compiles are most of this test (~3 min cold with the embedded model's
+    four layers, on 2 cores)."""
+    import dataclasses
+
     monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
     monkeypatch.setattr(llm_module, "warmup_phases",
                         lambda *sizes: (((8,),), ((6, 6, 6), (), (17,))))
+    config = dataclasses.replace(ModelConfig.from_folder(DEFAULT_MODEL), num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
     prompts = [list(range(3, 3 + n)) for n in (7, 30, 2, 12, 19)]
 
     def arrivals(llm, params, prompts=prompts):
@@ -515,7 +523,8 @@ def test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model(monkey
 
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    kw = dict(target=model, dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=128)
     llm, eager = LLM(graph_backend="compile_dynamic", **kw), LLM(**kw)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert arrivals(llm, greedy) == arrivals(eager, greedy)
