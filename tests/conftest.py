@@ -130,8 +130,8 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
 
 # ---- pytest-xdist (the README's ``python -m pytest -n 2``): a test file is one unit of work, on
 # one worker (its module fixtures are built once), except the tests below, units of their own
-# sent first: test_graphs.py's compile tests, each minutes of dynamo tracing -- they run beside
-# the rest of the suite instead of after it. One unit per engine its tests share (the module's
+# sent first: test_graphs.py's compile tests, each minutes of dynamo tracing or inductor
+# compiles -- they run beside the rest of the suite instead of after it. One unit per engine its tests share (the module's
 # ``warmed`` fixture builds an engine in each worker that asks for it). Without -n (a GPU box
 # without pytest-xdist included): one process, nothing here runs.
 SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
@@ -139,10 +139,15 @@ SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
         ("test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager[eagle3]", "eagle3"),
         ("test_compile_dynamic_compiles_nothing_after_start_up[eagle3]", "eagle3"),
         ("test_served_graphs_after_start_up_are_counted_in_metrics[compile_dynamic]", "eagle3"),
-        ("test_compile_dynamic_with_inductor_equals_eager_on_the_embedded_model", "inductor"),
+        ("test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes",
+         "inductor"),
         ("test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager[None]", "plain"),
         ("test_compile_dynamic_compiles_nothing_after_start_up[None]", "plain"),
-    )}
+    )} | {
+    # inductor's first compile in a process sets up its C++ toolchain (~1 min cold): the
+    # suite's other inductor test runs in the same worker, after the one above
+    "tests/test_counter_rng.py::test_inductor_with_symbolic_sizes_draws_the_eager_numbers":
+        "tests/test_graphs.py@inductor"}
 
 
 @pytest.hookimpl(optionalhook=True)
