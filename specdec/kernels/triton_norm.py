@@ -59,10 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} stride {x.stride()}, residual "
                          f"{tuple(residual.shape)} stride {residual.stride()}: need equal "
                          "shapes and unit last strides")
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, res2, weight, h, out, x2.stride(0), res2.stride(0), eps,
-        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ACC=acc, HAS_RESIDUAL=True)
+    _launch(x2, res2, weight, h, out, eps, has_residual=True)
     return h, out
 
 
@@ -78,8 +75,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, hidden)
     if hidden > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, x2, weight, out, out, x2.stride(0), x2.stride(0), eps,
-        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ACC=acc, HAS_RESIDUAL=False)
+    _launch(x2, x2, weight, out, out, eps, has_residual=False)
     return out
+
+
+def _launch(x2: torch.Tensor, res2: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,
+            out: torch.Tensor, eps: float, *, has_residual: bool) -> None:
+    """One program per row of x2 [R, H] (res2 and h unread / unwritten without a residual)."""
+    hidden = x2.shape[1]
+    acc = tl.float64 if x2.dtype == torch.float64 else tl.float32
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, res2, weight, h, out, x2.stride(0), res2.stride(0), eps, HIDDEN=hidden,
+        BLOCK=triton.next_power_of_2(hidden), ACC=acc, HAS_RESIDUAL=has_residual)
