@@ -78,12 +78,13 @@ class GoodputPolicy:
     def seconds(self, b: int) -> list[float | None]:
         """t(b, K) for each K: the least of bucket b's last times at K, else estimated from
         the nearest bucket that ran K (times its ratio to b at a K both ran), else None."""
-        own = [min(t) if t else None for t in self.times[b]]
+        least = {o: [min(t) if t else None for t in ts] for o, ts in self.times.items()}
+        own = least[b]
         out = list(own)
         nearest = sorted((abs(math.log(o / b)), o) for o in self.times if o != b)
         for k in (k for k, t in enumerate(own) if t is None):
             for _, o in nearest:
-                theirs = [min(t) if t else None for t in self.times[o]]
+                theirs = least[o]
                 if theirs[k] is not None:
                     both = [j for j, (x, y) in enumerate(zip(own, theirs))
                             if x is not None and y is not None]
