@@ -54,14 +54,14 @@ def heads(target):
 
 
 def make_llm(target, heads, method, graph_backend=None, graph_mode="eager",
-             capture_sizes=(1, 2, 4)):
+             capture_sizes=(1, 2, 4), dtype=torch.float64):
     spec = None
     if method is not None:
         spec = {"method": method, "num_speculative_tokens": K, "graph_mode": graph_mode}
         if method == "eagle3":
             spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
     return LLM(target=target, draft_head=heads.get(method), speculative_config=spec,
-               dtype=torch.float64, max_num_batched_tokens=32, max_model_len=160,
+               dtype=dtype, max_num_batched_tokens=32, max_model_len=160,
                max_num_seqs=4, capture_sizes=list(capture_sizes), graph_backend=graph_backend,
                compile_backend="eager")
 
@@ -472,16 +472,22 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 
-def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(target, heads,
-                                                                           monkeypatch):
+def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monkeypatch):
     """The target step compiles in two parts: after a greedy warm-up, a sampled request of
     the same shapes traces its verification alone (dynamo's cache of ``verify`` grows, that of
-    ``target_forward`` stays), and its tokens equal the eager engine's."""
+    ``target_forward`` stays), and its tokens equal the eager engine's. In float32, which no
+    other eager-backend compile_dynamic engine of the suite uses: dynamo's cache is per code
+    object and ``verify``'s guards hold for any engine of the same dtype, so one warmed earlier
+    in the same process would already hold the sampled graph."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    target = LlamaForCausalLM(cfg).eval()
     monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
     monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
-    llm = make_llm(target, heads, None, graph_backend="compile_dynamic")
+    llm = make_llm(target, {}, None, graph_backend="compile_dynamic", dtype=torch.float32)
 
     def graphs(method) -> int:
         return len(_debug_get_cache_entry_list(method.__func__.__code__))
@@ -490,7 +496,8 @@ def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(targ
     got = llm.generate([[1, 2, 3, 4, 5, 6, 7, 1]], params)[0].token_ids
     assert graphs(llm.runner.target_forward) == forward > 0
     assert graphs(llm.runner.verify) > verify
-    eager = make_llm(target, heads, None).generate([[1, 2, 3, 4, 5, 6, 7, 1]], params)
+    eager = make_llm(target, {}, None, dtype=torch.float32).generate([[1, 2, 3, 4, 5, 6, 7, 1]],
+                                                                     params)
     assert got == eager[0].token_ids
 
 
