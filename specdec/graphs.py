@@ -72,10 +72,17 @@ def _shapes_symbolic_only(compiled: Callable) -> Callable:
     return run
 
 
-def compile_dynamic(fn: Callable, compile_backend: str) -> Callable:
+def compile_dynamic(fn: Callable, compile_backend: str, *,
+                    realize_reused: bool = False) -> Callable:
     """``fn`` as the compile_dynamic backend compiles it: full graph, sizes and ints symbolic
-    (``_shapes_symbolic_only``), inductor's frozen weights."""
-    options = {"freezing": True} if compile_backend == "inductor" else None
+    (``_shapes_symbolic_only``), inductor's frozen weights. ``realize_reused``: inductor
+    stores every value read twice instead of inlining it into each reader -- for a part that
+    draws counter-based random numbers, whose xor-shifts read each value twice: inlined, the
+    loop body doubles with each of them (nine deep), and one sampled graph took ~40 s to
+    generate on this 2-core machine instead of ~15 s."""
+    options = None
+    if compile_backend == "inductor":
+        options = {"freezing": True} | ({"realize_reads_threshold": 1} if realize_reused else {})
     return _shapes_symbolic_only(torch.compile(fn, fullgraph=True, dynamic=True,
                                                backend=compile_backend, options=options))
 

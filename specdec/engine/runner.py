@@ -133,7 +133,7 @@ class ModelRunner:
             # the forward is traced once per row layout and the verification once per
             # sampling variant too, instead of the whole step once per both
             forward = compile_dynamic(self.target_forward, compile_backend)
-            verify = compile_dynamic(self.verify, compile_backend)
+            verify = compile_dynamic(self.verify, compile_backend, realize_reused=True)
 
             def in_parts(x: StepInputs, *, max_seq_len: int, max_query_len: int, variant: str,
                          num_rows: int) -> tuple[torch.Tensor, ...]:
