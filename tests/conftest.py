@@ -145,11 +145,9 @@ SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
         ("test_compile_dynamic_compiles_nothing_after_start_up[None]", "plain"),
     )} | {
     # inductor's first compile in a process sets up its C++ toolchain (10-30 s cold): the
-    # suite's other inductor tests run in the same worker, after the one above (the
-    # torchair CLI run compiles its target step with inductor)
-    test: "tests/test_graphs.py@inductor" for test in (
-        "tests/test_counter_rng.py::test_inductor_with_symbolic_sizes_draws_the_eager_numbers",
-        "tests/test_errors.py::test_5_torchair_compile_is_timed_apart")}
+    # suite's other inductor test runs in the same worker, after the one above
+    "tests/test_counter_rng.py::test_inductor_with_symbolic_sizes_draws_the_eager_numbers":
+        "tests/test_graphs.py@inductor"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -72,10 +72,21 @@ def test_3_unavailable_device_is_a_value_error_listing_the_available(folder):
 def test_5_torchair_compile_is_timed_apart(folder, capsys):
     code, out, err = cli(capsys, "generate", "--model", str(folder / "target"), "--prompt", "x",
                          "--max-tokens", "4", "--method", "torchair-mtp", "-k", "2",
-                         "--speculative-config",
-                         json.dumps({"draft_model_config": {"compile_backend": "eager"}}))
+                         "--compile-backend", "eager")  # dynamo's graphs, no inductor codegen
     assert code == 0, err
     assert "graph compile + warm-up:" in out and "│ torchair-mtp " in out
+
+
+def test_5_compile_backend_without_a_compiling_graph_backend_names_the_flags(folder, capsys):
+    code, _, err = cli(capsys, "generate", "--model", str(folder / "target"), "--prompt", "x",
+                       "--max-tokens", "2", "--method", "none", "--compile-backend", "eager")
+    assert code == 2
+    assert "--compile-backend='eager' is for a compiling graph backend" in err
+    assert "this engine's is 'eager'" in err
+    code, _, err = cli(capsys, "generate", "--model", str(folder / "target"), "--prompt", "x",
+                       "--max-tokens", "2", "--method", "none", "--graph-backend", "compile",
+                       "--compile-backend", "tensorrt")
+    assert code == 2 and "compile_backend='tensorrt'" in err and "inductor" in err
 
 
 # ---- 6. small CLI / README gaps ------------------------------------------------------------

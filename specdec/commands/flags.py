@@ -144,6 +144,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-backend", default=None, choices=BACKENDS,
                    help="step wrapper of captured steps (default: the speculative config's "
                         "graph_mode, else cuda_graph on CUDA and eager elsewhere)")
+    p.add_argument("--compile-backend", default=None, metavar="NAME",
+                   help="torch.compile backend of a compiling graph backend (compile, "
+                        "compile_dynamic, torchair): inductor, or eager to trace without "
+                        "code generation (start-up in seconds, eager speed); any name "
+                        "torch._dynamo.list_backends() gives (default: inductor)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="launch each decode step before the host has read the one before "
                         "(padded heads, draft models or none; one rank; default: off)")
@@ -151,8 +156,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     """LLM keyword arguments from add_engine_arguments' flags."""
-    return dict(device=args.device or default_device(), dtype=args.dtype,
-                graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
+    kw = dict(device=args.device or default_device(), dtype=args.dtype,
+              graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
+    return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 
 def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):
@@ -168,9 +174,15 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
     if model is not None and not (Path(model) / "config.json").exists():
         raise UsageError(f"--model={model!r} has no config.json (an HF-style target folder is needed)")
     try:
-        return LLM(model, speculative_config=spec, seed=seed, **kw)
+        llm = LLM(model, speculative_config=spec, seed=seed, **kw)
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         raise UsageError(f"cannot build the engine: {type(e).__name__}: {e}") from None
+    from specdec.graphs import COMPILING
+    if "compile_backend" in kw and llm.graph_backend not in COMPILING:
+        raise UsageError(f"--compile-backend={kw['compile_backend']!r} is for a compiling graph "
+                         f"backend ({', '.join(COMPILING)}); this engine's is "
+                         f"{llm.graph_backend!r} (--graph-backend, or --method torchair-mtp)")
+    return llm
 
 
 def ints(s: str) -> list[int]:
