@@ -201,6 +201,17 @@ def test_llm_data_parallel_size_generates_in_prompt_order(target):
     assert [o.token_ids for o in outs] == dp1_outputs(kw, PROMPTS[:3], 8)
 
 
+def test_each_runs_ranks_read_the_launchers_environment_of_that_run(target, monkeypatch):
+    """Ranks fork from a server started once per launcher (forkserver), yet each run's ranks
+    read the launcher's environment as it is at that run: the host-sync check, on (every step
+    counted: 0) then off (not counted: None)."""
+    job = DPJob(llm_kwargs("mtp", target), PROMPTS[:2], SamplingParams(max_tokens=4))
+    for check, counted in (("1", 0), ("0", None)):
+        monkeypatch.setenv("SPECDEC_CHECK_HOST_SYNCS", check)
+        [run] = run_data_parallel([job], 2, timeout=TIMEOUT)
+        assert {s.host_syncs for rank in run.ranks for s in rank.steps} == {counted}
+
+
 def test_a_failing_rank_fails_the_run_instead_of_hanging(target):
     """Rank 1's prompt is too long: it raises while rank 0 waits in a collective."""
     kw = llm_kwargs("mtp", target)
