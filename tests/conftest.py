@@ -166,22 +166,12 @@ def pytest_xdist_make_scheduler(config, log):
     return Scheduling(config, log)
 
 
-# then the files of most test time (~40-85 s each on 2 cores), longest first: sent late, one
-# of them kept a worker busy while the other had run out of work
-FILES_FIRST = ("tests/test_tp.py", "tests/test_serve.py", "tests/test_qwen3_5.py",
-               "tests/test_dp_faults.py", "tests/test_dp.py", "tests/test_paged_attention.py",
-               "tests/test_serve_edges.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """An xdist worker's collection (the order the units are sent in): SCHEDULED_FIRST's tests
-    first, in its order, then FILES_FIRST's. Outside xdist nothing changes."""
+    first, in its order. Outside xdist nothing changes."""
     if hasattr(config, "workerinput"):
         first = {nodeid: i for i, nodeid in enumerate(SCHEDULED_FIRST)}
-        files = {path: len(first) + i for i, path in enumerate(FILES_FIRST)}
-        rest = len(first) + len(files)
-        items.sort(key=lambda item: first[item.nodeid] if item.nodeid in first
-                   else files.get(item.nodeid.split("::")[0], rest))
+        items.sort(key=lambda item: first.get(item.nodeid, len(first)))
 
 
 @pytest.fixture(scope="session", autouse=True)

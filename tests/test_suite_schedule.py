@@ -1,15 +1,11 @@
-"""tests/conftest.py's xdist units and first files name tests and files that exist: a renamed
-one would silently lose its place and run last (a cold inductor compile or a long warm-up at
-the end of the run)."""
+"""tests/conftest.py's xdist units name tests that exist: a renamed test would silently leave
+its unit and run last (a cold inductor compile or a long warm-up at the end of the run)."""
 
 import importlib
-from pathlib import Path
 
 import pytest
 
-from conftest import FILES_FIRST, SCHEDULED_FIRST
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import SCHEDULED_FIRST
 
 
 @pytest.mark.parametrize("nodeid", list(SCHEDULED_FIRST))
@@ -23,8 +19,3 @@ def test_each_scheduled_test_exists(nodeid):
         values = [v for mark in getattr(test, "pytestmark", []) if mark.name == "parametrize"
                   for v in mark.args[1]]
         assert param.removesuffix("]") in map(str, values), (nodeid, values)
-
-
-@pytest.mark.parametrize("path", FILES_FIRST)
-def test_each_file_sent_first_exists(path):
-    assert (ROOT / path).is_file(), path
