@@ -131,8 +131,9 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
 # ---- pytest-xdist (the README's ``python -m pytest -n 2``): a test file is one unit of work, on
 # one worker (its module fixtures are built once), except the tests below, units of their own
 # sent first: test_graphs.py's compile tests, each minutes of dynamo tracing or inductor
-# compiles -- they run beside the rest of the suite instead of after it. One unit per engine its tests share (the module's
-# ``warmed`` fixture builds an engine in each worker that asks for it). Without -n (a GPU box
+# compiles -- they run beside the rest of the suite instead of after it. One unit per engine
+# its tests share (the module's ``warmed`` fixture builds an engine in each worker that asks
+# for it). Without -n (a GPU box
 # without pytest-xdist included): one process, nothing here runs.
 SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
     f"tests/test_graphs.py::{test}": f"tests/test_graphs.py@{unit}" for test, unit in (

@@ -5,7 +5,6 @@ heads, the EAGLE-3 head with a 48-token draft vocab and its d2t map); corrupted 
 are made per test.
 """
 
-import json
 import shutil
 import signal
 from pathlib import Path

@@ -142,9 +142,10 @@ def cmd_generate(args) -> int:
     if budget is None:  # one step verifies 1 + K tokens: the default budget grows to fit
         budget = max(DEFAULT_BATCHED_TOKENS, 1 + k)
     # one prompt, one request slot: a capturing or compiling backend warms up the graphs of
-    # one running request, not of LLM's default 16
-    llm = build_llm(args.model, spec, dp=args.dp, seed=args.seed, max_num_seqs=1,
-                    max_num_batched_tokens=budget, **engine_kwargs(args))
+    # one running request, not of LLM's default 16 (--compare-plain's engine: the same)
+    engine_args = dict(dp=args.dp, seed=args.seed, max_num_seqs=1,
+                       max_num_batched_tokens=budget, **engine_kwargs(args))
+    llm = build_llm(args.model, spec, **engine_args)
     console = Console()
     engine = f"{llm.device}, {str(llm.config.dtype).removeprefix('torch.')}, {llm.graph_backend}"
 
@@ -173,8 +174,7 @@ def cmd_generate(args) -> int:
         return 0
     rows = [(out, seconds, spec)]
     if args.compare_plain and spec is not None:  # the same prompt without a drafter
-        plain = build_llm(args.model, None, dp=args.dp, seed=args.seed, max_num_seqs=1,
-                          max_num_batched_tokens=budget, **engine_kwargs(args))
+        plain = build_llm(args.model, None, **engine_args)
         timed(plain)  # warm-up, as the speculative engine had (its first call above or here)
         rows.append((*timed(plain), None))
         if method != "torchair-mtp":  # time the speculative run warm too, as plain's

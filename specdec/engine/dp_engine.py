@@ -298,8 +298,9 @@ def _kill(procs) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """A rank whose parent died (it was re-parented) exits at once instead of finishing its
-    job and blocking forever on a result nobody reads."""
+    """A rank whose parent died (the rank was re-parented, or the parent's pid is gone)
+    exits at once instead of finishing its job and blocking forever on a result nobody
+    reads."""
     def alive(pid: int) -> bool:
         try:
             os.kill(pid, 0)
