@@ -32,10 +32,13 @@ KINDS = (
     ("attention", r"attention|attn|flash|paged|sdpa"),
     ("norm", r"norm"),
     ("rope", r"rope|rotary"),
-    ("gemm", r"gemm|gemv|matmul|cutlass|cublas|sm\d+_xmma|aten::(mm|addmm|bmm|linear)\b|splitk"),
+    # nvjet: cuBLASLt's Hopper GEMM kernels (CUDA 12.8+)
+    ("gemm", r"gemm|gemv|matmul|cutlass|cublas|nvjet|sm\d+_xmma|aten::(mm|addmm|bmm|linear)\b"
+             r"|splitk"),
     ("copy", r"copy|memcpy|memset|index|scatter|gather|cat\b|fill"),
 )
 PATTERNS = [(kind, re.compile(rx)) for kind, rx in KINDS]
+TOP_OTHER = 6  # the slowest "other" names printed under the table
 COLUMNS = [kind for kind, _ in KINDS] + ["other"]
 
 
@@ -45,23 +48,28 @@ def kind_of(name: str) -> str:
     return next((kind for kind, rx in PATTERNS if rx.search(low)), "other")
 
 
-def kernel_times(prof, device: torch.device) -> dict[str, float]:
+def kernel_times(prof, device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
     """Total time (ms) per kind: device kernels on CUDA, operators' self CPU time on a CPU
-    (only leaf work: an operator's time inside its children counts once, in the child)."""
-    totals = dict.fromkeys(COLUMNS, 0.0)
+    (only leaf work: an operator's time inside its children counts once, in the child); and
+    the time (ms) of each kernel / operator that fell into "other", by name."""
+    totals, other = dict.fromkeys(COLUMNS, 0.0), {}
     for evt in prof.key_averages():
         if device.type == "cuda":
             us = getattr(evt, "self_device_time_total", 0.0)
         else:
             us = evt.self_cpu_time_total if evt.key.startswith("aten::") else 0.0
         if us > 0:
-            totals[kind_of(evt.key)] += us / 1e3
-    return totals
+            kind = kind_of(evt.key)
+            totals[kind] += us / 1e3
+            if kind == "other":
+                other[evt.key] = other.get(evt.key, 0.0) + us / 1e3
+    return totals, other
 
 
 def profile(llm, conc: int, steps: int, vocab: int, device: torch.device) -> dict:
     """``steps`` decode steps of ``conc`` requests under the profiler -> ms per step per kind,
-    ``wall`` (median step wall time) and, on CUDA, ``idle``."""
+    ``wall`` (median step wall time), ``top_other`` (the TOP_OTHER slowest (name, ms per
+    step) of "other") and, on CUDA, ``idle``."""
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     prompts = prompts_for(conc, vocab)
     llm.generate(prompts, params)  # warm-up: captures, compiles, allocates
@@ -83,9 +91,12 @@ def profile(llm, conc: int, steps: int, vocab: int, device: torch.device) -> dic
             walls.append(time.perf_counter() - start)
     while llm.step() is not None:  # finish the requests
         pass
-    per_step = {k: v / steps for k, v in kernel_times(prof, device).items()}
+    totals, other = kernel_times(prof, device)
+    per_step = {k: v / steps for k, v in totals.items()}
     wall = 1e3 * statistics.median(walls)
-    row = {**per_step, "wall": wall, "steps": steps}
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:TOP_OTHER]
+    row = {**per_step, "wall": wall, "steps": steps,
+           "top_other": [(name, ms / steps) for name, ms in top]}
     if device.type == "cuda":
         row["idle"] = max(0.0, 1e3 * sum(walls) / steps - sum(per_step.values()))
     return row
@@ -118,7 +129,10 @@ def main(argv=None) -> int:
     for c in cols:
         table.add_column(c, justify="right")
     table.add_row(*(f"{row[c]:.3f}" for c in cols))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for name, ms in row["top_other"]:
+        console.print(f"  other {ms:.3f} ms/step  {name[:150]}", markup=False, highlight=False)
     if args.json:
         args.json.write_text(json.dumps({**vars(args), "json": None, **row}, default=str))
     return 0

@@ -109,10 +109,8 @@ class KVCache:
         self.torch_attention = (any(s.sliding_window is not None or s.value_dim is not None
                                     or s.logit_softcap is not None or s.sinks for s in paged)
                                 and not platform.unverified_gpu_paths())
-        # the rotary + cache write kernel (kernels.triton_rope.rope_write_kv): where Triton
-        # runs, once it has run on a GPU (until then platform.unverified_gpu_paths())
-        self.fused_rope_write = (bool(paged) and platform.triton_available(self.k[0].device)
-                                 and platform.unverified_gpu_paths())
+        # the rotary + cache write kernel (kernels.triton_rope.rope_write_kv) where Triton runs
+        self.fused_rope_write = bool(paged) and platform.triton_available(self.k[0].device)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -51,9 +51,8 @@ def triton_available(device: torch.device) -> bool:
 
 
 # Code paths only a GPU can exercise that have not yet run on one: the Triton MLA kernel, the
-# paged-attention window, the partial / interleaved rotary kernel, the rotary + K/V-write
-# kernel, the Triton RMSNorm without a residual, and cuda_graph with tensor parallelism (NCCL
-# inside a graph). Off by default (the torch formulas / an error run instead)
+# paged-attention window, the partial / interleaved rotary kernel, and cuda_graph with tensor
+# parallelism (NCCL inside a graph). Off by default (the torch formulas / an error run instead)
 # until this is "1"; set it for the first GPU run of tests/test_cuda.py, then make them the
 # default.
 UNVERIFIED_GPU_PATHS_ENV = "SPECDEC_UNVERIFIED_GPU_PATHS"

@@ -172,8 +172,8 @@ def test_k_per_step_captured_equals_eager(method):
     assert {s.num_spec_tokens for s in llm.steps if s.num_reqs} >= {0, 1, 3}
 
 
-def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
-    """The rotary + K/V write kernel (opt-in until this runs: SPECDEC_UNVERIFIED_GPU_PATHS=1)
+def test_fused_rope_and_cache_write_on_cuda_and_in_the_step():
+    """The rotary + K/V write kernel (the CUDA default since it passed here on an H100)
     against the torch formula in bf16 on the GPU, then in the engine: the same greedy tokens
     and acceptance as the CPU's torch path, captured."""
     from specdec.kernels import rope_torch
@@ -190,22 +190,20 @@ def test_fused_rope_and_cache_write_on_cuda_and_in_the_step(monkeypatch):
                                      v_ref, 32)
     for got, want in ((q, q_ref), (k, k_ref), (v, v_ref)):
         torch.testing.assert_close(got, want.bfloat16())
-    monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
     llm = assert_captured_cuda_equals_cpu()
     assert llm.runner.kv.fused_rope_write and llm.runner.proposer.kv.fused_rope_write
 
 
-def test_triton_rms_norm_on_cuda_and_in_the_step(monkeypatch):
-    """The RMSNorm kernel without a residual (opt-in until this runs) against F.rms_norm in
-    bf16 on the GPU, then in the engine (every RMSNorm module through it): the CPU's greedy
-    tokens and acceptance, captured."""
+def test_triton_rms_norm_on_cuda_and_in_the_step():
+    """The RMSNorm kernel without a residual (the CUDA default since it passed here on an
+    H100) against F.rms_norm in bf16 on the GPU, then in the engine (every RMSNorm module
+    through it): the CPU's greedy tokens and acceptance, captured."""
     from specdec.kernels.triton_norm import rms_norm
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 4096, device="cuda", generator=g).bfloat16()
     w = torch.randn(4096, device="cuda", generator=g).bfloat16()
     want = torch.nn.functional.rms_norm(x, w.shape, w, 1e-5)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), want)
-    monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
     assert_captured_cuda_equals_cpu()
 
 

@@ -82,6 +82,14 @@ def test_window_and_latent_caches_take_the_torch_formulas_unless_opted_in(
     assert not KVCache(specs, 1, 4, torch.float32, "cpu").torch_attention
 
 
+def test_the_rope_and_cache_write_kernel_is_the_default_where_triton_runs(monkeypatch):
+    """It has run on a GPU: no opt-in; paged caches take it where Triton runs, never on a CPU."""
+    monkeypatch.delenv(platform.UNVERIFIED_GPU_PATHS_ENV, raising=False)
+    assert not KVCache([KVCacheSpec(2, 8)], 1, 4, torch.float32, "cpu").fused_rope_write
+    monkeypatch.setattr(platform, "triton_available", lambda device: True)
+    assert KVCache([KVCacheSpec(2, 8)], 1, 4, torch.float32, "cpu").fused_rope_write
+
+
 @pytest.mark.parametrize("params,interleaved,unverified", [
     ({"rope_theta": 1e4}, False, False),
     ({"rope_theta": 1e4, "partial_rotary_factor": 0.5}, False, True),

@@ -104,9 +104,9 @@ def test_a_forward_carrying_the_residual_into_the_triton_norms_equals_the_layer_
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-def test_the_rms_norm_module_takes_the_kernel_only_when_opted_in(monkeypatch):
-    """``RMSNorm`` runs ``kernels.rms_norm`` (the Triton kernel where Triton runs) only with
-    SPECDEC_UNVERIFIED_GPU_PATHS=1, and gives the same numbers as F.rms_norm either way."""
+def test_the_rms_norm_module_runs_the_kernel_dispatcher(monkeypatch):
+    """``RMSNorm`` runs ``kernels.rms_norm`` (the Triton kernel where Triton runs), with or
+    without SPECDEC_UNVERIFIED_GPU_PATHS (it has run on a GPU), and gives F.rms_norm's numbers."""
     from specdec.models.layers.norm import RMSNorm
 
     norm = RMSNorm(8, 1e-6)
@@ -119,10 +119,11 @@ def test_the_rms_norm_module_takes_the_kernel_only_when_opted_in(monkeypatch):
         calls.append(1)
         return NORM.rms_norm(*args)
     monkeypatch.setattr(kernels, "rms_norm", counted)
+    monkeypatch.delenv("SPECDEC_UNVERIFIED_GPU_PATHS", raising=False)
     with torch.no_grad():
-        want = norm(x)
-        assert calls == []
-        monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
         got = norm(x)
-    assert calls == [1]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert calls == [1]
+        monkeypatch.setenv("SPECDEC_UNVERIFIED_GPU_PATHS", "1")
+        assert torch.equal(norm(x), got) and calls == [1, 1]
+    want = torch.nn.functional.rms_norm(x, (8,), norm.weight.detach(), 1e-6)
+    assert torch.equal(got, want)

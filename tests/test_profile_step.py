@@ -11,6 +11,7 @@ def test_kernel_names_sort_into_kinds():
     named = {
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
         "void cublasLt::splitKreduce_kernel<32, 16, int, float>": "gemm",
+        "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm",
         "aten::addmm": "gemm", "aten::mm": "gemm",
         "_fused_add_rms_norm_kernel": "norm", "vectorized_layer_norm_kernel": "norm",
         "_paged_attention_decode_kernel": "attention",
@@ -35,4 +36,7 @@ def test_a_profiled_cpu_run_accounts_for_its_steps():
     assert kinds["attention"] > 0 and kinds["norm"] > 0
     # operator self times within the steps (in a run the OS left alone)
     assert min(sum(row[k] for k in COLUMNS) / row["wall"] for row in rows) <= 1.5
+    # the slowest "other" operators by name, each within that kind's total
+    assert rows[0]["top_other"] and all(0 < ms <= rows[0]["other"] + 1e-9
+                                        for _, ms in rows[0]["top_other"])
     assert not llm.scheduler.has_unfinished()

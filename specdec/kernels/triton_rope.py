@@ -10,8 +10,8 @@ One program per token: all H heads, products in float32 (float64 for float64), c
 ``rope_write_kv``: the attention layer's q/k rotary and its K/V cache write as one kernel (the
 contract of ``rope_torch.rope_write_kv``; full, non-interleaved rotary): rotated q goes to a new
 [N, Hq, D], rotated k and v straight to their cache rows (no rotated-k tensor, no
-``index_copy_`` launches). Not yet run on a GPU: the layer takes it only with
-``SPECDEC_UNVERIFIED_GPU_PATHS=1`` (``specdec.attention.PagedKV.attend_qkv``).
+``index_copy_`` launches); the attention layer takes it wherever Triton runs
+(``specdec.attention.PagedKV.attend_qkv``; first run on an H100 on 2026-11-27).
 """
 
 import torch

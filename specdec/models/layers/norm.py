@@ -4,15 +4,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec import kernels, platform
+from specdec import kernels
 
 
 class RMSNorm(nn.Module):
     """HF RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``, statistics in float32, output in x's dtype.
 
-    ``F.rms_norm``: one fused kernel on CUDA; x [..., dim] -> [..., dim]. With
-    ``SPECDEC_UNVERIFIED_GPU_PATHS=1`` the Triton kernel of ``kernels.rms_norm`` runs instead
-    where Triton runs (the fused add + norm kernel without the add; not yet run on a GPU).
+    x [..., dim] -> [..., dim] through ``kernels.rms_norm``: where Triton runs the fused add +
+    norm kernel without the add (as every decoder layer's norms), elsewhere ``F.rms_norm``.
     Example: x = [3, 4], w = [1, 2], eps -> 0: rms = sqrt(12.5) -> [0.8485, 2.2627].
     """
 
@@ -22,9 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if platform.unverified_gpu_paths():
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class OffsetRMSNorm(nn.Module):
