@@ -70,7 +70,9 @@ def profile(llm, conc: int, steps: int, vocab: int, device: torch.device) -> dic
     """``steps`` decode steps of ``conc`` requests under the profiler -> ms per step per kind,
     ``wall`` (median step wall time), ``top_other`` (the TOP_OTHER slowest (name, ms per
     step) of "other") and, on CUDA, ``idle``."""
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    # up to 1 + K tokens a step: enough for every request to decode through all ``steps``
+    per_step_tokens = 1 + llm.runner.num_speculative_tokens
+    params = SamplingParams(max_tokens=(steps + 8) * per_step_tokens, ignore_eos=True)
     prompts = prompts_for(conc, vocab)
     llm.generate(prompts, params)  # warm-up: captures, compiles, allocates
     for p in prompts:
@@ -81,7 +83,7 @@ def profile(llm, conc: int, steps: int, vocab: int, device: torch.device) -> dic
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    walls = []
+    walls, first = [], len(llm.steps)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             start = time.perf_counter()
@@ -89,6 +91,9 @@ def profile(llm, conc: int, steps: int, vocab: int, device: torch.device) -> dic
             if device.type == "cuda":
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - start)
+    profiled = [s.num_reqs for s in llm.steps[first:]]
+    if profiled != [conc] * steps:
+        raise RuntimeError(f"profiled steps decoded {profiled} requests, not {conc} each")
     while llm.step() is not None:  # finish the requests
         pass
     totals, other = kernel_times(prof, device)

@@ -40,3 +40,12 @@ def test_a_profiled_cpu_run_accounts_for_its_steps():
     assert rows[0]["top_other"] and all(0 < ms <= rows[0]["other"] + 1e-9
                                         for _, ms in rows[0]["top_other"])
     assert not llm.scheduler.has_unfinished()
+
+
+def test_a_speculative_run_profiles_steps_that_decode_every_request():
+    """EAGLE-3 at full acceptance emits 1 + K tokens a step: the profiled steps still decode
+    every request (a run whose requests ran out of tokens would time empty steps)."""
+    llm = build("llama-tiny", "eagle3", True, "eager", 2, torch.device("cpu"), 3,
+                torch.float32)
+    row = profile(llm, 2, 6, llm.vocab_size, torch.device("cpu"))  # raises otherwise
+    assert row["gemm"] > 0 and row["wall"] > 0 and row["steps"] == 6
