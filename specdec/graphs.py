@@ -34,6 +34,7 @@ the graphs a wrapper made: a key captured, or each graph dynamo compiled during 
 new key or code path, or a guard that failed).
 """
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -61,15 +62,30 @@ def _shapes_symbolic_only(compiled: Callable) -> Callable:
     """``compiled`` traced with sizes and ints symbolic, nothing else: no duck sizing (two
     sizes equal at the first call -- a view's storage offset and the token count -- stay two
     symbols, not a guard that recompiles when they differ) and Python floats (norm eps,
-    scales) baked in as constants, not graph inputs wrapped in a host tensor per call."""
+    scales) baked in as constants, not graph inputs wrapped in a host tensor per call. It
+    runs outside any torch function mode of the caller (the host-sync counter of
+    ``check_host_syncs``): dynamo would trace such a mode into every op of the graph and
+    guard on it, so a step compiled under it would compile again without it."""
     from torch.fx.experimental import _config as shape_config
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
         with shape_config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True):
+                torch._dynamo.config.patch(specialize_float=True), _without_torch_function_modes():
             return compiled(*args, **kwargs)
     return run
+
+
+@contextlib.contextmanager
+def _without_torch_function_modes():
+    """The block runs with the torch function mode stack empty (restored after)."""
+    modes = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def compile_dynamic(fn: Callable, compile_backend: str, *,

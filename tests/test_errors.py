@@ -302,6 +302,22 @@ def test_17_bad_llm_arguments_raise_value_or_type_error(folder, kwargs, exc, mat
         LLM(**kwargs)
 
 
+def test_17_a_target_in_another_dtype_is_named_with_both_fixes():
+    """A target module whose parameters are not ``dtype`` (the KV cache's) is refused at
+    construction, naming both dtypes and both ways to match them (it used to fail deep in the
+    first step's cache write)."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    target = LlamaForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=r"target: its parameters are torch.float32, "
+                       r"dtype=torch.bfloat16.*target.to\(torch.bfloat16\) or dtype=torch.float32"):
+        LLM(target=target, dtype=torch.bfloat16)
+    assert LLM(target=target.to(torch.bfloat16), dtype=torch.bfloat16).generate(
+        [[1, 2, 3]], max_tokens=2)[0].token_ids
+
+
 @pytest.mark.parametrize("prompts,kwargs,exc,match", [
     (5, {}, TypeError, "prompts=5"),
     (None, {}, TypeError, "prompts=None"),

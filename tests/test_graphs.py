@@ -501,6 +501,30 @@ def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monk
     assert got == eager[0].token_ids
 
 
+def test_compile_dynamic_steps_compile_once_with_or_without_the_host_sync_counter(monkeypatch):
+    """A step compiled without a torch function mode runs under ``check_host_syncs``' counter
+    (a mode) without compiling again, and the other way round: the compiled parts run outside
+    any mode (dynamo would guard on it, and trace it into every op). In bfloat16, which no
+    other compile_dynamic engine of the suite uses (dynamo's cache is per code object)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    target = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    llm = LLM(target=target, dtype=torch.bfloat16, max_num_batched_tokens=32, max_model_len=64,
+              max_num_seqs=2, graph_backend="compile_dynamic", compile_backend="eager",
+              check_host_syncs=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [[1, 2, 3, 4, 5, 6, 7, 1]]
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    plain = llm.generate(prompt, params)[0].token_ids
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    llm.check_host_syncs = True
+    assert llm.generate(prompt, params)[0].token_ids == plain
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes(monkeypatch):
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
     the frozen weights' prepacked matmuls) for the CPU steps give the eager engine's tokens:

@@ -53,6 +53,7 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
         if not all(callable(getattr(target, m, None)) for m in TARGET_METHODS):
             raise TypeError(f"target={target!r}: must be a target model (with "
                             f"{', '.join(TARGET_METHODS)}; see specdec.models) or None")
+        check_target_dtype(target, dtype)
         if sharded:
             target = shard_from(target, tp)
     else:
@@ -65,6 +66,19 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
         raise TypeError(f"tokenizer={tokenizer!r}: must have encode() and decode() "
                         "(e.g. a tokenizers.Tokenizer) or be None")
     return target, tokenizer, (Path(model) if model is not None else None)
+
+
+def check_target_dtype(target, dtype: torch.dtype) -> None:
+    """Raise ValueError unless most of ``target``'s floating-point parameter elements are in
+    ``dtype`` (the KV cache and the step buffers are; a few float32 router weights may stay)."""
+    numel: dict[torch.dtype, int] = {}
+    for p in target.parameters():
+        if p.is_floating_point():
+            numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    main = max(numel, key=numel.get, default=dtype)
+    if main != dtype:
+        raise ValueError(f"target: its parameters are {main}, dtype={dtype}: they must match "
+                         f"(pass target.to({dtype}) or dtype={main})")
 
 
 def as_prompt_list(prompts) -> list:
