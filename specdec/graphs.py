@@ -34,7 +34,6 @@ the graphs a wrapper made: a key captured, or each graph dynamo compiled during 
 new key or code path, or a guard that failed).
 """
 
-import contextlib
 import functools
 from collections.abc import Callable
 
@@ -62,30 +61,32 @@ def _shapes_symbolic_only(compiled: Callable) -> Callable:
     """``compiled`` traced with sizes and ints symbolic, nothing else: no duck sizing (two
     sizes equal at the first call -- a view's storage offset and the token count -- stay two
     symbols, not a guard that recompiles when they differ) and Python floats (norm eps,
-    scales) baked in as constants, not graph inputs wrapped in a host tensor per call. It
-    runs outside any torch function mode of the caller (the host-sync counter of
-    ``check_host_syncs``): dynamo would trace such a mode into every op of the graph and
-    guard on it, so a step compiled under it would compile again without it."""
+    scales) baked in as constants, not graph inputs wrapped in a host tensor per call;
+    outside any torch function mode of the caller (``_outside_torch_function_modes``)."""
     from torch.fx.experimental import _config as shape_config
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
         with shape_config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True), _without_torch_function_modes():
+                torch._dynamo.config.patch(specialize_float=True):
             return compiled(*args, **kwargs)
+    return _outside_torch_function_modes(run)
+
+
+def _outside_torch_function_modes(compiled: Callable) -> Callable:
+    """``compiled`` called with the torch function mode stack empty (restored after): dynamo
+    would trace a caller's mode (``check_host_syncs``' sync counter) into every op of the graph
+    and guard on it, so a step compiled under it would compile again without it."""
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        modes = [torch._C._pop_torch_function_stack()
+                 for _ in range(torch._C._len_torch_function_stack())]
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            for mode in reversed(modes):
+                torch._C._push_on_torch_function_stack(mode)
     return run
-
-
-@contextlib.contextmanager
-def _without_torch_function_modes():
-    """The block runs with the torch function mode stack empty (restored after)."""
-    modes = [torch._C._pop_torch_function_stack()
-             for _ in range(torch._C._len_torch_function_stack())]
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            torch._C._push_on_torch_function_stack(mode)
 
 
 def compile_dynamic(fn: Callable, compile_backend: str, *,
@@ -182,12 +183,13 @@ class StepGraph:
             # recompilations to be warned about; dynamo counts them per code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         if backend == "compile":
-            self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
-                                          backend=compile_backend)
+            self.compiled = _outside_torch_function_modes(torch.compile(
+                fn, fullgraph=True, dynamic=False, backend=compile_backend))
         elif backend == "compile_dynamic":
             self.compiled = compiled_in_parts or compile_dynamic(fn, compile_backend)
         elif backend == "torchair":
-            self.compiled = platform.compile_graph(fn, compile_backend)
+            self.compiled = _outside_torch_function_modes(platform.compile_graph(
+                fn, compile_backend))
         else:
             self.compiled = fn
         self.calls = 0  # calls that went through the backend (graph replays on cuda_graph)
