@@ -6,7 +6,6 @@ tests use ``tiny_model``/``tiny_model_head`` (float32, vocab 61, non-trivial nor
 """
 
 import json
-import multiprocessing as mp
 import socket
 import threading
 import time
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.commands.cli import main
+from specdec.engine.dp_engine import rank_context
 from specdec.engine.llm import LLM
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
@@ -260,9 +260,10 @@ def folder_builder(builders: dict, tmp_path_factory):
 
 
 def run_ranks(target, args: tuple, world: int, timeout: float) -> dict:
-    """Spawn ``world`` processes ``target(rank, *args, results)``; each puts one (rank,
-    result) on ``results``. -> {rank: result}; stragglers are killed."""
-    ctx = mp.get_context("spawn")
+    """Start ``world`` processes ``target(rank, *args, results)`` as the engine starts CPU
+    ranks (``rank_context``: forked from a server that imported the engine once); each puts
+    one (rank, result) on ``results``. -> {rank: result}; stragglers are killed."""
+    ctx = rank_context({"cpu"})
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, results), daemon=True)
              for r in range(world)]
