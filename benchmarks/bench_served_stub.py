@@ -49,11 +49,14 @@ def machine_busy_s() -> float:
 
 
 def engine_pid(api_pid: int) -> int:
-    """The engine process: the API process's child started by multiprocessing's spawn."""
+    """The engine process: the API process's child that multiprocessing forked (the same
+    command line) or spawned, not the resource tracker it may start beside it."""
+    own = Path(f"/proc/{api_pid}/cmdline").read_bytes()
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == api_pid and b"--multiprocessing-fork" in (entry / "cmdline").read_bytes():
+            cmdline = (entry / "cmdline").read_bytes()
+            if ppid == api_pid and (cmdline == own or b"--multiprocessing-fork" in cmdline):
                 return int(entry.name)
         except (OSError, ValueError):
             continue

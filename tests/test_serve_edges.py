@@ -326,12 +326,55 @@ def test_sigterm_under_load_exits_0_and_ends_every_stream():
 
 # ---- 7: the engine process -------------------------------------------------------------------
 def engine_process(server_pid: int) -> int:
-    """The pid of ``specdec serve``'s engine process (its spawned child; not the resource
-    tracker that multiprocessing may start beside it)."""
+    """The pid of ``specdec serve``'s engine process: its child forked (the same command
+    line) or spawned by multiprocessing, not the resource tracker it may start beside it."""
+    own = Path(f"/proc/{server_pid}/cmdline").read_bytes()
     for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if cmdline == own or b"spawn_main" in cmdline:
             return int(pid)
     raise AssertionError(f"no engine process under {server_pid}")
+
+
+def running(pid: int) -> bool:
+    """Not exited (a zombie waiting for its reaper has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_engine_process_is_forked_only_on_a_cpu_from_a_one_thread_process():
+    """Forked: a CPU engine from a process running one thread; spawned: an accelerator's
+    engine (its runtime does not survive a fork), or once another thread runs (a fork would
+    copy none of it, nor the locks it holds)."""
+    code = ("import threading, time\n"
+            "from specdec.entrypoints.async_engine import engine_start_method as m\n"
+            "print(m('cpu'), m('cuda:0'), m('npu'), m(None))\n"
+            "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+            "print(m('cpu'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[:2] == ["fork spawn spawn spawn", "spawn"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_the_engine_process_exits_when_the_api_process_is_killed():
+    """The CPU engine process is forked from the API process: it closes its copy of the API
+    process's end of their pipe, so a killed API process still closes the pipe and the engine
+    exits instead of running on as an orphan."""
+    proc, _ = bench_serve.launch(["--method", "none", "--max-model-len", "128"])
+    engine = engine_process(proc.pid)
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while running(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(engine), "the engine process outlived the API process"
+    finally:
+        if running(engine):
+            os.kill(engine, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
