@@ -189,14 +189,19 @@ def rank_context(device_types: set[str]):
 MAIN_GUARD_STATUS = 86  # a rank process ran, while importing it, the script that launches ranks
 
 
+def exit_if_a_rank_reran_the_script() -> None:
+    """A rank imports the user's script again while it starts; one without a ``__main__``
+    guard builds a launcher there (``LLM.__init__``) or runs one (``run_data_parallel``) and
+    could only fail: exit at once, and the launcher says what to add (``_raise_if_dead``)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        os._exit(MAIN_GUARD_STATUS)
+
+
 def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0,
                       tp_size: int = 1) -> list[DPRun]:
     """Run each job on ``dp_size`` x ``tp_size`` ranks (one start for all jobs); one DPRun per
     job."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        # a rank imports the user's script again; one without a __main__ guard gets
-        # here and could only fail: exit, and the launcher says what to add (_raise_if_dead)
-        os._exit(MAIN_GUARD_STATUS)
+    exit_if_a_rank_reran_the_script()
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size={tp_size!r}: must be an int >= 1")
     if not isinstance(dp_size, int) or dp_size < (2 if tp_size == 1 else 1):

@@ -13,7 +13,8 @@ from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
-from specdec.engine.dp_engine import generate_across_ranks, parallel_role
+from specdec.engine.dp_engine import (exit_if_a_rank_reran_the_script,
+                                      generate_across_ranks, parallel_role)
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
 from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
                                    parse_speculative_config)
@@ -78,6 +79,8 @@ class LLM:
             data_parallel_timeout)
         self.role = parallel_role(cfg, dp, tp)
         self.launcher, self.tp, self.device = self.role.launcher, self.role.tp, cfg.device
+        if self.launcher:
+            exit_if_a_rank_reran_the_script()  # before loading anything
         self.data_parallel_size = data_parallel_size
         self.spec = parse_speculative_config(speculative_config)
         # a launcher checks on a host copy; only the ranks put weights on the accelerator
