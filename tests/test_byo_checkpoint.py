@@ -76,19 +76,22 @@ def test_bench_runs_on_a_folder_whose_tokenizer_has_no_endoftext(qwen3_dir, tmp_
 def test_bench_serve_launch_runs_the_folder_given_as_model(qwen3_dir, tmp_path, capsys):
     """Issue 37, item 2: --model is the checkpoint folder in bench serve --launch too: the
     server runs it (no heads beside it: no speculation, serve's default) and its tokenizer
-    (here without <|endoftext|>) makes the prompts; the served name is the server's own."""
+    (here without <|endoftext|>) makes the prompts; the served name is the server's own; the
+    engine flags reach the server (its /metrics count the replayed steps)."""
     folder = tmp_path / "model"
     shutil.copytree(qwen3_dir, folder)
     text = (folder / "tokenizer.json").read_text()
     (folder / "tokenizer.json").write_text(text.replace("<|endoftext|>", "<|end|>"))
     code = main(["bench", "serve", "--launch", "--quick", "--model", str(folder),
                  "--concurrency", "1", "--repeats", "1", "--warmup", "0", "--output-len", "4",
-                 "--out", str(tmp_path / "out")])
+                 "--graph-backend", "replay", "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["launched_speculative_config"] is None
+    assert results["launched_engine_flags"] == ["--graph-backend", "replay"]
     [config] = results["configs"]
     assert (config["method"], config["status"], config["output_len"]) == ("none", "ok", 4)
+    assert config["summary"]["captured_share"] > 0
 
 
 def test_extract_hidden_states_on_a_two_layer_folder(qwen3_dir, tmp_path, capsys):

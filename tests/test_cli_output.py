@@ -243,6 +243,25 @@ def test_every_flag_has_help_with_its_default(path):
     assert "None" not in text.replace("(default: None", "")
 
 
+def test_bench_serve_launch_passes_serves_engine_flags_and_base_url_refuses_them(capsys):
+    """``bench serve --launch`` takes ``serve``'s engine flags (the same parser code) and
+    hands the given ones to the server it starts; with --base-url there is no server to give
+    them to: one line naming each, exit 2."""
+    parse = subparser(cli.build_parser(), "bench", "serve").parse_args
+    serve_flags = {a.dest for a in flags(subparser(cli.build_parser(), "serve"))}
+    args = parse(["--launch", "--dtype", "bfloat16", "--device", "cpu", "--async-scheduling",
+                  "--graph-backend", "replay", "--compile-backend", "eager"])
+    assert set(bench_serve.ENGINE_FLAGS) <= serve_flags
+    assert bench_serve.engine_flags(args) == [
+        "--device", "cpu", "--dtype", "bfloat16", "--graph-backend", "replay",
+        "--compile-backend", "eager", "--async-scheduling"]
+    assert bench_serve.engine_flags(parse(["--launch"])) == []
+    code = cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dtype",
+                     "bfloat16", "-k", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "-k, --dtype" in err and "--launch" in err
+
+
 def test_serve_host_and_seed_show_defaults():
     text = subparser(cli.build_parser(), "serve").format_help()
     assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text

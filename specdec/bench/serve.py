@@ -31,7 +31,8 @@ from rich.console import Console
 
 from specdec.bench import metrics, plots, report
 from specdec.bench import sweep as bench_sweep
-from specdec.commands.flags import (UsageError, add_speculation_arguments, ints,
+from specdec.commands.flags import (UsageError, add_engine_arguments,
+                                    add_speculation_arguments, ints,
                                     speculation_from_args)
 
 SCHEMA_VERSION = 1
@@ -354,16 +355,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help=f"prompt seed (default {d['seed']})")
     p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
                    "makes the prompts (default: --model's)")
-    from specdec.graphs import BACKENDS
-    g = p.add_argument_group("with --launch: the server's engine (as specdec serve)")
+    g = p.add_argument_group("with --launch: the server's engine (as specdec serve; "
+                             "refused with --base-url)")
     add_speculation_arguments(g)
-    g.add_argument("--graph-backend", choices=BACKENDS, default=None,
-                   help="the launched server's step wrapper (default: its default, cuda_graph on "
-                        "CUDA, else eager); "
-                        "replay counts the steps a CUDA graph would capture, on CPU")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="the launched server launches each decode step before reading the "
-                        "one before (as specdec serve --async-scheduling; default: off)")
+    add_engine_arguments(g)  # --graph-backend replay counts the steps a CUDA graph would capture
+
+
+# the flags of the launched server's engine (add_speculation_arguments, add_engine_arguments)
+# by argument name; the speculation ones reach it as one --speculative-config
+SPECULATION_FLAGS = {"method": "--method", "num_speculative_tokens": "-k",
+                     "speculative_config": "--speculative-config",
+                     "draft_model": "--draft-model", "no_padded": "--no-padded"}
+ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--graph-backend",
+                "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling"}
+
+
+def engine_flags(args) -> list[str]:
+    """The engine flags given (not None / False) -> the launched ``specdec serve``'s
+    arguments; UsageError naming them when there is no server to launch (--base-url)."""
+    given = {dest: getattr(args, dest) for dest in [*SPECULATION_FLAGS, *ENGINE_FLAGS]
+             if getattr(args, dest) not in (None, False)}
+    if given and not args.launch:
+        names = [{**SPECULATION_FLAGS, **ENGINE_FLAGS}[dest] for dest in given]
+        raise UsageError(f"{', '.join(names)}: the launched server's engine flags; with "
+                         "--base-url the server is already running (use --launch, or set "
+                         "them on that server)")
+    out = []
+    for dest, flag in ENGINE_FLAGS.items():
+        if dest in given:
+            out += [flag] if given[dest] is True else [flag, str(given[dest])]
+    return out
 
 
 def options(args) -> dict:
@@ -392,10 +413,11 @@ def run_from_args(args) -> int:
         raise UsageError("specdec bench serve needs the serve extra: "
                          "pip install 'specdec[serve]'") from None
     opts = options(args)
+    engine_flags(args)  # refused without --launch before anything starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    proc, spec, k = None, None, 0
+    proc, spec, k, launched_flags = None, None, 0, None
     start = time.perf_counter()
     try:
         if args.launch:
@@ -409,11 +431,8 @@ def run_from_args(args) -> int:
                 serve_args += ["--speculative-config", json.dumps(spec)]
             if args.model:
                 serve_args += ["--model", args.model]
-            if args.graph_backend:
-                serve_args += ["--graph-backend", args.graph_backend]
-            if args.async_scheduling:
-                serve_args += ["--async-scheduling"]
-            proc, base_url = launch(serve_args)
+            launched_flags = engine_flags(args)
+            proc, base_url = launch(serve_args + launched_flags)
         else:
             base_url = args.base_url.rstrip("/")
         model = args.served_model_name or served_model(base_url)
@@ -425,6 +444,7 @@ def run_from_args(args) -> int:
         if proc is not None:
             stop(proc)
     results["launched_speculative_config"] = spec
+    results["launched_engine_flags"] = launched_flags
     results["plots"] = plots.write_plots(results, out)
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -139,7 +139,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N or npu (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="weights and activations (default float32)")
     p.add_argument("--graph-backend", default=None, choices=BACKENDS,
                    help="step wrapper of captured steps (default: the speculative config's "
@@ -156,7 +156,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     """LLM keyword arguments from add_engine_arguments' flags."""
-    kw = dict(device=args.device or default_device(), dtype=args.dtype,
+    kw = dict(device=args.device or default_device(), dtype=args.dtype or "float32",
               graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
