@@ -260,6 +260,8 @@ def test_bench_serve_launch_passes_serves_engine_flags_and_base_url_refuses_them
                      "bfloat16", "-k", "2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "-k, --dtype" in err and "--launch" in err
+    assert cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "-k", "0"]) == 2
+    assert capsys.readouterr().err.startswith("specdec bench: error: -k: ")
 
 
 def test_serve_host_and_seed_show_defaults():

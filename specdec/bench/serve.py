@@ -374,7 +374,7 @@ def engine_flags(args) -> list[str]:
     """The engine flags given (not None / False) -> the launched ``specdec serve``'s
     arguments; UsageError naming them when there is no server to launch (--base-url)."""
     given = {dest: getattr(args, dest) for dest in [*SPECULATION_FLAGS, *ENGINE_FLAGS]
-             if getattr(args, dest) not in (None, False)}
+             if getattr(args, dest) is not None and getattr(args, dest) is not False}
     if given and not args.launch:
         names = [{**SPECULATION_FLAGS, **ENGINE_FLAGS}[dest] for dest in given]
         raise UsageError(f"{', '.join(names)}: the launched server's engine flags; with "
