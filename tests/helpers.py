@@ -276,3 +276,11 @@ def run_ranks(target, args: tuple, world: int, timeout: float) -> dict:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie waiting for its reaper has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True

@@ -13,12 +13,13 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from specdec.commands.cli import main
 from specdec.engine.llm import LLM
+
+from helpers import exited
 
 LONG_JOB = dict(prompts=[[1, 2, 3]] * 64, max_tokens=400, ignore_eos=True)
 
@@ -67,14 +68,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def gone(pid: int) -> bool:
-    """Exited (a zombie waiting for a reaper counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_exit_when_the_parent_dies(tmp_path, sig):
     script = tmp_path / "parent.py"
@@ -87,9 +80,9 @@ def test_ranks_exit_when_the_parent_dies(tmp_path, sig):
         parent.send_signal(sig)
         parent.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        while not all(exited(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert all(gone(p) for p in pids), "a rank outlived its parent"
+        assert all(exited(p) for p in pids), "a rank outlived its parent"
     finally:
         parent.kill()
 

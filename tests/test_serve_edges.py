@@ -19,7 +19,8 @@ from specdec.bench import serve as bench_serve
 from specdec.engine.llm import LLM
 from specdec.entrypoints.serve import build_server_app
 
-from helpers import ServerThread, metrics
+from benchmarks.bench_served_stub import engine_pid
+from helpers import ServerThread, exited, metrics
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4
@@ -325,25 +326,6 @@ def test_sigterm_under_load_exits_0_and_ends_every_stream():
 
 
 # ---- 7: the engine process -------------------------------------------------------------------
-def engine_process(server_pid: int) -> int:
-    """The pid of ``specdec serve``'s engine process: its child forked (the same command
-    line) or spawned by multiprocessing, not the resource tracker it may start beside it."""
-    own = Path(f"/proc/{server_pid}/cmdline").read_bytes()
-    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if cmdline == own or b"spawn_main" in cmdline:
-            return int(pid)
-    raise AssertionError(f"no engine process under {server_pid}")
-
-
-def running(pid: int) -> bool:
-    """Not exited (a zombie waiting for its reaper has exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_the_engine_process_is_forked_only_on_a_cpu_from_a_one_thread_process():
     """Forked: a CPU engine from a process running one thread; spawned: an accelerator's
     engine (its runtime does not survive a fork), or once another thread runs (a fork would
@@ -364,16 +346,16 @@ def test_the_engine_process_exits_when_the_api_process_is_killed():
     process's end of their pipe, so a killed API process still closes the pipe and the engine
     exits instead of running on as an orphan."""
     proc, _ = bench_serve.launch(["--method", "none", "--max-model-len", "128"])
-    engine = engine_process(proc.pid)
+    engine = engine_pid(proc.pid)
     try:
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while running(engine) and time.monotonic() < deadline:
+        while not exited(engine) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not running(engine), "the engine process outlived the API process"
+        assert exited(engine), "the engine process outlived the API process"
     finally:
-        if running(engine):
+        if not exited(engine):
             os.kill(engine, signal.SIGKILL)
 
 
@@ -384,7 +366,7 @@ def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
     proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128",
                                     "--max-num-seqs", "4"])
     try:
-        engine = engine_process(proc.pid)
+        engine = engine_pid(proc.pid)
         threads, results = open_streams(url, 3)
         start = time.monotonic()
         os.kill(engine, signal.SIGKILL)

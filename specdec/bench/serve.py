@@ -413,11 +413,11 @@ def run_from_args(args) -> int:
         raise UsageError("specdec bench serve needs the serve extra: "
                          "pip install 'specdec[serve]'") from None
     opts = options(args)
-    engine_flags(args)  # refused without --launch before anything starts
+    launched_flags = engine_flags(args)  # refused without --launch, before anything starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    proc, spec, k, launched_flags = None, None, 0, None
+    proc, spec, k = None, None, 0
     start = time.perf_counter()
     try:
         if args.launch:
@@ -431,7 +431,6 @@ def run_from_args(args) -> int:
                 serve_args += ["--speculative-config", json.dumps(spec)]
             if args.model:
                 serve_args += ["--model", args.model]
-            launched_flags = engine_flags(args)
             proc, base_url = launch(serve_args + launched_flags)
         else:
             base_url = args.base_url.rstrip("/")
@@ -444,7 +443,7 @@ def run_from_args(args) -> int:
         if proc is not None:
             stop(proc)
     results["launched_speculative_config"] = spec
-    results["launched_engine_flags"] = launched_flags
+    results["launched_engine_flags"] = launched_flags if args.launch else None
     results["plots"] = plots.write_plots(results, out)
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))

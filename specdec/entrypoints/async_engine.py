@@ -276,11 +276,10 @@ class ProcessEngine(_Frontend):
         method = engine_start_method(self.llm_kwargs.get("device"))
         ctx = multiprocessing.get_context(method)
         self.conn, child = ctx.Pipe()
-        args = (child, self.llm_kwargs, self.num_threads)
-        self.process = ctx.Process(
-            target=_run_forked if method == "fork" else run_engine_process,
-            args=(self.conn, *args) if method == "fork" else args, name="specdec-engine",
-            daemon=True)
+        target, args = run_engine_process, (child, self.llm_kwargs, self.num_threads)
+        if method == "fork":
+            target, args = _run_forked, (self.conn, *args)
+        self.process = ctx.Process(target=target, args=args, name="specdec-engine", daemon=True)
         self.process.start()
         child.close()
         if not self.conn.poll(timeout_s):
