@@ -472,6 +472,17 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 
+def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
+    """A seeded one-layer target in ``dtype``, and a compile_dynamic warm-up of one greedy
+    8-token prompt for the engines built while ``monkeypatch`` holds."""
+    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
 def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monkeypatch):
     """The target step compiles in two parts: after a greedy warm-up, a sampled request of
     the same shapes traces its verification alone (dynamo's cache of ``verify`` grows, that of
@@ -481,12 +492,7 @@ def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monk
     in the same process would already hold the sampled graph."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
-    target = LlamaForCausalLM(cfg).eval()
-    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
-    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    target = one_layer_target(torch.float32, monkeypatch)
     llm = make_llm(target, {}, None, graph_backend="compile_dynamic", dtype=torch.float32)
 
     def graphs(method) -> int:
@@ -506,12 +512,7 @@ def test_compile_dynamic_steps_compile_once_with_or_without_the_host_sync_counte
     (a mode) without compiling again, and the other way round: the compiled parts run outside
     any mode (dynamo would guard on it, and trace it into every op). In bfloat16, which no
     other compile_dynamic engine of the suite uses (dynamo's cache is per code object)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
-    target = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
-    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    target = one_layer_target(torch.bfloat16, monkeypatch)
     llm = LLM(target=target, dtype=torch.bfloat16, max_num_batched_tokens=32, max_model_len=64,
               max_num_seqs=2, graph_backend="compile_dynamic", compile_backend="eager",
               check_host_syncs=False)
