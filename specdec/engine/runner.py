@@ -137,9 +137,10 @@ class ModelRunner:
 
             def in_parts(x: StepInputs, *, max_seq_len: int, max_query_len: int, variant: str,
                          num_rows: int) -> tuple[torch.Tensor, ...]:
-                return verify(x, *forward(x, max_seq_len=max_seq_len,
-                                          max_query_len=max_query_len, num_rows=num_rows),
-                              variant=variant, num_rows=num_rows)
+                first, logits, *states = forward(x, max_seq_len=max_seq_len,
+                                                 max_query_len=max_query_len, num_rows=num_rows)
+                return verify(x, first, logits, variant=variant, num_rows=num_rows), logits, \
+                    *states
         self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
                                       inputs_type=StepInputs, compiled_in_parts=in_parts)
         self.last_step_captured = False  # whether the last execute() replayed a graph
@@ -314,9 +315,9 @@ class ModelRunner:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         ``target_forward`` then ``verify``. -> (sampled [Bp, num_rows] int32, logits
         [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux [Np, A, H]])."""
-        return self.verify(x, *self.target_forward(
-            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_rows=num_rows),
-            variant=variant, num_rows=num_rows)
+        first, logits, *states = self.target_forward(
+            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_rows=num_rows)
+        return self.verify(x, first, logits, variant=variant, num_rows=num_rows), logits, *states
 
     def target_forward(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
                        num_rows: int) -> tuple[torch.Tensor, ...]:
@@ -326,13 +327,13 @@ class ModelRunner:
         logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first)
         return (first, logits, hidden) + ((aux,) if aux is not None else ())
 
-    def verify(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor,
-               hidden: torch.Tensor, aux: torch.Tensor | None = None, *, variant: str,
-               num_rows: int) -> tuple[torch.Tensor, ...]:
+    def verify(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor, *,
+               variant: str, num_rows: int) -> torch.Tensor:
         """Verification (greedy, or rejection sampling with counter-based random numbers,
         with or without the top-p sort: ``variant``), token-table update, each row's
-        linear-attention state slot moved to its last accepted token -> ``target_step``'s
-        outputs."""
+        linear-attention state slot moved to its last accepted token -> sampled [Bp,
+        num_rows] int32. It reads nothing of [Np] size: compiled alone (compile_dynamic), its
+        graphs depend on the requests, not on the tokens."""
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
@@ -342,7 +343,7 @@ class ModelRunner:
                                        x.top_p if variant == "top_p" else None)
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         self.kv.accept(x.rows, sampled)
-        return (sampled, logits, hidden) + ((aux,) if aux is not None else ())
+        return sampled
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
