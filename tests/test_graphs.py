@@ -486,10 +486,11 @@ def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
 def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monkeypatch):
     """The target step compiles in two parts: after a greedy warm-up, a sampled request of
     the same shapes traces its verification alone (dynamo's cache of ``verify`` grows, that of
-    ``target_forward`` stays), and its tokens equal the eager engine's. In float32, which no
-    other eager-backend compile_dynamic engine of the suite uses: dynamo's cache is per code
-    object and ``verify``'s guards hold for any engine of the same dtype, so one warmed earlier
-    in the same process would already hold the sampled graph."""
+    ``target_forward`` stays), and its tokens equal the eager engine's; a 1-token prompt alone
+    (attention bound 1, run at 2) reuses the forward graph of one decoding request. In float32,
+    which no other eager-backend compile_dynamic engine of the suite uses: dynamo's cache is
+    per code object and a graph's guards hold for any engine of the same dtype, so one warmed
+    earlier in the same process would already hold these graphs."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     target = one_layer_target(torch.float32, monkeypatch)
@@ -505,6 +506,13 @@ def test_compile_dynamic_traces_the_forward_once_for_every_sampling_variant(monk
     eager = make_llm(target, {}, None, dtype=torch.float32).generate([[1, 2, 3, 4, 5, 6, 7, 1]],
                                                                      params)
     assert got == eager[0].token_ids
+    # a 1-token prompt alone: the sizes of the warm-up's decodes (one request, one token),
+    # attention bound 1 -> 2: their forward graph, not one of its own
+    forward = graphs(llm.runner.target_forward)
+    alone = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.generate([[3]], alone)[0].token_ids == make_llm(
+        target, {}, None, dtype=torch.float32).generate([[3]], alone)[0].token_ids
+    assert graphs(llm.runner.target_forward) == forward
 
 
 def test_compile_dynamic_steps_compile_once_with_or_without_the_host_sync_counter(monkeypatch):

@@ -38,10 +38,11 @@ CHECK_HOST_SYNCS_ENV = "SPECDEC_CHECK_HOST_SYNCS"  # "1": check every step (the 
 
 # compile_dynamic's warm-up, run once per sampling variant (WARMUP_SAMPLING) before the first
 # real request: phases of arrivals (prompt lengths added before each step; each phase then runs
-# to the end). Dynamo specializes a size or int of 1 and guards each branch of the torch paged
-# attention's row layout (``row_shape``), so each step shape below is a graph of its own: a
-# 1-token prompt alone (N = 1, seq_len 1) and its decodes; a longer prompt alone; two 1-token
-# prompts (seq_len 1) and their decodes; two equal prompts (request-major rows); a chunk among
+# to the end). Dynamo specializes a size of 1 and guards each branch of the torch paged
+# attention's row layout (``row_shape``), so each step shape below is a graph of its own (the
+# attention bound is at least 2, so a sequence length of 1 is not): a 1-token prompt alone
+# (N = 1) and its decodes; a longer prompt alone; two 1-token prompts (N = 2: token-major
+# rows) and their decodes; two equal prompts (request-major rows); a chunk among
 # decodes (segments); max_num_seqs - 1 one-token prompts with a 5-token one (token-major rows
 # though a request has several tokens); a prompt one token past the step budget, whose 1-token
 # last chunk runs alone, then beside a 1-token prompt (seq_len > 1).

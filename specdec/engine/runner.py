@@ -239,6 +239,10 @@ class ModelRunner:
         h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
+        if self.target_graph.backend == "compile_dynamic":
+            # an attention bound, not a length: 2 where it is 1 (dynamo specializes an int of
+            # 1 -- a graph of its own for the steps of 1-token prompts)
+            max_seq_len = min(max(max_seq_len, 2), self.max_model_len)
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
         rows = 1 + plan.num_spec_tokens
