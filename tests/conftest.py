@@ -151,6 +151,13 @@ SCHEDULED_FIRST = {  # nodeid -> its unit, in the order they are sent
         "tests/test_graphs.py@inductor"}
 
 
+# then the longest files (tens of seconds each: servers, ranks, subprocesses), so that the run
+# ends on short files instead of one worker finishing a long one alone; the rest follow in
+# collection order
+SENT_EARLY = ("tests/test_serve.py", "tests/test_dp_faults.py", "tests/test_tp.py",
+              "tests/test_qwen3_5.py", "tests/test_serve_edges.py")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """-n's default distribution (load) and loadfile: file units with SCHEDULED_FIRST's, sent
@@ -169,10 +176,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """An xdist worker's collection (the order the units are sent in): SCHEDULED_FIRST's tests
-    first, in its order. Outside xdist nothing changes."""
+    first, in its order, then SENT_EARLY's files. Outside xdist nothing changes."""
     if hasattr(config, "workerinput"):
         first = {nodeid: i for i, nodeid in enumerate(SCHEDULED_FIRST)}
-        items.sort(key=lambda item: first.get(item.nodeid, len(first)))
+        early = {path: len(first) + i for i, path in enumerate(SENT_EARLY)}
+        items.sort(key=lambda item: first.get(item.nodeid, early.get(
+            item.nodeid.partition("::")[0], len(first) + len(early))))
 
 
 @pytest.fixture(scope="session", autouse=True)
