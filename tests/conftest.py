@@ -128,7 +128,7 @@ def make_step_batch(b: int, k: int, seed: int) -> RandomStep:
                      num_computed, table, rows, target_ids, block_table)
 
 
-# ---- pytest-xdist (the README's ``python -m pytest -n 3``): a test file is one unit of work, on
+# ---- pytest-xdist (the README's ``python -m pytest -n 2``): a test file is one unit of work, on
 # one worker (its module fixtures are built once), except the tests below, units of their own
 # sent first: test_graphs.py's compile tests, each minutes of dynamo tracing or inductor
 # compiles -- they run beside the rest of the suite instead of after it. One unit per engine

@@ -135,11 +135,13 @@ def test_serve_chat_uses_the_folders_template(qwen3_dir):
 PEAK_SCRIPT = r"""
 import json, sys, torch, transformers
 from pathlib import Path
+from transformers.initialization import no_init_weights
 path = Path(sys.argv[1])
 cfg = transformers.LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816,
                                num_hidden_layers=4, num_attention_heads=8,
                                num_key_value_heads=8, tie_word_embeddings=False)
-transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="40MB")
+with no_init_weights():  # sizes matter here, not values (a random init took ~3.5 s)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="40MB")
 del cfg
 import gc; gc.collect()
 from specdec.models import load_model
