@@ -18,7 +18,9 @@ Sampling draws counter-based random numbers (``counter_rng``), so a replay needs
 state.
 """
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -54,6 +56,17 @@ def sampling_variant(params) -> str:
     if all(p.temperature < GREEDY_TEMPERATURE for p in params):
         return "greedy"
     return "top_p" if any(p.top_p < 1.0 for p in params) else "sampled"
+
+
+def forward_then_verify(forward: Callable, verify: Callable, x: StepInputs, *, max_seq_len: int,
+                        max_query_len: int, variant: str, num_rows: int
+                        ) -> tuple[torch.Tensor, ...]:
+    """The target step from its two parts (``ModelRunner.target_forward`` / ``verify``, or
+    their compiled copies) -> (sampled, logits, hidden[, aux]): verification reads the logits
+    only, the hidden states pass around it."""
+    first, logits, *states = forward(x, max_seq_len=max_seq_len, max_query_len=max_query_len,
+                                     num_rows=num_rows)
+    return verify(x, first, logits, variant=variant, num_rows=num_rows), logits, *states
 
 
 def first_sampled_positions(x: StepInputs) -> torch.Tensor:
@@ -132,15 +145,9 @@ class ModelRunner:
         if graph_backend == "compile_dynamic":
             # the forward is traced once per row layout and the verification once per
             # sampling variant too, instead of the whole step once per both
-            forward = compile_dynamic(self.target_forward, compile_backend)
-            verify = compile_dynamic(self.verify, compile_backend, realize_reused=True)
-
-            def in_parts(x: StepInputs, *, max_seq_len: int, max_query_len: int, variant: str,
-                         num_rows: int) -> tuple[torch.Tensor, ...]:
-                first, logits, *states = forward(x, max_seq_len=max_seq_len,
-                                                 max_query_len=max_query_len, num_rows=num_rows)
-                return verify(x, first, logits, variant=variant, num_rows=num_rows), logits, \
-                    *states
+            in_parts = functools.partial(
+                forward_then_verify, compile_dynamic(self.target_forward, compile_backend),
+                compile_dynamic(self.verify, compile_backend, realize_reused=True))
         self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
                                       inputs_type=StepInputs, compiled_in_parts=in_parts)
         self.last_step_captured = False  # whether the last execute() replayed a graph
@@ -319,9 +326,9 @@ class ModelRunner:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         ``target_forward`` then ``verify``. -> (sampled [Bp, num_rows] int32, logits
         [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux [Np, A, H]])."""
-        first, logits, *states = self.target_forward(
-            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_rows=num_rows)
-        return self.verify(x, first, logits, variant=variant, num_rows=num_rows), logits, *states
+        return forward_then_verify(self.target_forward, self.verify, x,
+                                   max_seq_len=max_seq_len, max_query_len=max_query_len,
+                                   variant=variant, num_rows=num_rows)
 
     def target_forward(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
                        num_rows: int) -> tuple[torch.Tensor, ...]:
