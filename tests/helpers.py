@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from specdec.commands.cli import main
 from specdec.engine.dp_engine import rank_context
 from specdec.engine.llm import LLM
+from specdec.engine.sequence import SamplingParams
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -234,6 +235,30 @@ def metrics(url: str) -> dict:
     text = httpx.get(f"{url}/metrics").text
     return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+LONG_PROMPT = [1, 2, 3, 4, 5, 6, 1, 2] * 8  # 64 tokens: chunked at max_num_batched_tokens=32
+ARRIVING = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=11),
+            SamplingParams(max_tokens=16, ignore_eos=True),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9)]
+
+
+def run_arrivals(llm, prompts) -> tuple[list[list[int]], list[list[int]]]:
+    """LONG_PROMPT (two chunks at a 32-token budget), then one of ``prompts`` every third step
+    while the others decode, with ARRIVING's sampling (greedy and sampled, seeded and not):
+    most steps mix prefill chunks with decodes. Returns each request's tokens and
+    per-position acceptance."""
+    pending = list(zip([LONG_PROMPT, *prompts], ARRIVING))
+    reqs, i = [], 0
+    while True:
+        if pending and i % 3 == 0:
+            reqs.append(llm.add_request(*pending.pop(0)))
+        i += 1
+        if llm.step() is None and not pending:
+            break
+    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
 
 
 def uniform_flags(llm, monkeypatch) -> list[bool]:

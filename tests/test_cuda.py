@@ -4,9 +4,9 @@ padded step runs under ``torch.cuda.set_sync_debug_mode("error")`` with no sync.
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
+from specdec import LLM
 
-from helpers import uniform_flags
+from helpers import run_arrivals, uniform_flags
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -109,35 +109,14 @@ def test_the_default_backend_on_cuda_is_cuda_graph():
     assert llm.startup.startswith("cuda_graph: ")
 
 
-ARRIVING = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=11),
-            SamplingParams(max_tokens=16, ignore_eos=True),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9)]
-
-
-def run_arrivals(llm):
-    """A long prompt (two chunks at a 32-token budget), then a request every third step while
-    the others decode: mixed prefill/decode steps, greedy and sampled, seeded and not."""
-    pending = list(zip([[1, 2, 3, 4, 5, 6, 1, 2] * 8] + PROMPTS, ARRIVING))
-    reqs, i = [], 0
-    while True:
-        if pending and i % 3 == 0:
-            reqs.append(llm.add_request(*pending.pop(0)))
-        i += 1
-        if llm.step() is None and not pending:
-            break
-    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
-
-
 @pytest.mark.parametrize("method", [None, "eagle3"])
 def test_captured_mixed_and_sampled_steps_equal_eager(method):
     """Steps with prefill chunks and sampled requests replay CUDA graphs (every step fits a
     capture size here) with eager's tokens and acceptance (counter-based random numbers)."""
     kw = dict(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=32)
-    eager = run_arrivals(build(method, "eager", **kw))
+    eager = run_arrivals(build(method, "eager", **kw), PROMPTS)
     llm = build(method, "cuda_graph", **kw)
-    assert run_arrivals(llm) == eager
+    assert run_arrivals(llm, PROMPTS) == eager
     assert all(s.captured for s in llm.steps if s.num_reqs)
 
 
@@ -151,7 +130,7 @@ def test_uniform_decodes_capture_nothing_after_start_up(method, monkeypatch):
     graph, uniform = llm.runner.target_graph, uniform_flags(llm, monkeypatch)
     warm_up = set(graph.seen)
     assert {dict(key[1:])["variant"] for key in warm_up} == {"greedy", "sampled", "top_p"}
-    run_arrivals(llm)
+    run_arrivals(llm, PROMPTS)
     decodes = [s for s, flag in zip(llm.steps, uniform, strict=True) if flag]
     assert decodes and all(s.captured and not s.new_graphs for s in decodes)
     made = sum(s.new_graphs.get("target", 0) for s in llm.steps)
@@ -165,9 +144,9 @@ def test_k_per_step_captured_equals_eager(method):
     replayed a graph."""
     kw = dict(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_num_batched_tokens=32)
     schedule = {"num_speculative_tokens_per_batch_size": [[2, 3, 1], [4, 8, 0]]}
-    eager = run_arrivals(build(method, "eager", spec_extra=schedule, **kw))
+    eager = run_arrivals(build(method, "eager", spec_extra=schedule, **kw), PROMPTS)
     llm = build(method, "cuda_graph", spec_extra=schedule, **kw)
-    assert run_arrivals(llm) == eager
+    assert run_arrivals(llm, PROMPTS) == eager
     assert all(s.captured for s in llm.steps if s.num_reqs)
     assert {s.num_spec_tokens for s in llm.steps if s.num_reqs} >= {0, 1, 3}
 

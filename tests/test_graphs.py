@@ -27,7 +27,7 @@ from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
 
-from helpers import ServerThread, metrics, uniform_flags
+from helpers import LONG_PROMPT, ServerThread, metrics, run_arrivals, uniform_flags
 
 K = 3
 AUX = [0, 1, 1]
@@ -255,29 +255,6 @@ def test_graph_and_sync_options_are_checked_on_the_dp_parent(target, kwargs, exc
         LLM(target=target, dtype=torch.float64, data_parallel_size=2, **kwargs)
 
 
-LONG_PROMPT = [1, 2, 3, 4, 5, 6, 1, 2] * 8  # 64 tokens: chunked at max_num_batched_tokens=32
-ARRIVING = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=11),
-            SamplingParams(max_tokens=16, ignore_eos=True),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7),
-            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9)]
-
-
-def run_arrivals(llm):
-    """A long prompt (two chunks), then a request every third step while the others decode
-    (one waits for a slot): most steps mix prefill chunks with decodes, some past 64 tokens
-    of context (attention bound 128)."""
-    pending = list(zip([LONG_PROMPT] + PROMPTS, ARRIVING))
-    reqs, i = [], 0
-    while True:
-        if pending and i % 3 == 0:
-            reqs.append(llm.add_request(*pending.pop(0)))
-        i += 1
-        if llm.step() is None and not pending:
-            break
-    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
-
-
 def is_mixed(step, k):
     return step.num_reqs and step.num_tokens != step.num_reqs * (1 + k)
 
@@ -288,9 +265,9 @@ def test_mixed_prefill_decode_steps_are_captured_and_equal_eager(target, heads, 
     graphs keyed (Np, Bp, attention bound, variant) on the replay backend: every step fits a
     key here, so every step is captured, with the eager engine's tokens and acceptance."""
     sizes = (1, 2, 4, 8, 16, 32, 64)
-    eager = run_arrivals(make_llm(target, heads, method, capture_sizes=sizes))
+    eager = run_arrivals(make_llm(target, heads, method, capture_sizes=sizes), PROMPTS)
     llm = make_llm(target, heads, method, graph_backend="replay", capture_sizes=sizes)
-    assert run_arrivals(llm) == eager
+    assert run_arrivals(llm, PROMPTS) == eager
     k = K if method else 0
     mixed = [s for s in llm.steps if is_mixed(s, k)]
     assert len(mixed) >= 4 and all(s.captured for s in llm.steps)
@@ -311,7 +288,7 @@ def test_compiling_backends_run_mixed_steps_eagerly(target, heads):
     there, uniform decodes compiled."""
     llm = make_llm(target, heads, "mtp", graph_backend="compile",
                    capture_sizes=(1, 2, 4, 8, 16, 32, 64))
-    run_arrivals(llm)
+    run_arrivals(llm, PROMPTS)
     assert not any(s.captured for s in llm.steps if is_mixed(s, K))
     assert any(s.captured for s in llm.steps if s.num_reqs and not is_mixed(s, K))
 
@@ -378,7 +355,7 @@ def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(warmed, tar
         assert graph_calls(llm)[1] - calls[1] == steps
     eager = make_llm(target, heads, method)
     assert got == greedy_arrivals(eager)
-    assert run_arrivals(llm) == run_arrivals(eager)
+    assert run_arrivals(llm, PROMPTS) == run_arrivals(eager, PROMPTS)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
