@@ -57,6 +57,34 @@ def test_bad_sampling_params_queue_nothing(spec_llm, args, kwargs, exc, match):
     assert spec_llm.step() is None  # nothing was queued
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("max_tokens", 0, r"max_tokens=0"), ("temperature", -1.0, r"temperature=-1.0"),
+    ("top_p", 0.0, r"top_p=0.0"), ("logprobs", 50, r"logprobs=50"),
+    ("stop_token_ids", 7, r"stop_token_ids=7"), ("seed", -2, r"seed=-2")])
+def test_a_field_set_after_construction_is_checked_at_submission(spec_llm, field, value,
+                                                                 match):
+    """SamplingParams is a plain (mutable) dataclass, as vLLM's: generate and add_request check
+    every field again, naming where it came from, and queue nothing."""
+    params = SamplingParams(max_tokens=3)
+    setattr(params, field, value)
+    with pytest.raises((TypeError, ValueError), match=r"sampling_params\[1\]\." + match):
+        spec_llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=3), params])
+    with pytest.raises((TypeError, ValueError), match=r"^params\." + match):
+        spec_llm.add_request(PROMPTS[0], params)
+    assert spec_llm.step() is None  # nothing was queued
+
+
+def test_a_queued_request_keeps_the_params_it_was_given(spec_llm):
+    """Changing the caller's SamplingParams after add_request changes no queued request."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    request = spec_llm.add_request(PROMPTS[0], params)
+    params.max_tokens, params.temperature = 9, 0.9
+    while spec_llm.step() is not None:
+        pass
+    assert request.output_token_ids == spec_llm.generate(
+        [PROMPTS[0]], max_tokens=3, ignore_eos=True)[0].token_ids
+
+
 def test_a_list_under_data_parallel_keeps_prompt_order(folder, spec_llm):
     """DP: one job per distinct SamplingParams, outputs back in prompt order."""
     dp = LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},

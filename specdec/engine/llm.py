@@ -2,7 +2,7 @@
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -284,19 +284,27 @@ class LLM:
         self._check_single_rank("add_request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r}: must be a SamplingParams")
-        self._check_params(params, "params")
+        params = self._check_params(params, "params")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id={request_id!r}: must be a str or None")
         return self._queue(self._prompt_ids(prompt, "prompt"), params, request_id)
 
-    def _check_params(self, params: SamplingParams, name: str) -> None:
-        """What SamplingParams cannot check alone: stop ids in the vocabulary; prompt
+    def _check_params(self, params: SamplingParams, name: str) -> SamplingParams:
+        """-> the request's own copy of ``params``, every field checked again (a field set
+        after construction, ``params.max_tokens = 0``, is refused as at construction; a later
+        change to the caller's object does not reach a queued request). Then what
+        SamplingParams cannot check alone: stop ids in the vocabulary; prompt
         log-probabilities need a single-rank lm_head (under TP it is a collective)."""
+        try:
+            params = replace(params)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}.{e}") from None
         params.check_vocab(self.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError(f"{name}.prompt_logprobs={params.prompt_logprobs}: not supported "
                              f"with tensor_parallel_size={self.config.tensor_parallel_size} "
                              "(allowed: None); output logprobs are")
+        return params
 
     def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
         rid = request_id if request_id is not None else str(self._next_id)
@@ -619,8 +627,8 @@ class LLM:
         per_prompt = self._sampling_params(len(prompts), sampling_params, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids, seed=seed))
-        for i, params in enumerate(per_prompt):
-            self._check_params(params, f"sampling_params[{i}]")
+        per_prompt = [self._check_params(params, f"sampling_params[{i}]")
+                      for i, params in enumerate(per_prompt)]
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if self.launcher or self.role.torchrun:
             return generate_across_ranks(self, ids, per_prompt)
