@@ -99,6 +99,9 @@ def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsy
     code, out, _ = run(capsys, "generate", "--model", str(tmp_path / "target"), "--prompt",
                        PROMPT, "--max-tokens", "4")
     assert code == 0 and "│ none " in out
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "target"), "--prompt",
+                       PROMPT, "-k", "2")  # the default (none) has no drafter for -k to set
+    assert code == 2 and "no --method, and the model folder has no eagle3 head" in err
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -113,6 +116,13 @@ def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsy
     (["--temperature", "-1"], "--temperature=-1"),
     (["--dp", "0"], "--dp=0"),
     (["--method", "ngram", "--async-scheduling"], "async_scheduling=True with method='ngram'"),
+    # flags that would do nothing here are refused, not ignored
+    (["--method", "none", "-k", "7"], "-k 7 sets the drafter, and none runs here"),
+    (["--method", "none", "--no-padded"], "--no-padded sets the drafter"),
+    (["--method", "eagle3", "--output-dir", "hs"], "--output-dir applies to --method "
+     "extract_hidden_states only; the method here is 'eagle3'"),
+    (["--method", "ngram", "--aux-layer-ids", "0"], "--aux-layer-ids applies to"),
+    (["--overwrite-output-dir"], "--overwrite-output-dir applies to"),
 ])
 def test_bad_config_is_one_line_exit_2(model, capsys, argv, match):
     code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT, *argv)

@@ -107,8 +107,25 @@ def speculation_from_args(args) -> dict | None:
     and ``bench serve --launch``."""
     method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
-    return speculative_config(method, k, not args.no_padded, args.speculative_config,
+    spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
                               args.draft_model)
+    refuse_drafter_flags_without_a_drafter(args, spec)
+    return spec
+
+
+def refuse_drafter_flags_without_a_drafter(args, spec: dict | None) -> None:
+    """-k and --no-padded set the drafter: with none (method none, given or the default for a
+    folder without an eagle3 head) they would do nothing, so they are refused."""
+    if spec is not None:
+        return
+    why = ("--method none" if args.method == "none"
+           else "no --method, and the model folder has no eagle3 head (the default is none)")
+    for flag, given in ((f"-k {args.num_speculative_tokens}",
+                         args.num_speculative_tokens is not None),
+                        ("--no-padded", args.no_padded)):
+        if given:
+            raise UsageError(f"{flag} sets the drafter, and none runs here: {why}; give "
+                             f"--method (allowed: {', '.join(m for m in METHODS if m != 'none')})")
 
 
 def add_speculation_arguments(

@@ -12,7 +12,8 @@ from rich.table import Table
 from specdec.config import default_aux_layer_ids
 from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
                                     add_speculation_arguments, build_llm, default_method,
-                                    engine_kwargs, ints, speculative_config)
+                                    engine_kwargs, ints,
+                                    refuse_drafter_flags_without_a_drafter, speculative_config)
 
 
 def method_label(spec: dict | None) -> tuple[str, str, str]:
@@ -128,7 +129,14 @@ def cmd_generate(args) -> int:
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
                               args.draft_model)
+    refuse_drafter_flags_without_a_drafter(args, spec)
     extracting = spec is not None and spec.get("method") == "extract_hidden_states"
+    for flag, given in (("--output-dir", args.output_dir is not None),
+                        ("--aux-layer-ids", args.aux_layer_ids is not None),
+                        ("--overwrite-output-dir", args.overwrite_output_dir)):
+        if given and not extracting:
+            raise UsageError(f"{flag} applies to --method extract_hidden_states only; the "
+                             f"method here is {spec['method'] if spec else 'none'!r}")
     if extracting and args.num_speculative_tokens is None and "num_speculative_tokens" not in (
             json.loads(args.speculative_config) if args.speculative_config else {}):
         spec["num_speculative_tokens"] = 1  # the method implies it
