@@ -97,6 +97,11 @@ class SpeculativeConfig:
         if self.method == "draft_model" and self.model is None:
             raise ValueError("method='draft_model' needs speculative_config.model: the folder "
                              "of a causal LM with the target's tokenizer")
+        if self.model is not None and (self.method in HOST_DRAFT_METHODS
+                                       or self.method == "extract_hidden_states"):
+            raise ValueError(f"model={self.model!r}: method={self.method!r} loads no draft "
+                             "folder; allowed: None")
+        self._check_draft_model_config()
         self._check_prompt_lookup()
         self._check_suffix_keys()
         self._check_k_schedule()
@@ -116,6 +121,32 @@ class SpeculativeConfig:
             if ids is None:
                 raise ValueError("method='extract_hidden_states' needs "
                                  "draft_model_config.eagle_aux_hidden_state_layer_ids")
+
+    def _check_draft_model_config(self) -> None:
+        """draft_model_config holds what is read of it, nothing else: the aux layer ids
+        (methods that read the target's aux hidden states; top level or under ``hf_config``,
+        each also under ``eagle_config``, as vLLM nests them) and extract_hidden_states'
+        ``output_dir`` / ``overwrite_output_dir``."""
+        aux = ("eagle_aux_hidden_state_layer_ids", "eagle_config")
+        allowed = {"extract_hidden_states": (*aux, "hf_config", "output_dir",
+                                             "overwrite_output_dir"),
+                   "eagle3": (*aux, "hf_config")}.get(self.method, ())
+        hf_config = self.draft_model_config.get("hf_config")
+        for where, d, keys in (
+                ("draft_model_config", self.draft_model_config, allowed),
+                ("draft_model_config.hf_config", hf_config, aux),
+                ("draft_model_config.eagle_config", self.draft_model_config.get("eagle_config"),
+                 aux[:1]),
+                ("draft_model_config.hf_config.eagle_config",
+                 hf_config.get("eagle_config") if isinstance(hf_config, dict) else None,
+                 aux[:1])):
+            if d is None:
+                continue
+            if not isinstance(d, dict):
+                raise TypeError(f"{where} must be a dict, got {d!r}")
+            if bad := sorted(set(d) - set(keys)):
+                raise ValueError(f"{where} has keys {bad} that method={self.method!r} does not "
+                                 f"read; allowed: {list(keys)}")
 
     def _check_prompt_lookup(self) -> None:
         """ngram's n-gram sizes: ints >= 1, min <= max; one given sets the other (vLLM)."""

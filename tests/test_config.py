@@ -103,6 +103,37 @@ def test_draft_model_config_not_a_dict():
     assert_error(TypeError, "draft_model_config", draft_model_config=[1])
 
 
+@pytest.mark.parametrize("method,dmc,where,bad", [
+    ("eagle3", {"eagle_aux_hidden_state_layers_ids": [1]}, "draft_model_config",
+     "eagle_aux_hidden_state_layers_ids"),  # a misspelling
+    ("eagle3", {"num_hidden_layers": 7, **AUX}, "draft_model_config", "num_hidden_layers"),
+    ("eagle3", {"hf_config": {**AUX, "x": 1}}, "draft_model_config.hf_config", "'x'"),
+    ("eagle3", {"hf_config": {"eagle_config": {**AUX, "y": 1}}},
+     "draft_model_config.hf_config.eagle_config", "'y'"),
+    ("mtp", AUX, "draft_model_config", "eagle_aux_hidden_state_layer_ids"),
+    ("ngram", {"output_dir": "x"}, "draft_model_config", "output_dir"),
+    ("eagle3", {"output_dir": "x", **AUX}, "draft_model_config", "output_dir"),
+])
+def test_draft_model_config_keys_no_method_reads_are_refused(method, dmc, where, bad):
+    with pytest.raises(ValueError, match=rf"^{where} has keys \[.*{bad}.*\] that "
+                                         rf"method='{method}' does not read; allowed: "):
+        make(method=method, draft_model_config=dmc)
+
+
+@pytest.mark.parametrize("dmc", [AUX, {"hf_config": AUX}, {"eagle_config": AUX},
+                                 {"hf_config": {"eagle_config": AUX}}])
+def test_the_aux_layer_ids_are_read_wherever_vllm_nests_them(dmc):
+    assert make(method="eagle3", draft_model_config=dmc).aux_layer_ids_configured == [1, 2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "extract_hidden_states"])
+def test_a_model_folder_is_refused_where_no_folder_is_loaded(method):
+    extra = dict(num_speculative_tokens=1, draft_model_config=AUX) \
+        if method == "extract_hidden_states" else {}
+    assert_error(ValueError, f"model='m': method='{method}' loads no draft folder",
+                 method=method, model="m", **extra)
+
+
 def test_model_not_a_path():
     assert_error(TypeError, "model", model=1)
 
