@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import LLM
+from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
 
 from benchmarks.bench_served_stub import engine_pid
@@ -255,6 +256,47 @@ def test_acceptance_gauge_equals_its_counters(server):
     assert drafts > 0
     assert m["specdec:spec_decode_mean_acceptance_length"] == pytest.approx(
         1 + m["specdec:spec_decode_num_accepted_tokens_total"] / drafts, rel=1e-12)
+
+
+def test_a_request_ended_by_a_stop_string_carries_its_spec_decode_metrics(server):
+    """--per-request-spec-decode-metrics summary: a request that ends on a stop string (the
+    server aborts it in the engine) carries metrics.speculative_decoding too, streamed or
+    not: the engine's counts at one of its steps from the one whose text reached the stop
+    string on (the abort lands between steps), before it would have ended by length, as the
+    same request stepped alone in a reference LLM counts them."""
+    ref, prompt = LLM(speculative_config={"method": "eagle3", "num_speculative_tokens": 3},
+                      max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS), "def f(x):"
+    req = ref.add_request(ref.tokenizer.encode(prompt).ids,
+                          SamplingParams(max_tokens=40, ignore_eos=True))
+    states = []  # (text, steps, drafted, accepted) after each step
+    while ref.step() is not None:
+        states.append((ref.tokenizer.decode(req.output_token_ids), req.num_steps_decoding,
+                       sum(req.num_drafted), sum(req.num_accepted)))
+    full, third = states[-1][0], len(states[len(states) // 3][0])
+    at = next(i for i in range(third, len(full)) if full.find(full[i:i + 3]) == i)
+    stop = full[at:at + 3]  # first seen a third of the way in
+    reached = next(j for j, st in enumerate(states) if stop in st[0])
+    allowed = [st[1:] for st in states[reached:-1]]
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stop": [stop]}
+    server.app.state.model.per_request_spec_metrics = True
+    try:
+        got = post(server, "/v1/completions", body).json()
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={**body, "stream": True}, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+    finally:
+        server.app.state.model.per_request_spec_metrics = False
+    assert got["choices"][0]["text"] == full[:at]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("metrics" not in e for e in events[:-1])
+    for m in (got["metrics"]["speculative_decoding"],
+              events[-1]["metrics"]["speculative_decoding"]):
+        assert (m["num_spec_steps"], m["num_draft_tokens"],
+                m["num_accepted_draft_tokens"]) in allowed, (m, allowed)
+        assert sum(m["acceptance_histogram"]) == m["num_spec_steps"]
 
 
 # ---- 16: /tokenize, /detokenize ----------------------------------------------------------------

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
                                              RequestHandle)
+from specdec.entrypoints.chat import ChatTemplateError
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     HugeInt, SamplingRequest, TokenizeRequest, chat_logprobs, check_prompt_ids,
@@ -153,9 +154,10 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             ids = await asyncio.to_thread(
                 lambda: model.tokenizer.encode(req.prompt,
                                                add_special_tokens=req.add_special_tokens).ids)
-        else:
+        else:  # vLLM's TokenizeChatRequest: no special tokens beyond the template's by default
+            given = "add_special_tokens" in req.model_fields_set
             ids = await encode_chat(model, req.messages, req.add_generation_prompt,
-                                    req.add_special_tokens)
+                                    given and req.add_special_tokens)
         strs = [model.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
                 "token_strs": strs}
@@ -207,7 +209,8 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             for h in handles:
                 engine.abort(h.request_id)
             raise ApiError(503 if isinstance(e, QueueFullError) else 500, str(e)) from None
-        gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings()), i, e)
+        gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings()), i, e,
+                           wait_stats=model.per_request_spec_metrics)
                 for i, (h, e) in enumerate(zip(handles, echoed))]
         shape = (ChatShape if chat else CompletionShape)(model, req)
         if req.stream:
@@ -307,9 +310,11 @@ def decode(model: ServedModel, ids: list[int]) -> str:
 
 
 async def encode_chat(model: ServedModel, messages, add_generation_prompt: bool = True,
-                      add_special_tokens: bool = True) -> list[int]:
+                      add_special_tokens: bool = False) -> list[int]:
     """Render the chat template and tokenize, off the event loop; too long a render is refused
-    before tokenizing."""
+    before tokenizing. As transformers' ``apply_chat_template(tokenize=True)``: the template
+    writes the special tokens (BOS...), so none is added again unless ``add_special_tokens``.
+    A template that refuses the messages (its ``raise_exception``) or fails on them is a 400."""
     if model.tokenizer is None:
         raise ApiError(400, "messages: the model has no tokenizer; use /v1/completions "
                             "with token ids", "messages")
@@ -322,7 +327,11 @@ async def encode_chat(model: ServedModel, messages, add_generation_prompt: bool 
         prompt = model.chat_template(plain, add_generation_prompt=add_generation_prompt)
         return model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
-    return await asyncio.to_thread(work)
+    try:
+        return await asyncio.to_thread(work)
+    except ChatTemplateError as e:
+        raise ApiError(400, f"messages: rendering the model's chat template failed: {e}",
+                       "messages") from None
 
 
 # ---- one request's tokens ------------------------------------------------------------------
@@ -338,12 +347,14 @@ class Delta:
 
 class Generation:
     """Async iterator of Deltas for choice ``index``; a stop string or an early close ends the
-    engine request. ``echo``: the prompt text returned before the completion (or None)."""
+    engine request. ``echo``: the prompt text returned before the completion (or None).
+    ``wait_stats``: a request ended by a stop string still gets the engine's counts of it
+    (per-request metrics), its last Delta waiting for them."""
 
     def __init__(self, engine: AsyncEngine, handle: RequestHandle, text: TextStream,
-                 index: int = 0, echo: str | None = None):
+                 index: int = 0, echo: str | None = None, wait_stats: bool = False):
         self.engine, self.handle, self.text = engine, handle, text
-        self.index, self.echo = index, echo
+        self.index, self.echo, self.wait_stats = index, echo, wait_stats
         self.finish_reason: str | None = None  # OpenAI's, once finished
         self.finished = False
         self.stats = None  # FinishStats, from the engine's last chunk
@@ -378,12 +389,23 @@ class Generation:
                 reason = FINISH_REASONS[chunk.finish_reason] if done else None
                 if self.text.stopped:
                     reason = "stop"
-                    if not done:  # the engine counts the request as stopped, not aborted
-                        self.engine.abort(self.handle.request_id, "stop")
+                    if not done:
+                        await self._stop()
                 self.finish_reason, self.finished = reason, reason is not None
                 yield Delta(text, chunk.token_ids[:kept], reason, logprobs)
         finally:
             self.close()
+
+    async def _stop(self) -> None:
+        """End the engine request at a stop string (the engine counts it as stopped, not
+        aborted); with ``wait_stats``, read on to the engine's last chunk of it, for its
+        counts (tokens past the stop are dropped)."""
+        self.engine.abort(self.handle.request_id, "stop", await_stats=self.wait_stats)
+        while self.wait_stats:
+            chunk = await self.handle.next_chunk()
+            if chunk.finish_reason is not None or chunk.error is not None:
+                self.stats = chunk.stats
+                return
 
     def close(self) -> None:
         """End the engine request if it still runs (the client went away, a task was

@@ -115,14 +115,17 @@ class _Frontend:
         self._send_add(handle)
         return handle
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: str = "abort", *,
+              await_stats: bool = False) -> None:
         """Drop a request (client gone; or ``reason`` "stop": its text reached a stop string);
         the engine frees its KV blocks before its next step and counts it under ``reason``.
-        Its stream ends at once with that finish reason."""
-        handle = self._handles.pop(request_id, None)
-        if handle is not None:
-            handle.chunks.put_nowait(TokenChunk([], reason))
-            self._send_abort(request_id, reason)
+        Its stream ends at once with that finish reason; with ``await_stats``, it ends with
+        the engine's last chunk of it instead, which carries its counts (FinishStats)."""
+        if request_id not in self._handles:
+            return
+        if not await_stats:
+            self._handles.pop(request_id).chunks.put_nowait(TokenChunk([], reason))
+        self._send_abort(request_id, reason)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest
