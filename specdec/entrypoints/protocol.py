@@ -1,12 +1,14 @@
 """The OpenAI request schema (validated with pydantic), its range checks, and error bodies.
 
 Fields beyond OpenAI's, as vLLM spells them: ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``, ``prompt_logprobs`` and ``stream_options.continuous_usage_stats``.
-Unknown fields are ignored; a known field of the wrong type or out of range is HTTP 400
-naming the field. OpenAI fields this server does not implement (``best_of`` > 1, penalties,
-``logit_bias``, ``suffix``, ``echo`` on chat) are a 400 naming the field unless their value is
-the no-op one (null, false, 0, 1, {}), never accepted and ignored. ``null`` for a field means
-its default (OpenAI's schema allows it).
+``return_token_ids``, ``prompt_logprobs`` and ``stream_options.continuous_usage_stats``;
+``user`` (OpenAI's end-user id) is taken and changes nothing. A field of the wrong type or out
+of range is HTTP 400 naming the field, and so is an unknown one (of /tokenize and /detokenize:
+ignored). OpenAI and vLLM sampling fields this server does not implement (``best_of`` > 1,
+penalties, ``logit_bias``, ``suffix``, ``echo`` on chat, ``top_k``, ``min_p``, ``min_tokens``,
+``response_format``) are a 400 naming the field unless their value is the no-op one (null,
+false, 0, 1, {}, ``top_k`` -1, ``{"type": "text"}``), never accepted and ignored. ``null`` for
+a field means its default (OpenAI's schema allows it).
 
 Log-probabilities are the target model's (log-softmax of its raw logits: before temperature
 and top-p, as vLLM returns them by default): completions take ``logprobs: N`` (the sampled
@@ -83,7 +85,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field: 400 (parse)
 
     @model_validator(mode="before")
     @classmethod
@@ -121,6 +123,7 @@ class SamplingRequest(_Strict):
     top_logprobs: int | None = None  # chat: N, with logprobs true
     echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM: choices[i].prompt_logprobs
+    user: str | None = None  # OpenAI: the caller's end-user id, for its records; changes nothing
     # not implemented: accepted only with the value that does nothing (see check_unsupported)
     best_of: int | None = None
     presence_penalty: float = 0.0
@@ -128,6 +131,10 @@ class SamplingRequest(_Strict):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+    top_k: int | None = None  # vLLM's sampling fields
+    min_p: float = 0.0
+    min_tokens: int = 0
+    response_format: dict | None = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -209,15 +216,17 @@ class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a ``prompt`` (TokenizeCompletionRequest) or ``messages``
     (TokenizeChatRequest, rendered with the served chat template)."""
 
+    model_config = ConfigDict(extra="ignore")  # unknown fields ignored, as before: no sampling
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # vLLM's default for prompts; this server's for both
+    add_special_tokens: bool = True  # for a prompt; messages: false unless given (as vLLM)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):
+    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
 
@@ -235,6 +244,10 @@ def parse(model: type[_Strict], data) -> _Strict:
             return ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
 
         field = field_of(errors[0])
+        if errors[0]["type"] == "extra_forbidden":
+            raise ApiError(400, f"{field}: unknown field, not implemented here (got "
+                                f"{short(errors[0]['input'])}){_fields_of(model, field)}",
+                           field) from None
         # the union member tried first names the field; deeper errors say what is wrong inside
         msgs: dict[str, str] = {}  # message -> the first path it was found at
         for err in errors:
@@ -248,6 +261,13 @@ def parse(model: type[_Strict], data) -> _Strict:
         raise ApiError(400, "the body is nested too deeply") from None
 
 
+def _fields_of(model: type[_Strict], field: str) -> str:
+    """"; the fields are: ..." for an unknown top-level field (a typo shows its fix)."""
+    if "." in field:
+        return ""
+    return "; the fields are: " + ", ".join(f for f in model.model_fields if f not in NO_OP)
+
+
 def _is_union_tag(part) -> bool:
     """pydantic puts the union member tried ("str", "list[int]") in error locations."""
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
@@ -255,8 +275,14 @@ def _is_union_tag(part) -> bool:
 
 # field -> the values that do nothing (accepted); anything else is refused by name
 NO_OP = {"best_of": (None, 1), "presence_penalty": (0,), "frequency_penalty": (0,),
-         "repetition_penalty": (1,), "logit_bias": (None, {}), "suffix": (None, "")}
-WHY = {"best_of": "only best_of=1 (= n) is supported"}
+         "repetition_penalty": (1,), "logit_bias": (None, {}), "suffix": (None, ""),
+         "top_k": (None, -1, 0), "min_p": (0,), "min_tokens": (0,),
+         "response_format": (None, {"type": "text"})}
+WHY = {"best_of": "only best_of=1 (= n) is supported",
+       "top_k": "top_k is not implemented (-1 or 0: off); temperature 0 is greedy, top_p is "
+                "supported",
+       "min_tokens": "min_tokens is not implemented (0: off); ignore_eos is supported",
+       "response_format": 'only {"type": "text"}: this server does not constrain its output'}
 
 
 def check_unsupported(req: SamplingRequest) -> None:

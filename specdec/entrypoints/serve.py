@@ -4,8 +4,10 @@ fastapi/uvicorn/prometheus-client are imported only when the command runs (the `
 """
 
 import argparse
+import errno
 import json
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -25,9 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as model (default: --model, or specdec-default)")
     add_speculation_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000,
+                   help="0..65535; 0: any free port, the start-up line says which (default 8000)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests per batch")
-    p.add_argument("--max-model-len", type=int, default=512, help="prompt + output tokens")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens (default: min(512, the model's "
+                        "max_position_embeddings))")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="tokens per engine step (prefill chunks fill what decodes leave)")
     p.add_argument("--max-waiting", type=int, default=256, metavar="N",
@@ -70,26 +75,22 @@ def served_model(name: str, tokenizer, model_dir: str, max_model_len: int, vocab
 
 def tokenizer_info(tokenizer, model_dir: str, max_model_len: int,
                    eos_token_ids: tuple[int, ...]) -> dict | None:
-    """vLLM's /tokenizer_info: the folder's ``tokenizer_config.json`` special tokens and chat
-    template (the eos token from the model's eos id where it names none) and
-    ``model_max_length`` = max_model_len. None without a tokenizer."""
+    """vLLM's /tokenizer_info: the folder's special tokens and chat template, as chat requests
+    use them (``specdec.entrypoints.chat``; the eos token from the model's eos id where the
+    folder names none) and ``model_max_length`` = max_model_len. None without a tokenizer."""
+    from specdec.entrypoints.chat import find_chat_template, special_tokens
     if tokenizer is None:
         return None
     path = Path(model_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
-
-    def token(name: str) -> str | None:
-        value = config.get(name)  # a string, or an AddedToken's {"content": ...}
-        return value.get("content") if isinstance(value, dict) else value
-
-    eos = token("eos_token")
+    tokens = special_tokens(model_dir)
+    eos = tokens.get("eos_token")
     if eos is None and eos_token_ids:
         eos = tokenizer.id_to_token(eos_token_ids[0])
-    template = config.get("chat_template")
     return {"tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast"),
-            "model_max_length": max_model_len, "bos_token": token("bos_token"),
-            "eos_token": eos, "pad_token": token("pad_token"), "unk_token": token("unk_token"),
-            "chat_template": template if isinstance(template, str) else None}
+            "model_max_length": max_model_len, "bos_token": tokens.get("bos_token"),
+            "eos_token": eos, "pad_token": tokens.get("pad_token"),
+            "unk_token": tokens.get("unk_token"), "chat_template": find_chat_template(model_dir)}
 
 
 def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
@@ -125,13 +126,17 @@ def run_from_args(args) -> int:
     from specdec.entrypoints.async_engine import ProcessEngine
     from specdec.entrypoints.engine_core import default_engine_threads
     for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
-        if getattr(args, name) < (0 if name == "max_waiting" else 1):
-            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is out of range")
+        value = getattr(args, name)  # max_model_len None: the engine's default
+        if value is not None and value < (0 if name == "max_waiting" else 1):
+            raise UsageError(f"--{name.replace('_', '-')}={value} is out of range")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port={args.port}: allowed 0 <= --port <= 65535 (0: any free port)")
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
     if args.stub_engine is not None and args.stub_engine < 1:
         raise UsageError(f"--stub-engine={args.stub_engine}: allowed an int >= 1")
     spec = speculation_from_args(args)
+    listen_socket(args.host, args.port).close()  # a taken port fails now, not after the engine
     threads = args.engine_threads or default_engine_threads()
     stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
     engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,
@@ -143,6 +148,12 @@ def run_from_args(args) -> int:
         info = engine.start_process()
     except RuntimeError as e:
         raise UsageError(str(e)) from None
+    try:  # bound after the engine process started: a forked engine would hold it open
+        sock = listen_socket(args.host, args.port)
+    except UsageError:  # taken since the check above
+        engine.conn.close()  # the engine process exits when its pipe closes
+        engine.process.join(30)
+        raise
     name = args.served_model_name or args.model or "specdec-default"
     k = spec["num_speculative_tokens"] if spec else 0
     app = app_over(engine, served_model(name, info.tokenizer, info.model_dir,
@@ -150,11 +161,12 @@ def run_from_args(args) -> int:
                                         args.per_request_spec_decode_metrics == "summary",
                                         info.eos_token_ids),
                    args.shutdown_timeout, args.max_request_bytes)
-    print(f"specdec serve: {name} on http://{args.host}:{args.port} "
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"specdec serve: {name} on http://{host}:{sock.getsockname()[1]} "
           f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
           f"{info.num_threads} torch threads"
           + (f"; start-up: {info.startup})" if info.startup else ")"), flush=True)
-    serve_until_signal(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    serve_until_signal(app, sock, args.log_level, args.shutdown_timeout)
     if engine.exitcode is not None:
         print(f"specdec serve: the engine process exited with code {engine.exitcode}; "
               "its requests got 500", file=sys.stderr, flush=True)
@@ -162,8 +174,27 @@ def run_from_args(args) -> int:
     return 0
 
 
-def serve_until_signal(app, host: str, port: int, log_level: str, shutdown_timeout: float):
-    """uvicorn until SIGTERM/SIGINT; then exit status 0.
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening, as uvicorn binds one (it serves on it);
+    UsageError naming --port when the port is taken, --host when that address is not this
+    machine's."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"--port={port}: {host}:{port} is already in use; give another "
+                             "--port (0: any free port)") from None
+        raise UsageError(f"--host={host} --port={port}: cannot listen there "
+                         f"({e.strerror or e})") from None
+    return sock
+
+
+def serve_until_signal(app, sock: socket.socket, log_level: str, shutdown_timeout: float):
+    """uvicorn on ``sock`` (``listen_socket``) until SIGTERM/SIGINT; then exit status 0.
 
     On the signal uvicorn stops accepting and waits for open connections; at the same moment
     the engine starts its drain (``app.state.begin_shutdown``): running requests get
@@ -194,7 +225,7 @@ def serve_until_signal(app, host: str, port: int, log_level: str, shutdown_timeo
     received = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: received.append(s))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(app, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + UVICORN_GRACE_S)
     server = Server(config)
-    server.run()
+    server.run(sockets=[sock])
