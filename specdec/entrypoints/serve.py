@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_speculation_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000,
-                   help="0..65535; 0: any free port, the start-up line says which (default 8000)")
+                   help="0..65535; 0: any free port, the start-up line says which")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests per batch")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens (default: min(512, the model's "
