@@ -283,6 +283,10 @@ def resolve_backend(graph_mode: str | None, graph_backend: str | None,
     backend = graph_backend or from_mode or default_backend(
         device, tensor_parallel_size=tensor_parallel_size, cross_rank=cross_rank)
     if backend == "cuda_graph" and device.type != "cuda":
-        raise ValueError(f"graph_mode='full_cuda_graph' (backend 'cuda_graph') needs a CUDA "
-                         f"device, got device={str(device)!r}; allowed here: eager, torchair")
+        given = ("graph_backend='cuda_graph'" if graph_backend else
+                 "speculative_config graph_mode='full_cuda_graph' (backend 'cuda_graph')")
+        allowed = [b for b in BACKENDS if b != "cuda_graph"] if graph_backend else [
+            m for m in GRAPH_MODE_BACKENDS if m != "full_cuda_graph"]
+        raise ValueError(f"{given} needs a CUDA device, got device={str(device)!r}; allowed "
+                         f"here: {', '.join(allowed)}")
     return backend

@@ -216,7 +216,8 @@ def test_extract_hidden_states_prints_what_it_wrote(folder, tmp_path, capsys):
     t, layers, h = saved["hidden_states"].shape
     assert f"hidden_states [{t}, {layers}, {h}]" in text and f"token_ids [{t}]" in text
     assert f"T = {t}: the prompt's {t} tokens" in text
-    assert cli.main(argv) == 2 and "already holds" in capsys.readouterr().err
+    code, err = cli.main(argv), capsys.readouterr().err
+    assert code == 2 and "already holds" in err and "add --overwrite-output-dir" in err
     assert cli.main(argv + ["--overwrite-output-dir"]) == 0
 
 

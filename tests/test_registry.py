@@ -60,6 +60,9 @@ def test_graph_mode_picks_the_wrapper_backend(mode, backend):
 def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
     with pytest.raises(ValueError, match="full_cuda_graph.*needs a CUDA device.*cpu"):
         resolve_backend("full_cuda_graph", None, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^graph_backend='cuda_graph' needs a CUDA device, "
+                                         r"got device='cpu'; allowed here: eager, compile,"):
+        resolve_backend(None, "cuda_graph", torch.device("cpu"))  # named as it was given
     with pytest.raises(ValueError, match="graph_backend='replay' conflicts"):
         resolve_backend("torchair", "replay", torch.device("cpu"))
     with pytest.raises(ValueError, match="graph_backend='tensorrt'.*allowed"):

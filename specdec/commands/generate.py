@@ -144,7 +144,11 @@ def cmd_generate(args) -> int:
         dmc = extract_hidden_states_config(args.model, args.output_dir, args.aux_layer_ids)
         if args.overwrite_output_dir:
             dmc["overwrite_output_dir"] = True
-        spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
+        dmc = spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
+        if not dmc.get("overwrite_output_dir") and any(
+                Path(dmc["output_dir"]).glob("*.safetensors")):
+            raise UsageError(f"--output-dir={dmc['output_dir']} already holds *.safetensors "
+                             "files; pick an empty folder or add --overwrite-output-dir")
     k = spec["num_speculative_tokens"] if spec else 0
     budget = args.max_num_batched_tokens
     if budget is None:  # one step verifies 1 + K tokens: the default budget grows to fit

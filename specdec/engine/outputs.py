@@ -13,8 +13,10 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens
     text: str | None
     finish_reason: str
-    num_drafted: list[int]  # per draft position: [drafted at position 1, 2, ..., K]
-    num_accepted: list[int]  # per draft position: [accepted at position 1, 2, ..., K]
+    # per draft position, as far as any step of the request drafted (K for the trained heads;
+    # ngram / suffix: their longest match, [] for none): [at position 1, 2, ...]
+    num_drafted: list[int]
+    num_accepted: list[int]
     num_decode_steps: int  # target steps that verified drafts
     error: str | None = None  # what failed, when finish_reason is "error"
     # per generated token / per prompt token (the first: None), when SamplingParams asked

@@ -31,7 +31,8 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
                  "its MTP layer"
                  if spec.method == "mtp" and spec.model is None else "")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
-                         f"(a {spec.method} head folder is needed{where})")
+                         f"({'an' if spec.method[0] in 'aeiou' else 'a'} {spec.method} head folder is "
+                         f"needed{where})")
     return path
 
 
