@@ -261,7 +261,8 @@ def test_a_bad_prompt_among_several_is_named_and_nothing_runs(eagle3):
     before = sum(finished(s.url, r) for r in ("length", "stop", "eos", "abort"))
     for prompt, says in (([[5, 6], [7, 10**6]], "prompt[1]: token ids [1000000] outside"),
                          ([[5, 6], []], "prompt[1]: empty"),
-                         (["ok", [1] * MAX_MODEL_LEN], "prompt[1]: 128 token ids")):
+                         (["ok", [1] * MAX_MODEL_LEN], "prompt[1]: 128 token ids"),
+                         ([[]], "prompt[0]: empty")):  # a list of one: named by its index
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text

@@ -117,11 +117,10 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         precheck(data)
         req = parse(CompletionRequest, data)
         check_model(req.model)
-        prompts = req.prompts()
-        names = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        prompts, names = req.prompts(), req.prompt_names()
         ids = [await encode(model, p, name) for p, name in zip(prompts, names)]
         return await serve(request, req, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False,
-                           prompts_given=prompts)
+                           prompts_given=prompts, names=names)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -180,16 +179,17 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
                                 f"{model.name!r}", "model")
 
     async def serve(request: Request, req: SamplingRequest, prompts: list[list[int]],
-                    default_max_tokens: int | None, chat: bool, prompts_given=None):
+                    default_max_tokens: int | None, chat: bool, prompts_given=None,
+                    names: list[str] = ("prompt",)):
         """Check every prompt (token ids), then submit one engine request each (all or
-        none); ``prompts_given``: the prompts as the request gave them (echo's text)."""
+        none); ``prompts_given``: the prompts as the request gave them (echo's text);
+        ``names``: how errors name each prompt."""
         logprobs, prompt_logprobs = req.logprob_counts()
         temperature, top_p = req.temperature, req.top_p
         if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token: greedy
             temperature, top_p = 0.0, 1.0
         params = []
-        for i, ids in enumerate(prompts):
-            name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        for ids, name in zip(prompts, names):
             check_prompt_ids(ids, model.vocab_size, name)
             max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
                                         default_max_tokens, name)

@@ -154,6 +154,13 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
+    def prompt_names(self) -> list[str]:
+        """How errors name each prompt: ``prompt``, or ``prompt[i]`` when a list was given."""
+        prompts = self.prompts()
+        if len(prompts) == 1 and prompts[0] is self.prompt:
+            return ["prompt"]
+        return [f"prompt[{i}]" for i in range(len(prompts))]
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(N per output token, N per prompt token) the engine computes; None: none."""
         if self.logprobs is True:
