@@ -74,6 +74,22 @@ def test_a_field_set_after_construction_is_checked_at_submission(spec_llm, field
     assert spec_llm.step() is None  # nothing was queued
 
 
+def test_a_request_id_in_use_is_refused_and_the_engines_ids_skip_callers(spec_llm):
+    params = SamplingParams(max_tokens=2)
+    n = int(spec_llm.add_request(PROMPTS[0], params).request_id)  # the engine's count
+    mine = spec_llm.add_request(PROMPTS[1], params, request_id=str(n + 1))
+    with pytest.raises(ValueError, match=rf"request_id='{n + 1}' is taken by an unfinished"):
+        spec_llm.add_request(PROMPTS[1], params, request_id=str(n + 1))
+    assert spec_llm.add_request(PROMPTS[2], params).request_id == str(n + 2)  # skips mine
+    while spec_llm.step() is not None:
+        pass
+    assert len(mine.output_token_ids) == 2  # its tokens were counted under its own id
+    assert spec_llm.add_request(PROMPTS[0], params, request_id=str(n + 1)).request_id == \
+        str(n + 1)  # free again once finished
+    while spec_llm.step() is not None:
+        pass
+
+
 def test_a_queued_request_keeps_the_params_it_was_given(spec_llm):
     """Changing the caller's SamplingParams after add_request changes no queued request."""
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -85,9 +101,18 @@ def test_a_queued_request_keeps_the_params_it_was_given(spec_llm):
         [PROMPTS[0]], max_tokens=3, ignore_eos=True)[0].token_ids
 
 
-def test_a_list_under_data_parallel_keeps_prompt_order(folder, spec_llm):
-    """DP: one job per distinct SamplingParams, outputs back in prompt order."""
-    dp = LLM(folder / "target", {"method": "eagle3", "num_speculative_tokens": 2},
-             max_model_len=64, max_num_seqs=4, data_parallel_size=2)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 5, 2)]
-    assert tokens(dp.generate(PROMPTS, params)) == tokens(spec_llm.generate(PROMPTS, params))
+def test_a_list_under_data_parallel_equals_one_rank_call_after_call(folder):
+    """DP runs every prompt with its own params in one engine per rank, under the request ids
+    one rank gives them (the engine's running count, call after call): unseeded sampled
+    requests -- keyed by their ids -- draw one rank's numbers, and outputs come back in
+    prompt order."""
+    kw = dict(max_model_len=64, max_num_seqs=4)
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    one = LLM(folder / "target", spec, **kw)
+    dp = LLM(folder / "target", spec, **kw, data_parallel_size=2)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9) for n in (2, 5, 3)]
+    for _ in range(2):  # the second call: new ids, so new numbers, on both
+        got, want = dp.generate(PROMPTS, params), one.generate(PROMPTS, params)
+        assert [o.request_id for o in got] == [o.request_id for o in want]
+        assert tokens(got) == tokens(want) and [len(t) for t in tokens(got)] == [2, 5, 3]
+    assert [o.request_id for o in got] == ["3", "4", "5"]

@@ -58,8 +58,9 @@ DEATH_GRACE_S = 3.0  # how long a rank's failure waits for a peer's death to sho
 class DPJob:
     llm_kwargs: dict  # LLM(...) arguments, without dp / data_parallel_size
     prompts: list  # str or list[int] each
-    params: SamplingParams
+    params: SamplingParams | list[SamplingParams]  # every prompt's, or one per prompt
     assignment: list[list[int]] | None = None  # rank -> prompt indices; None = round-robin
+    request_ids: list[str] | None = None  # one per prompt; None: the prompt index
 
 
 @dataclass
@@ -124,31 +125,27 @@ def generate_across_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingPa
                           ) -> list[RequestOutput]:
     """``llm.generate`` of a launcher or a torchrun rank: the outputs of every prompt (checked
     token ids), in prompt order."""
+    # the request ids a single-rank engine gives these prompts (its running count): an
+    # unseeded sampled request's random numbers are keyed by its id, so the ranks draw the
+    # numbers one rank would
+    request_ids = [str(llm._next_id + i) for i in range(len(ids))]
+    llm._next_id += len(ids)
     if llm.role.torchrun:
-        return _generate_on_torchrun_ranks(llm, ids, per_prompt)
-    groups: dict[int, list[int]] = {}  # one DP job per distinct SamplingParams
-    for i, params in enumerate(per_prompt):
-        key = next((j for j in groups if per_prompt[j] == params), i)
-        groups.setdefault(key, []).append(i)
-    jobs = [DPJob(llm.init_kwargs, [ids[i] for i in idx], per_prompt[first])
-            for first, idx in groups.items()]
-    runs = run_data_parallel(jobs, llm.config.data_parallel_size,
+        return _generate_on_torchrun_ranks(llm, ids, per_prompt, request_ids)
+    run, = run_data_parallel([DPJob(llm.init_kwargs, ids, per_prompt, None, request_ids)],
+                             llm.config.data_parallel_size,
                              timeout=llm.config.data_parallel_timeout,
                              tp_size=llm.config.tensor_parallel_size)
-    outputs = [None] * len(ids)
-    for idx, run in zip(groups.values(), runs):
-        for i, out in zip(idx, run.outputs):
-            outputs[i] = out
-    return outputs
+    return run.outputs
 
 
-def _generate_on_torchrun_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams]
-                                ) -> list[RequestOutput]:
+def _generate_on_torchrun_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams],
+                                request_ids: list[str]) -> list[RequestOutput]:
     """Under torchrun: DP rank d runs prompts d, d+D, ... (TP rank 0 steps, its peers serve);
     every rank returns every output, in prompt order (one all_gather_object)."""
     grid, mine = llm.role.grid, {}
     if grid.tp.rank == 0:
-        reqs = {i: llm.add_request(ids[i], per_prompt[i], str(i))
+        reqs = {i: llm._queue(ids[i], per_prompt[i], request_ids[i])
                 for i in range(grid.dp.rank, len(ids), grid.dp.size)}
         while llm.step() is not None:
             pass
@@ -353,7 +350,9 @@ def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
     llm = LLM(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
     if tp.rank > 0:
         return RankResult(rank, {}, [], llm.serve())
-    reqs = {i: llm.add_request(job.prompts[i], job.params, request_id=str(i))
+    params = job.params if isinstance(job.params, list) else [job.params] * len(job.prompts)
+    rids = job.request_ids or [str(i) for i in range(len(job.prompts))]
+    reqs = {i: llm.add_request(job.prompts[i], params[i], request_id=rids[i])
             for i in job.assignment[dp.rank]}
     collectives = []
     while True:

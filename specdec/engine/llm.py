@@ -125,7 +125,8 @@ class LLM:
         self._in_flight: Launched | None = None  # async: a step launched, not yet read
         self.steps: list[StepRecord] = []
         self._warming_up = False  # throwaway requests run (extract_hidden_states writes no file)
-        self._next_id = 0
+        self._next_id = 0  # the next request id the engine gives
+        self._ids_given = False  # add_request had a number as a caller's request_id
         self.graph_warmup_seconds = 0.0
         if self.launcher:  # refused here, before any rank starts
             check_shardable(target, tensor_parallel_size)
@@ -280,14 +281,23 @@ class LLM:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
-        """Queue one prompt; ValueError/TypeError (nothing queued) for a bad prompt or params."""
+        """Queue one prompt; ValueError/TypeError (nothing queued) for a bad prompt or params,
+        or a ``request_id`` an unfinished request has. None: the engine's next number not in
+        use (an unseeded sampled request's random numbers are keyed by its id)."""
         self._check_single_rank("add_request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r}: must be a SamplingParams")
         params = self._check_params(params, "params")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id={request_id!r}: must be a str or None")
+        if request_id is not None and request_id in self._unfinished_ids():
+            raise ValueError(f"request_id={request_id!r} is taken by an unfinished request; "
+                             "give another, or None (the engine numbers requests)")
+        self._ids_given |= request_id is not None and request_id.isdecimal()
         return self._queue(self._prompt_ids(prompt, "prompt"), params, request_id)
+
+    def _unfinished_ids(self) -> set[str]:
+        return {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)}
 
     def _check_params(self, params: SamplingParams, name: str) -> SamplingParams:
         """-> the request's own copy of ``params``, every field checked again (a field set
@@ -307,9 +317,15 @@ class LLM:
         return params
 
     def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
-        rid = request_id if request_id is not None else str(self._next_id)
-        self._next_id += 1
-        req = Request(rid, ids, len(ids), params)
+        """``request_id`` None: the next number, past any a caller's id holds (``_ids_given``:
+        a caller gave a number as an id)."""
+        if request_id is None:
+            taken = self._unfinished_ids() if self._ids_given else ()
+            while str(self._next_id) in taken:
+                self._next_id += 1
+            request_id = str(self._next_id)
+            self._next_id += 1
+        req = Request(request_id, ids, len(ids), params)
         self.scheduler.add(req)
         return req
 
