@@ -254,6 +254,21 @@ def test_bad_sweep_file_is_one_line_exit_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "does not parse" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="cuda_graph is refused off CUDA only")
+def test_a_run_that_measured_nothing_exits_2_after_writing_its_results(tmp_path, capsys):
+    """Every config skipped (cuda_graph without CUDA): the skip lines, results.json, then one
+    error line and exit 2 -- a script or CI job must not read it as a measurement."""
+    code = itl.main(["--methods", "none", "--graph-backend", "cuda_graph", "--concurrency", "1",
+                     "--prompt-len", "8", "--output-len", "2", "--repeats", "1", "--warmup",
+                     "0", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and "skipped none - K=0: " in out and "needs a CUDA device" in out
+    assert err.endswith("error: nothing was measured: every config was skipped or failed (the "
+                        "reasons are above)\n")
+    configs = json.loads((tmp_path / "results.json").read_text())["configs"]
+    assert {c["status"] for c in configs} == {"skipped"}
+
+
 def test_prompts_are_deterministic_held_out_windows():
     from specdec.train import data
     texts = data.read_texts(data.list_files()[0][:3])

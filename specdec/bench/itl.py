@@ -162,6 +162,9 @@ def run_from_args(args) -> int:
     console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots']) or 'no plots'} "
                   f"in {results['wall_seconds']:.1f} s", markup=False, highlight=False,
                   soft_wrap=True)
+    if not any(c["status"] == "ok" for c in results["configs"]):
+        raise UsageError("nothing was measured: every config was skipped or failed (the "
+                         "reasons are above)")
     return 0
 
 
