@@ -248,9 +248,13 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; allowed: {allowed}")
         if d.get("method") == "suffix" and "num_speculative_tokens" not in d:  # as vLLM
-            d = {**d, "num_speculative_tokens": d.get(
-                "suffix_decoding_max_tree_depth", SUFFIX_KEYS[
-                    "suffix_decoding_max_tree_depth"][0])}
+            depth = d.get("suffix_decoding_max_tree_depth")
+            if depth is None:
+                depth = SUFFIX_KEYS["suffix_decoding_max_tree_depth"][0]
+            elif not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+                raise ValueError(f"suffix_decoding_max_tree_depth={depth!r}: allowed an int "
+                                 ">= 1 (it is also K when num_speculative_tokens is not given)")
+            d = {**d, "num_speculative_tokens": depth}
         for key in ("method", "num_speculative_tokens"):
             if key not in d:
                 raise ValueError(f"speculative config needs {key!r}; got keys {sorted(d)}")

@@ -125,6 +125,8 @@ def test_suffix_keys_default_to_vllms_and_are_checked():
     with pytest.raises(ValueError, match="suffix_decoding_max_tree_depth=0: allowed an int"):
         SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3,
                                      "suffix_decoding_max_tree_depth": 0})
+    with pytest.raises(ValueError, match="^suffix_decoding_max_tree_depth=0: allowed an int"):
+        SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 0})
     with pytest.raises(ValueError, match="is a key of method='suffix', not method='ngram'"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                      "suffix_decoding_max_spec_factor": 2.0})
