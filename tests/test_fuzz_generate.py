@@ -145,9 +145,11 @@ sizes = st.one_of(st.integers(-1, 80), st.sampled_from([10**7, 2048, True, 1.5, 
        dtype=st.sampled_from(["float32", "float64", "int8", torch.int32, torch.float64, 3]))
 def test_random_configs_build_a_working_engine_or_name_the_field(
         spec, max_model_len, max_num_seqs, block_size, max_num_batched_tokens, seed, dtype):
+    torchair = isinstance(spec, dict) and spec.get("graph_mode") == "torchair"
     kwargs = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                   block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                  seed=seed, dtype=dtype, compile_backend="eager")  # torchair: trace, no codegen
+                  seed=seed, dtype=dtype,
+                  compile_backend="eager" if torchair else None)  # trace, no codegen
     try:
         with no_hang():
             llm = LLM(DEFAULT_MODEL, spec, **kwargs)

@@ -22,7 +22,7 @@ from specdec.engine.llm import LLM
 from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
-from specdec.graphs import StepGraph
+from specdec.graphs import COMPILING, StepGraph
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -63,7 +63,8 @@ def make_llm(target, heads, method, graph_backend=None, graph_mode="eager",
     return LLM(target=target, draft_head=heads.get(method), speculative_config=spec,
                dtype=dtype, max_num_batched_tokens=32, max_model_len=160,
                max_num_seqs=4, capture_sizes=list(capture_sizes), graph_backend=graph_backend,
-               compile_backend="eager")
+               compile_backend="eager" if graph_backend in COMPILING or (
+                   spec and graph_mode == "torchair") else None)
 
 
 def run(llm, prompts, max_tokens):
@@ -232,6 +233,14 @@ def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
 def test_unknown_compile_backend_names_the_field():
     with pytest.raises(ValueError, match="compile_backend='tensorrt'.*inductor"):
         StepGraph(lambda x: x, "compile", "tensorrt")
+
+
+@pytest.mark.parametrize("backend", [None, "eager", "replay"])
+def test_a_compile_backend_is_refused_where_nothing_compiles(target, backend):
+    """LLM(compile_backend=...) would do nothing without a compiling graph backend."""
+    with pytest.raises(ValueError, match=r"^compile_backend='eager' is for a compiling graph "
+                                         rf"backend .*; this engine's is '{backend or 'eager'}'"):
+        LLM(target=target, dtype=torch.float64, graph_backend=backend, compile_backend="eager")
 
 
 def test_static_inputs_are_the_first_args_and_other_tensors_are_copied_in():

@@ -194,11 +194,6 @@ def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 
         llm = LLM(model, speculative_config=spec, seed=seed, **kw)
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         raise UsageError(f"cannot build the engine: {type(e).__name__}: {e}") from None
-    from specdec.graphs import COMPILING
-    if "compile_backend" in kw and llm.graph_backend not in COMPILING:
-        raise UsageError(f"--compile-backend={kw['compile_backend']!r} is for a compiling graph "
-                         f"backend ({', '.join(COMPILING)}); this engine's is "
-                         f"{llm.graph_backend!r} (--graph-backend, or --method torchair-mtp)")
     return llm
 
 

@@ -24,7 +24,7 @@ from specdec.engine.outputs import STEP_GRAPHS, RequestOutput, StepRecord
 from specdec.engine.runner import ModelRunner, StepBatch, check_tp_backend
 from specdec.engine.scheduler import ScheduledRequest, Scheduler
 from specdec.engine.sequence import Request, SamplingParams, Status
-from specdec.graphs import SHAPE_FREE_BACKENDS, resolve_backend
+from specdec.graphs import COMPILING, SHAPE_FREE_BACKENDS, resolve_backend
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.layers.moe import has_cross_rank_layers
@@ -66,7 +66,7 @@ class LLM:
                  data_parallel_size: int = 1, data_parallel_timeout: float = 600.0,
                  tp: TPContext | None = None,
                  target=None, draft_head=None, tokenizer=None,
-                 graph_backend: str | None = None, compile_backend: str = "inductor",
+                 graph_backend: str | None = None, compile_backend: str | None = None,
                  check_host_syncs: bool | None = None, async_scheduling: bool = False):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
@@ -115,6 +115,12 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             cross_rank=dp_size > 1 and any(has_cross_rank_layers(m) for m in (target, head)
                                            if m is not None))
+        if compile_backend is not None and self.graph_backend not in COMPILING:
+            raise ValueError(f"compile_backend={compile_backend!r} is for a compiling graph "
+                             f"backend ({', '.join(COMPILING)}); this engine's is "
+                             f"{self.graph_backend!r} (graph_backend, or speculative_config "
+                             "graph_mode 'torchair')")
+        compile_backend = compile_backend or "inductor"
         if check_host_syncs is None:
             check_host_syncs = os.environ.get(CHECK_HOST_SYNCS_ENV, "0") == "1"
         self.check_host_syncs = check_bool("check_host_syncs", check_host_syncs)
