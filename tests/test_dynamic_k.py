@@ -255,6 +255,23 @@ def test_a_bench_run_prints_a_schedule_and_takes_one(tmp_path, capsys):
     assert "K schedule from this run" not in capsys.readouterr().out
 
 
+def test_under_dp_the_printed_schedule_is_per_rank_batch_size():
+    """Each rank picks K for its own batch: at dp 2, concurrencies 2 and 4 are batches of 1
+    and 2 on a rank (concurrency 1 is a batch of 1 too, on one rank only: 2 speaks for it)."""
+    from specdec.bench.report import k_schedule_lines
+
+    def config(method, conc, k, tok_s):
+        return dict(status="ok", method=method, mode="padded", k=k, concurrency=conc,
+                    prompt_len=8, output_len=6, summary={"output_tokens_per_s": tok_s})
+    measured = {1: (100, 50), 2: (100, 300), 4: (400, 300)}  # conc: (plain, K 2) tok/s
+    configs = [config(m, c, k, t[i]) for c, t in measured.items()
+               for i, (m, k) in enumerate((("none", 0), ("eagle3", 2)))]
+    for dp, want in ((1, [[1, 1, 0], [2, 3, 2], [4, 4, 0]]), (2, [[1, 1, 2], [2, 2, 0]])):
+        line, = k_schedule_lines({"sweep": {"dp": dp}, "configs": configs})
+        assert f"--k-schedule '{want}' -k 2" in line
+        assert ("per rank batch size" in line) == (dp > 1)
+
+
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 39))
 def test_a_host_drafter_at_k_zero_drafts_nothing_and_keeps_up(tokens, cut):
     """ngram and suffix asked for K 0 propose nothing (suffix does not even extend its tree);

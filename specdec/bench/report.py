@@ -120,7 +120,12 @@ def k_schedule_lines(results: dict) -> list[str]:
     ``--k-schedule`` value; nothing when plain decoding was not measured."""
     if results["sweep"].get("k_schedule") is not None:
         return []
-    ok = [c for c in results["configs"] if c["status"] == "ok"]
+    dp = results["sweep"].get("dp", 1)
+    # each rank picks K for its own batch: with dp ranks a concurrency c is a batch of up to
+    # ceil(c / dp) on a rank (round-robin); of concurrencies that give one batch size, the
+    # largest (every rank's batch that full) speaks for it
+    ok = sorted((c for c in results["configs"] if c["status"] == "ok"),
+                key=lambda c: c["concurrency"])
     plain = {(c["concurrency"], c["prompt_len"], c["output_len"]): c["summary"][
         "output_tokens_per_s"] for c in ok if c["method"] == "none"}
     groups: dict[tuple, dict[int, dict[int, float]]] = {}
@@ -129,10 +134,17 @@ def k_schedule_lines(results: dict) -> list[str]:
         if c["method"] == "none" or key not in plain:
             continue
         g = groups.setdefault((c["method"], c["mode"], c["prompt_len"], c["output_len"]), {})
-        g.setdefault(c["concurrency"], {0: plain[key]})[c["k"]] = c["summary"][
+        batch = -(-c["concurrency"] // dp)
+        if g.get(batch, {}).get("from", c["concurrency"]) != c["concurrency"]:
+            del g[batch]  # a smaller concurrency's measurement of this batch size
+        g.setdefault(batch, {"from": c["concurrency"], 0: plain[key]})[c["k"]] = c["summary"][
             "output_tokens_per_s"]
+    for g in groups.values():
+        for ks in g.values():
+            del ks["from"]
+    per = "per rank batch size" if dp > 1 else "per concurrency"
     return [f"hint: K schedule from this run for {m} {mode} (prompt {p}, output {o}; the fastest K "
-            f"per concurrency, 0 = plain): --k-schedule '{best_k_schedule(g)}' -k "
+            f"{per}, 0 = plain): --k-schedule '{best_k_schedule(g)}' -k "
             f"{max(k for ks in g.values() for k in ks)}"
             for (m, mode, p, o), g in groups.items()]
 
