@@ -45,7 +45,7 @@ class BatchPadder:
         self.sequence_parallel = sequence_parallel and tp_size > 1
         if self.sequence_parallel:
             dropped = [s for s in sizes if s % tp_size]
-            if dropped:
+            if dropped and capture_sizes is not None:  # the defaults are dropped quietly
                 logger.warning("sequence parallelism: dropping capture sizes %s (not multiples "
                                "of tensor_parallel_size=%d)", dropped, tp_size)
             sizes = [s for s in sizes if s % tp_size == 0]

@@ -16,10 +16,14 @@ def test_docstring_example_sp_pads_six_to_eight_with_tp4():
     assert padder.dispatch(17) == BatchDescriptor(20, graph=False)
 
 
-def test_dropping_unaligned_capture_sizes_warns(caplog):
+def test_dropping_unaligned_capture_sizes_warns_where_the_user_gave_them(caplog):
     with caplog.at_level(logging.WARNING):
         BatchPadder([1, 2, 4, 8], tp_size=4, sequence_parallel=True)
     assert "dropping capture sizes [1, 2]" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the defaults: no warning (each rank, each job)
+        assert 1 not in BatchPadder(None, tp_size=2, sequence_parallel=True).capture_sizes
+    assert "dropping" not in caplog.text
 
 
 def test_default_capture_sizes_match_vllm_shape():
