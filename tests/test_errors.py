@@ -188,6 +188,8 @@ def test_10_extract_hidden_states_refuses_a_used_output_dir(folder, tmp_path):
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(temperature=float("nan")), ValueError, "temperature=nan"),
     (dict(temperature=float("inf")), ValueError, "temperature=inf"),
+    (dict(temperature=1e300), ValueError, r"temperature=1e\+300: must be finite, in \[0.0, "
+                                          r"3.40\d*e\+38\]"),  # inf in the float32 step
     (dict(top_p=float("nan")), ValueError, "top_p=nan"),
     (dict(ignore_eos="no"), TypeError, "ignore_eos='no'"),
     (dict(max_tokens=True), TypeError, "max_tokens=True"),

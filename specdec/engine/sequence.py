@@ -7,6 +7,8 @@ from specdec.checks import check_bool, check_float, check_int, check_token_ids
 from specdec.engine.config import SEED_MAX
 from specdec.engine.logprobs import MAX_LOGPROBS, TokenLogprob
 
+FLOAT32_MAX = 3.4028234663852886e38  # the step holds temperatures in float32: no larger
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -26,7 +28,8 @@ class SamplingParams:
 
     def __post_init__(self):
         check_int("max_tokens", self.max_tokens, lo=1)
-        self.temperature = check_float("temperature", self.temperature, lo=0.0)
+        self.temperature = check_float("temperature", self.temperature, lo=0.0,
+                                       hi=FLOAT32_MAX)
         self.top_p = check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         check_bool("ignore_eos", self.ignore_eos)
         if not isinstance(self.stop_token_ids, (list, tuple)):
