@@ -254,6 +254,30 @@ def test_deepseek_mtp_speculative_greedy_equals_plain(k, ragged, backend, ds_dir
     assert sum(sum(o.num_drafted) for o in outs) > 0
 
 
+def test_mtp_on_a_folder_without_its_mtp_tensors_says_so(ds_dir):
+    """The config announces an MTP layer (num_nextn_predict_layers, as save_pretrained writes
+    it) but the files hold none: the error names the architecture and the missing tensors,
+    not only a head folder to look for."""
+    with pytest.raises(ValueError, match=r"is a DeepseekV3ForCausalLM checkpoint, but its "
+                                         r"files hold no MTP layer's tensors"):
+        LLM(model=str(ds_dir("deepseek_v3")), max_model_len=64,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type(ds_dir, tmp_path):
+    """As transformers' AutoModelForCausalLM: the class from model_type; an unsupported
+    model_type is named."""
+    path = H.copy_folder(ds_dir("deepseek_v3"), tmp_path / "m")
+    config = {k: v for k, v in H.read_config(path).items() if k != "architectures"}
+    H.write_config(path, config)
+    assert checkpoint.load_config(path)["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert type(load_model(path)).__name__ == "DeepseekV3ForCausalLM"
+    H.write_config(path, {**config, "model_type": "falcon"})
+    with pytest.raises(ValueError, match="names no architectures, and model_type='falcon' is "
+                                         "not a supported one; allowed: "):
+        checkpoint.load_config(path)
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_an_exact_mtp_layer_is_always_accepted(ragged, ds_dir):
     """A cycle target with an MTP layer that predicts it exactly (hf_deepseek): every draft

@@ -230,11 +230,14 @@ def test_mtp_without_model_uses_the_sibling_folder_unless_the_target_holds_mtp_l
     H.set_tensors(bare, {k: None for k in json.loads(
         (bare / "model.safetensors.index.json").read_text())["weight_map"]
         if k.startswith(H.MTP_PREFIX)})
-    with pytest.raises(ValueError, match=r"no config.json.*not a MiMoForCausalLM, "
-                                         r"DeepseekV3ForCausalLM, Glm4MoeForCausalLM, "
-                                         r"Qwen3_5ForCausalLM or "
-                                         r"Qwen3NextForCausalLM checkpoint holding its MTP"):
+    with pytest.raises(ValueError, match=r"no config.json.*is a MiMoForCausalLM checkpoint, "
+                                         r"but its files hold no MTP layer's tensors"):
         spec_llm(bare, "mtp", None)
+    from specdec.engine.llm import DEFAULT_MODEL  # a Llama: no MTP layer of its own
+    llama = H.copy_folder(DEFAULT_MODEL, root / "llama" / "target")
+    with pytest.raises(ValueError, match=r"no config.json.*is not a MiMoForCausalLM, "
+                                         r"DeepseekV3ForCausalLM, .* checkpoint holding its MTP"):
+        spec_llm(llama, "mtp", None)
     shutil.copytree(mimo, root / "bare" / "mtp")  # a head folder beside the target
     head = spec_llm(bare, "mtp", None).runner.proposer.head
     assert torch.equal(head.model.mtp_layers[0].input_proj.weight,

@@ -87,6 +87,18 @@ _TEXT_KEYS_OUTSIDE = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "to
                       "dtype")
 
 
+# transformers picks the class by model_type where a config names no architectures
+# (AutoModelForCausalLM): the supported ones' types
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM"}
+
+
 def load_config(path: str | Path) -> dict:
     """The folder's ``config.json`` as a dict; ValueError naming the file when it is missing,
     not JSON, or not a JSON object. For a ``TEXT_OF_MULTIMODAL`` architecture: its
@@ -102,6 +114,13 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: must be a JSON object, got a {type(config).__name__}")
+    if not config.get("architectures") and config.get("model_type") is not None:
+        arch = ARCHITECTURE_OF_MODEL_TYPE.get(config["model_type"])
+        if arch is None:
+            raise ValueError(f"{file} names no architectures, and model_type="
+                             f"{config['model_type']!r} is not a supported one; allowed: "
+                             f"{sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
+        config = {**config, "architectures": [arch]}
     if (config.get("architectures") or [None])[0] in TEXT_OF_MULTIMODAL and \
             isinstance(config.get("text_config"), dict):
         return _text_model_config(config)

@@ -7,7 +7,7 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.models.draft_lm import DraftLM, load_draft_lm
 from specdec.models.heads import DraftHead, load_head
-from specdec.models.heads.registry import MTP_TARGETS, holds_mtp_layers
+from specdec.models.heads.registry import MTP_TARGETS, holds_mtp_layers, target_architecture
 from specdec.padding import StepSizes
 from specdec.proposers.extract_hidden_states import check_output_dir
 from specdec.proposers.registry import get_proposer_class
@@ -26,10 +26,15 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
     else:
         raise ValueError(f"speculative_config.model is required for method={spec.method!r}")
     if not (path / "config.json").exists():
-        archs = f"{', '.join(MTP_TARGETS[:-1])} or {MTP_TARGETS[-1]}"
-        where = (f"; the target folder {str(model_dir)!r} is not a {archs} checkpoint holding "
-                 "its MTP layer"
-                 if spec.method == "mtp" and spec.model is None else "")
+        where = ""
+        if spec.method == "mtp" and spec.model is None:
+            arch = target_architecture(model_dir)
+            archs = f"{', '.join(MTP_TARGETS[:-1])} or {MTP_TARGETS[-1]}"
+            where = (f"; the target folder {str(model_dir)!r} is a {arch} checkpoint, but its "
+                     "files hold no MTP layer's tensors (only the target's shards were "
+                     "saved or downloaded?)" if arch in MTP_TARGETS else
+                     f"; the target folder {str(model_dir)!r} is not a {archs} checkpoint "
+                     "holding its MTP layer")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
                          f"({'an' if spec.method[0] in 'aeiou' else 'a'} {spec.method} head folder is "
                          f"needed{where})")

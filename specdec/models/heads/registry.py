@@ -78,6 +78,15 @@ def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype =
     return head.to(device=device, dtype=dtype).eval()
 
 
+def target_architecture(path: str | Path) -> str | None:
+    """The folder's architecture as the loader reads it (a multimodal one's: its text
+    model's); None when its config cannot be read."""
+    try:
+        return (checkpoint.load_config(Path(path)).get("architectures") or [None])[0]
+    except (ValueError, OSError):
+        return None
+
+
 def holds_mtp_layers(path: str | Path) -> bool:
     """Whether ``path`` is a target checkpoint holding its own MTP layer (its head class's
     ``holds_layer``: MiMo, DeepSeek-V3, GLM-4.5 / 4.6, Qwen3.5 / Qwen3-Next); names from the
