@@ -69,6 +69,16 @@ def test_a_port_out_of_range_is_refused_naming_the_flag(port, no_engine, capsys)
     assert f"--port={port}" in err and "0 <= --port <= 65535" in err, err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--method", "none", "-k", "2"], "-k 2 sets the drafter, and none runs here"),
+    (["--method", "none", "--no-padded"], "--no-padded sets the drafter")])
+def test_drafter_flags_without_a_drafter_are_refused_before_the_engine(argv, says, no_engine,
+                                                                        capsys):
+    assert main(["serve", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and says in err, err
+
+
 def test_a_port_in_use_is_one_line_and_exit_2_before_the_engine_starts(no_engine, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
