@@ -121,15 +121,10 @@ def parallel_role(cfg: EngineConfig, dp: DPContext | None, tp: TPContext | None
     return ParallelRole(launcher, dp, tp or TPContext())
 
 
-def generate_across_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams]
-                          ) -> list[RequestOutput]:
+def generate_across_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingParams],
+                          request_ids: list[str]) -> list[RequestOutput]:
     """``llm.generate`` of a launcher or a torchrun rank: the outputs of every prompt (checked
-    token ids), in prompt order."""
-    # the request ids a single-rank engine gives these prompts (its running count): an
-    # unseeded sampled request's random numbers are keyed by its id, so the ranks draw the
-    # numbers one rank would
-    request_ids = [str(llm._next_id + i) for i in range(len(ids))]
-    llm._next_id += len(ids)
+    token ids; ``request_ids``: the ones a single rank would give them), in prompt order."""
     if llm.role.torchrun:
         return _generate_on_torchrun_ranks(llm, ids, per_prompt, request_ids)
     run, = run_data_parallel([DPJob(llm.init_kwargs, ids, per_prompt, None, request_ids)],
@@ -145,7 +140,7 @@ def _generate_on_torchrun_ranks(llm, ids: list[list[int]], per_prompt: list[Samp
     every rank returns every output, in prompt order (one all_gather_object)."""
     grid, mine = llm.role.grid, {}
     if grid.tp.rank == 0:
-        reqs = {i: llm._queue(ids[i], per_prompt[i], request_ids[i])
+        reqs = {i: llm.add_request(ids[i], per_prompt[i], request_ids[i])
                 for i in range(grid.dp.rank, len(ids), grid.dp.size)}
         while llm.step() is not None:
             pass

@@ -653,7 +653,11 @@ class LLM:
                       for i, params in enumerate(per_prompt)]
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if self.launcher or self.role.torchrun:
-            return generate_across_ranks(self, ids, per_prompt)
+            # the ids one rank would give (its running count): an unseeded sampled request's
+            # random numbers are keyed by its id, so the ranks draw the numbers one rank would
+            first, self._next_id = self._next_id, self._next_id + len(ids)
+            return generate_across_ranks(self, ids, per_prompt,
+                                         [str(first + i) for i in range(len(ids))])
         reqs = [self._queue(x, params, None) for x, params in zip(ids, per_prompt)]
         try:
             while self.step() is not None:
