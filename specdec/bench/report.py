@@ -121,27 +121,28 @@ def k_schedule_lines(results: dict) -> list[str]:
     if results["sweep"].get("k_schedule") is not None:
         return []
     dp = results["sweep"].get("dp", 1)
-    # each rank picks K for its own batch: with dp ranks a concurrency c is a batch of up to
-    # ceil(c / dp) on a rank (round-robin); of concurrencies that give one batch size, the
-    # largest (every rank's batch that full) speaks for it
-    ok = sorted((c for c in results["configs"] if c["status"] == "ok"),
-                key=lambda c: c["concurrency"])
-    plain = {(c["concurrency"], c["prompt_len"], c["output_len"]): c["summary"][
-        "output_tokens_per_s"] for c in ok if c["method"] == "none"}
+    ok = [c for c in results["configs"] if c["status"] == "ok"]
+
+    def run(c) -> tuple[int, int, int]:
+        return c["concurrency"], c["prompt_len"], c["output_len"]
+
+    def batch(c) -> int:  # each rank picks K for its own batch: up to ceil(c / dp) requests
+        return -(-c["concurrency"] // dp)
+
+    plain = {run(c): c["summary"]["output_tokens_per_s"] for c in ok if c["method"] == "none"}
+    measured = [c for c in ok if c["method"] != "none" and run(c) in plain]
+    # of the concurrencies that give one batch size, the largest (every rank's batch that
+    # full) speaks for it
+    largest: dict[tuple, int] = {}
+    for c in measured:
+        key = (c["method"], c["mode"], c["prompt_len"], c["output_len"], batch(c))
+        largest[key] = max(largest.get(key, 0), c["concurrency"])
     groups: dict[tuple, dict[int, dict[int, float]]] = {}
-    for c in ok:
-        key = (c["concurrency"], c["prompt_len"], c["output_len"])
-        if c["method"] == "none" or key not in plain:
-            continue
-        g = groups.setdefault((c["method"], c["mode"], c["prompt_len"], c["output_len"]), {})
-        batch = -(-c["concurrency"] // dp)
-        if g.get(batch, {}).get("from", c["concurrency"]) != c["concurrency"]:
-            del g[batch]  # a smaller concurrency's measurement of this batch size
-        g.setdefault(batch, {"from": c["concurrency"], 0: plain[key]})[c["k"]] = c["summary"][
-            "output_tokens_per_s"]
-    for g in groups.values():
-        for ks in g.values():
-            del ks["from"]
+    for c in measured:
+        *group, b = key = (c["method"], c["mode"], c["prompt_len"], c["output_len"], batch(c))
+        if c["concurrency"] == largest[key]:
+            groups.setdefault(tuple(group), {}).setdefault(b, {0: plain[run(c)]})[c["k"]] = \
+                c["summary"]["output_tokens_per_s"]
     per = "per rank batch size" if dp > 1 else "per concurrency"
     return [f"hint: K schedule from this run for {m} {mode} (prompt {p}, output {o}; the fastest K "
             f"{per}, 0 = plain): --k-schedule '{best_k_schedule(g)}' -k "
