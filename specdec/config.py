@@ -122,28 +122,34 @@ class SpeculativeConfig:
                 raise ValueError("method='extract_hidden_states' needs "
                                  "draft_model_config.eagle_aux_hidden_state_layer_ids")
 
+    def _draft_model_configs(self) -> list[tuple[str, object]]:
+        """(where, value) of each place the aux layer ids may sit, in the order they are
+        looked up: draft_model_config, its ``eagle_config``, its ``hf_config`` (as vLLM nests
+        them), and that one's ``eagle_config``; None where absent."""
+        dmc = self.draft_model_config
+        hf_config = dmc.get("hf_config")
+        hf = hf_config if isinstance(hf_config, dict) else {}
+        return [("draft_model_config", dmc),
+                ("draft_model_config.eagle_config", dmc.get("eagle_config")),
+                ("draft_model_config.hf_config", hf_config),
+                ("draft_model_config.hf_config.eagle_config", hf.get("eagle_config"))]
+
     def _check_draft_model_config(self) -> None:
         """draft_model_config holds what is read of it, nothing else: the aux layer ids
-        (methods that read the target's aux hidden states; top level or under ``hf_config``,
-        each also under ``eagle_config``, as vLLM nests them) and extract_hidden_states'
-        ``output_dir`` / ``overwrite_output_dir``."""
-        aux = ("eagle_aux_hidden_state_layer_ids", "eagle_config")
-        allowed = {"extract_hidden_states": (*aux, "hf_config", "output_dir",
-                                             "overwrite_output_dir"),
-                   "eagle3": (*aux, "hf_config")}.get(self.method, ())
-        hf_config = self.draft_model_config.get("hf_config")
-        for where, d, keys in (
-                ("draft_model_config", self.draft_model_config, allowed),
-                ("draft_model_config.hf_config", hf_config, aux),
-                ("draft_model_config.eagle_config", self.draft_model_config.get("eagle_config"),
-                 aux[:1]),
-                ("draft_model_config.hf_config.eagle_config",
-                 hf_config.get("eagle_config") if isinstance(hf_config, dict) else None,
-                 aux[:1])):
+        (methods that read the target's aux hidden states; ``_draft_model_configs``) and
+        extract_hidden_states' ``output_dir`` / ``overwrite_output_dir``."""
+        ids = "eagle_aux_hidden_state_layer_ids"
+        top = {"extract_hidden_states": (ids, "eagle_config", "hf_config", "output_dir",
+                                         "overwrite_output_dir"),
+               "eagle3": (ids, "eagle_config", "hf_config")}.get(self.method, ())
+        allowed = {"draft_model_config": top,
+                   "draft_model_config.hf_config": (ids, "eagle_config")}
+        for where, d in self._draft_model_configs():
             if d is None:
                 continue
             if not isinstance(d, dict):
                 raise TypeError(f"{where} must be a dict, got {d!r}")
+            keys = allowed.get(where, (ids,))
             if bad := sorted(set(d) - set(keys)):
                 raise ValueError(f"{where} has keys {bad} that method={self.method!r} does not "
                                  f"read; allowed: {list(keys)}")
@@ -285,13 +291,8 @@ class SpeculativeConfig:
         config), or None when not set. For EAGLE-3 a head config naming its own ids takes
         precedence over these (see ``specdec.proposers.factory``)."""
         key = "eagle_aux_hidden_state_layer_ids"
-        hf_config = self.draft_model_config.get("hf_config")
-        for where in (self.draft_model_config, hf_config if isinstance(hf_config, dict) else {}):
-            eagle_config = where.get("eagle_config")
-            for d in (where, eagle_config if isinstance(eagle_config, dict) else {}):
-                if d.get(key) is not None:
-                    return d[key]
-        return None
+        return next((d[key] for _, d in self._draft_model_configs()
+                     if isinstance(d, dict) and d.get(key) is not None), None)
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layers whose outputs feed the head: the configured ids, else vLLM's
