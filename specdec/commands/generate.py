@@ -141,12 +141,12 @@ def cmd_generate(args) -> int:
             json.loads(args.speculative_config) if args.speculative_config else {}):
         spec["num_speculative_tokens"] = 1  # the method implies it
     if extracting:
+        from specdec.proposers.extract_hidden_states import holds_hidden_states
         dmc = extract_hidden_states_config(args.model, args.output_dir, args.aux_layer_ids)
         if args.overwrite_output_dir:
             dmc["overwrite_output_dir"] = True
         dmc = spec["draft_model_config"] = {**dmc, **spec.get("draft_model_config", {})}
-        if not dmc.get("overwrite_output_dir") and any(
-                Path(dmc["output_dir"]).glob("*.safetensors")):
+        if not dmc.get("overwrite_output_dir") and holds_hidden_states(Path(dmc["output_dir"])):
             raise UsageError(f"--output-dir={dmc['output_dir']} already holds *.safetensors "
                              "files; pick an empty folder or add --overwrite-output-dir")
     k = spec["num_speculative_tokens"] if spec else 0

@@ -22,6 +22,11 @@ from specdec.padding import StepPlan
 from specdec.proposers.inputs import DraftInputs
 
 
+def holds_hidden_states(path: Path) -> bool:
+    """Whether the folder already holds ``*.safetensors`` files (another run's)."""
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
 def check_output_dir(config) -> Path:
     """``draft_model_config.output_dir``: required, and not a folder that already holds
     ``*.safetensors`` files (another run's files would be overwritten) unless
@@ -37,7 +42,7 @@ def check_output_dir(config) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"draft_model_config.output_dir={str(path)!r} is not a folder")
-    if not overwrite and path.is_dir() and any(path.glob("*.safetensors")):
+    if not overwrite and holds_hidden_states(path):
         raise ValueError(f"draft_model_config.output_dir={str(path)!r} already holds "
                          "*.safetensors files; pick an empty folder or set "
                          "draft_model_config.overwrite_output_dir=True")

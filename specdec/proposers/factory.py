@@ -36,8 +36,7 @@ def find_head_dir(spec: SpeculativeConfig, model_dir: Path | None) -> Path:
                      f"; the target folder {str(model_dir)!r} is not a {archs} checkpoint "
                      "holding its MTP layer")
         raise ValueError(f"speculative_config.model={str(path)!r} has no config.json "
-                         f"({'an' if spec.method[0] in 'aeiou' else 'a'} {spec.method} head folder is "
-                         f"needed{where})")
+                         f"(the folder of a {spec.method!r} head is needed{where})")
     return path
 
 
