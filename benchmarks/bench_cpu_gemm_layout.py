@@ -23,8 +23,8 @@ from rich.table import Table
 from torch import nn
 
 from benchmarks.bench_forward import decode_batch, time_forward
-from specdec.commands.flags import build_llm
 from specdec.engine.sequence import SamplingParams
+from specdec.flags import build_llm
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.models.registry import load_pretrained
 

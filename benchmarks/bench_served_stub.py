@@ -30,7 +30,7 @@ from rich.table import Table
 
 from specdec.bench import serve as bench_serve
 from specdec.bench.sweep import PromptSource
-from specdec.commands.flags import ints
+from specdec.flags import ints
 
 PROCESSES = ("engine", "api", "client")
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from specdec.bench import itl
 from specdec.bench import sweep as bench_sweep
-from specdec.commands.flags import UsageError
+from specdec.flags import UsageError
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM

@@ -14,13 +14,13 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from specdec.commands.flags import UsageError
 from specdec.entrypoints.api_server import build_app, encode_chat
 from specdec.entrypoints.async_engine import AsyncEngine
 from specdec.entrypoints.chat import load_chat_template
 from specdec.entrypoints.protocol import ApiError, ChatMessage
 from specdec.entrypoints.serve import served_model
 from specdec.entrypoints.stub_engine import StubLLM
+from specdec.flags import UsageError
 
 from helpers import ServerThread
 

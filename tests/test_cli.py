@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specdec.commands.cli import main
-from specdec.commands.flags import speculative_config
 from specdec.engine.llm import LLM
+from specdec.flags import speculative_config
 
 PROMPT = "def fibonacci(n):"
 
@@ -209,7 +209,7 @@ def test_async_scheduling_flag_reaches_the_engine_and_keeps_the_text(model, caps
     code2, overlapped, _ = run(capsys, *argv, "--async-scheduling")
     assert code == code2 == 0 and sync.split("\n\n")[0] == overlapped.split("\n\n")[0]
     from specdec.commands.cli import build_parser
-    from specdec.commands.flags import engine_kwargs
+    from specdec.flags import engine_kwargs
     for command in (["generate", "--prompt", PROMPT], ["serve"]):
         args = build_parser().parse_args([*command, "--async-scheduling"])
         assert engine_kwargs(args)["async_scheduling"] is True
@@ -221,7 +221,7 @@ def test_the_commands_leave_the_backend_to_the_devices_default(monkeypatch):
     the device's default too."""
     from specdec.bench import itl
     from specdec.commands.cli import build_parser
-    from specdec.commands.flags import engine_kwargs
+    from specdec.flags import engine_kwargs
     from specdec.graphs import resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,10 +13,10 @@ import pytest
 from rich.console import Console
 
 from specdec.commands import cli, generate as generate_command
-from specdec.commands.flags import speculative_config
 from specdec.bench import itl
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import RequestOutput
+from specdec.flags import speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"

@@ -129,7 +129,7 @@ def test_the_bench_sweeps_it(small_llama, tmp_path):
     whose acceptance the engine counted; draft_model without its folder (or the folder
     without the method) is a sweep error."""
     from specdec.bench import itl
-    from specdec.commands.flags import UsageError
+    from specdec.flags import UsageError
     out = tmp_path / "out"
     assert itl.main(["--methods", "none,draft_model", "--draft-model", str(small_llama),
                      "--modes", "padded,ragged", "-k", "2", "--concurrency", "2",

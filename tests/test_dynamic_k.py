@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from specdec import LLM, SamplingParams
 from specdec.bench import itl
 from specdec.bench.report import best_k_schedule
-from specdec.commands.flags import UsageError
 from specdec.config import SpeculativeConfig
 from specdec.engine.llm import DEFAULT_MODEL
+from specdec.flags import UsageError
 from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.suffix import SuffixProposer
 

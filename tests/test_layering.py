@@ -1,8 +1,10 @@
 """The package layers, read from the source (every import, at module level or in a function):
-the lowest modules and kernels, then models, proposers, engine, then the commands (bench,
-entrypoints, commands, train); a module imports from its own layer or below. No family file
-imports a registry (the registries import the families), and neither the head modules nor
-the module-level imports of the package as a whole form a circle."""
+the lowest modules and kernels, then models, proposers, engine, then the shared command flags
+(``specdec/flags.py``) and training, the harnesses and the server, and the ``specdec``
+command's dispatch on top; a module imports from its own layer or below. No family file
+imports a registry (the registries import the families); the imports form no circle, neither
+between modules nor between packages (two packages of one layer import each other one way
+at most)."""
 
 import ast
 from pathlib import Path
@@ -10,8 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "specdec"
-LAYERS = {"models": 1, "proposers": 2, "engine": 3,
-          "train": 4, "bench": 4, "entrypoints": 4, "commands": 4}  # anything else: 0
+LAYERS = {"models": 1, "proposers": 2, "engine": 3, "flags": 4, "train": 4,
+          "bench": 5, "entrypoints": 5, "commands": 6}  # anything else: 0
+# Import edges (importer, imported) of circles that another change of issue 49 is removing,
+# left out of the circle tests until then; any other circle fails them.
+KNOWN_CIRCLES_BEING_FIXED = {("specdec.engine.dp_engine", "specdec.engine.llm")}
 
 
 def module_name(path: Path) -> str:
@@ -19,13 +24,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, module_level_only: bool = False) -> set[str]:
-    """The specdec modules ``path`` imports (``from specdec.x import y`` is specdec.x.y when
-    that is a module, else specdec.x)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if module_level_only else ast.walk(tree)
+def imports(path: Path) -> set[str]:
+    """The specdec modules ``path`` imports, at module level or in a function (``from
+    specdec.x import y`` is specdec.x.y when that is a module, else specdec.x)."""
     found = set()
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("specdec")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specdec"):
@@ -90,18 +93,42 @@ def test_cycle_finds_a_circle():
     assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_head_modules_form_no_circle():
-    heads = {m: imports(p) & set(MODULES) for m, p in MODULES.items()
-             if m.startswith("specdec.models.heads.")}
-    assert len(heads) >= 5 and cycle(heads) is None
+def import_graph() -> dict[str, set[str]]:
+    """module -> the specdec modules it imports (package ``__init__`` files included), less
+    ``KNOWN_CIRCLES_BEING_FIXED``."""
+    return {m: {n for n in imports(p) & set(MODULES) if (m, n) not in KNOWN_CIRCLES_BEING_FIXED}
+            for m, p in MODULES.items()}
 
 
-def test_module_level_imports_form_no_circle():
-    """Package ``__init__`` files re-export and are left out; a lazy import in a function
-    body (a rank process building its engine) is not a circle at import time."""
-    graph = {m: {n for n in imports(p, module_level_only=True) if n in MODULES}
-             for m, p in MODULES.items() if p.name != "__init__.py"}
+def package_graph(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """``graph`` between the packages ``depth`` names deep (2: specdec.engine, specdec.models,
+    ...; 3: specdec.models.heads, ...); a shallower module is a node of its own."""
+    def top(m):
+        return ".".join(m.split(".")[:depth])
+    packages: dict[str, set[str]] = {}
+    for m, ns in graph.items():
+        packages.setdefault(top(m), set()).update(top(n) for n in ns if top(n) != top(m))
+    return packages
+
+
+def test_package_graph_finds_a_circle_between_packages():
+    graph = {"specdec.a.x": {"specdec.b.y"}, "specdec.b.z": {"specdec.a.w"}}
     assert cycle(graph) is None
+    assert cycle(package_graph(graph, 2)) == ["specdec.a", "specdec.b", "specdec.a"]
+
+
+def test_modules_form_no_circle():
+    """Function-level imports count: a circle that only closes at call time is still one."""
+    circle = cycle(import_graph())
+    assert circle is None, " -> ".join(circle)
+
+
+@pytest.mark.parametrize("depth", range(2, max(m.count(".") for m in MODULES) + 1))
+def test_packages_form_no_circle(depth):
+    """e.g. commands -> entrypoints (dispatch) and entrypoints -> commands (shared flags) is a
+    circle, whichever modules the two imports sit in."""
+    circle = cycle(package_graph(import_graph(), depth))
+    assert circle is None, " -> ".join(circle)
 
 
 SERVE_STACK = ("uvicorn", "fastapi", "starlette", "aiohttp", "httpx", "openai",

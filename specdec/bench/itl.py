@@ -46,13 +46,13 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
                                  synthetic_model, weight_read)
-from specdec.commands.flags import UsageError, ints, words
 from specdec.engine.config import DTYPES
+from specdec.flags import UsageError, ints, words
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES
 
 # ---- command line -----------------------------------------------------------------------------
-_ints, _words = ints, words  # the older private names (now in specdec.commands.flags)
+_ints, _words = ints, words  # the older private names (now in specdec.flags)
 
 
 def json_list(text: str) -> list:
@@ -169,7 +169,7 @@ def run_from_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.commands.flags import OneLineParser, document_defaults
+    from specdec.flags import OneLineParser, document_defaults
     p = OneLineParser(prog="specdec bench", description=__doc__.split("\n")[0])
     add_arguments(p)
     document_defaults(p)

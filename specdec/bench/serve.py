@@ -31,9 +31,8 @@ from rich.console import Console
 
 from specdec.bench import metrics, plots, report
 from specdec.bench import sweep as bench_sweep
-from specdec.commands.flags import (UsageError, add_engine_arguments,
-                                    add_speculation_arguments, ints,
-                                    speculation_from_args)
+from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments, ints,
+                           speculation_from_args)
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,

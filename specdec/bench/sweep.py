@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
-from specdec.commands.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
 from specdec.config import SpeculativeConfig
 from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL
 from specdec.engine.sequence import SamplingParams
+from specdec.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import HEAD_METHODS, SHAPES, build_synthetic, weight_bytes
 from specdec.platform import torch_device

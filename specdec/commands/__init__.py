@@ -1,2 +1,2 @@
-"""The ``specdec`` command: dispatch (``cli``), the flags its subcommands share (``flags``) and
-``specdec generate`` (``generate``)."""
+"""The ``specdec`` command: dispatch (``cli``) and ``specdec generate`` (``generate``); the
+flags its subcommands share are in ``specdec.flags``."""

@@ -9,15 +9,15 @@
 A bad flag or a bad speculative config prints one line on stderr and exits with status 2.
 This module only dispatches: ``specdec.commands.generate`` (generate), ``specdec.bench``
 (bench, bench serve), ``specdec.entrypoints.serve`` (serve); what they share (method names,
-engine flags, building an LLM, UsageError) is in ``specdec.commands.flags``.
+engine flags, building an LLM, UsageError) is in ``specdec.flags``.
 """
 
 import argparse
 import importlib.metadata
 import sys
 
-from specdec.commands.flags import OneLineParser, UsageError, document_defaults
 from specdec.commands.generate import add_generate_parser
+from specdec.flags import OneLineParser, UsageError, document_defaults
 
 
 def add_bench_parser(sub) -> None:

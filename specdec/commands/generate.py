@@ -10,10 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.config import default_aux_layer_ids
-from specdec.commands.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
-                                    add_speculation_arguments, build_llm, default_method,
-                                    engine_kwargs, ints,
-                                    refuse_drafter_flags_without_a_drafter, speculative_config)
+from specdec.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
+                           add_speculation_arguments, build_llm, default_method, engine_kwargs,
+                           ints, refuse_drafter_flags_without_a_drafter, speculative_config)
 
 
 def method_label(spec: dict | None) -> tuple[str, str, str]:

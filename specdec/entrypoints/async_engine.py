@@ -253,7 +253,7 @@ def _run_forked(api_end, *args) -> None:
 
 class ProcessEngine(_Frontend):
     """The engine in its own process (``run_engine_process``, ``num_threads`` torch threads),
-    built from ``llm_kwargs`` (``specdec.commands.flags.build_llm``'s arguments); ``info`` once
+    built from ``llm_kwargs`` (``specdec.flags.build_llm``'s arguments); ``info`` once
     ``start_process`` returned."""
 
     def __init__(self, llm_kwargs: dict, *, num_threads: int, max_waiting: int = 256,

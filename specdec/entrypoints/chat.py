@@ -8,7 +8,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from specdec.commands.flags import UsageError
+from specdec.flags import UsageError
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a template sees the special tokens under
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",

@@ -156,7 +156,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     import torch
     torch.set_num_threads(num_threads)
     from specdec.engine.llm import DEFAULT_MODEL
-    from specdec.commands.flags import UsageError, build_llm
+    from specdec.flags import UsageError, build_llm
     stub = llm_kwargs.pop("stub_tokens_per_step", None)  # a benchmark tool: stub_engine.py
     try:
         if stub is None:

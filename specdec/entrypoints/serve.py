@@ -11,9 +11,8 @@ import socket
 import sys
 from pathlib import Path
 
-from specdec.commands.flags import (UsageError, add_engine_arguments,
-                                    add_speculation_arguments, engine_kwargs,
-                                    speculation_from_args)
+from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments,
+                           engine_kwargs, speculation_from_args)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first

@@ -1,17 +1,21 @@
-"""What the ``specdec`` subcommands share, below all of them: the one list of method names,
-the speculative and engine flags, building an ``LLM`` from flags, and the one-line usage error.
+"""What the ``specdec`` subcommands share, below all of them: the --method choices, the
+speculative and engine flags, building an ``LLM`` from flags, and the one-line usage error.
 
-``specdec.commands`` (dispatch, generate), ``specdec.bench`` (the ITL harnesses) and
-``specdec.entrypoints.serve`` import from here.
+A layer of its own, above the engine and below the command packages: ``specdec.commands``
+(dispatch, generate), ``specdec.bench`` (the ITL harnesses) and ``specdec.entrypoints.serve``
+import from here, and it imports none of them.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-# --method choices; "torchair-mtp" is method "mtp" with graph_mode "torchair"
-METHODS = ("none", "mtp", "eagle", "eagle3", "torchair-mtp", "draft_model",
-           "extract_hidden_states", "ngram", "suffix")
+from specdec import config
+
+# --method choices: "none" and config.METHODS, with "torchair-mtp" (method "mtp" with
+# graph_mode "torchair") after the trained heads' methods, before "draft_model"
+_AT = config.METHODS.index("draft_model")
+METHODS = ("none", *config.METHODS[:_AT], "torchair-mtp", *config.METHODS[_AT:])
 DEFAULT_METHOD, DEFAULT_K = "eagle3", 3
 # the ITL harness sweeps the drafters that draft (extract_hidden_states never does) beside the
 # target alone (a draft model needs a folder of its own: not a sweep key yet)
