@@ -50,7 +50,7 @@ def main() -> None:
             one.append(ms_per_token(llm.steps))
             job = DPJob(dict(kw, tensor_parallel_size=2, sequence_parallel=args.sp), prompts,
                         params)
-            run, = run_data_parallel([job], 1, tp_size=2)
+            run, = run_data_parallel([job], 1, engine=LLM, tp_size=2)
             two.append(ms_per_token(run.ranks[0].steps))
             kinds = collections.Counter(op for op, _ in run.ranks[0].collectives[-2])
         print(f"{name:<12}{statistics.median(one):>13.2f}{statistics.median(two):>13.2f}   "

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.bench.serve import free_port, launch, stop, wait_healthy
-from specdec.entrypoints.engine_core import default_engine_threads
+from specdec.entrypoints.engine_loop import default_engine_threads
 
 METHODS = ("none", "eagle3")
 TARGET = "specdec/assets/default/target"

@@ -276,11 +276,6 @@ class SpeculativeConfig:
         return not self.disable_padded_drafter_batch
 
     @property
-    def drafts_on_host(self) -> bool:
-        """ngram, suffix: drafts come from the request's own tokens on the host, no head."""
-        return self.method in HOST_DRAFT_METHODS
-
-    @property
     def uses_aux_hidden_states(self) -> bool:
         return self.method in AUX_HIDDEN_STATE_METHODS
 

@@ -36,6 +36,7 @@ new key or code path, or a guard that failed).
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,9 +44,62 @@ from specdec import platform
 from specdec.syncs import unguarded
 
 BACKENDS = ("eager", "compile", "compile_dynamic", "torchair", "cuda_graph", "replay")
-# backends whose steps take any shape: the others capture or compile uniform decodes per bucket
-SHAPE_FREE_BACKENDS = ("eager", "compile_dynamic")
 COMPILING = ("compile", "compile_dynamic", "torchair")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A step wrapper backend, checked once (``resolve_backend``); every other place asks it
+    what it does instead of spelling backend names. ``compile_backend``: torch.compile's
+    backend where the step is compiled (inductor by default), None where nothing compiles."""
+
+    name: str
+    compile_backend: str | None = None
+
+    def __post_init__(self):
+        if self.name not in BACKENDS:
+            raise ValueError(f"graph_backend={self.name!r}; allowed: {BACKENDS}")
+        if self.compiles:
+            object.__setattr__(self, "compile_backend", self.compile_backend or "inductor")
+            compilers = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in compilers:
+                raise ValueError(f"compile_backend={self.compile_backend!r}; allowed: "
+                                 f"{compilers}")
+        elif self.compile_backend is not None:
+            raise ValueError(f"compile_backend={self.compile_backend!r} is for a compiling "
+                             f"graph backend ({', '.join(COMPILING)}); this engine's is "
+                             f"{self.name!r} (graph_backend, or "
+                             "speculative_config graph_mode 'torchair')")
+
+    @property
+    def captures(self) -> bool:
+        """Steps replay static inputs and outputs per key (cuda_graph; replay on any device):
+        mixed steps are captured too, uniform decodes at start-up."""
+        return self.name in ("cuda_graph", "replay")
+
+    @property
+    def compiles(self) -> bool:
+        return self.name in COMPILING
+
+    @property
+    def eager(self) -> bool:
+        """Every step runs its step function as it is: nothing captured or compiled."""
+        return self.name == "eager"
+
+    @property
+    def dynamic(self) -> bool:
+        """Every step runs one dynamically compiled step (sizes symbolic, no capture keys);
+        its code paths are compiled on throwaway requests at start-up."""
+        return self.name == "compile_dynamic"
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """Uniform decodes run a graph per capture bucket, so a padded decode keeps 1 + K
+        tokens (filler after fewer drafts); eager and compile_dynamic steps take any shape."""
+        return self.name not in ("eager", "compile_dynamic")
+
+
+EAGER = Backend("eager")  # the default of a runner or proposer built alone (tests, tools)
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:
@@ -161,14 +215,8 @@ class StepGraph:
     step's forward: once per row layout, not once per sampling variant).
     """
 
-    def __init__(self, fn: Callable, backend: str, compile_backend: str = "inductor",
-                 inputs_type: type | None = None, compiled_in_parts: Callable | None = None):
-        if backend not in BACKENDS:
-            raise ValueError(f"graph backend={backend!r}; allowed: {BACKENDS}")
-        if backend in COMPILING:
-            compilers = torch._dynamo.list_backends(exclude_tags=())
-            if compile_backend not in compilers:
-                raise ValueError(f"compile_backend={compile_backend!r}; allowed: {compilers}")
+    def __init__(self, fn: Callable, backend: Backend, inputs_type: type | None = None,
+                 compiled_in_parts: Callable | None = None):
         if inputs_type is not None:
             fn = _taking(fn, inputs_type)
             if compiled_in_parts is not None:
@@ -178,16 +226,17 @@ class StepGraph:
         self.captured: dict[tuple, _Captured] = {}  # cuda_graph / replay, by key
         self.seen: set[tuple] = set()  # keys called once (compiled, captured or warmed)
         self.pool = None
-        if backend in COMPILING:
+        name, compile_backend = backend.name, backend.compile_backend
+        if backend.compiles:
             # one graph per key by design (a capture bucket and its static values), not
             # recompilations to be warned about; dynamo counts them per code object
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-        if backend == "compile":
+        if name == "compile":
             self.compiled = _outside_torch_function_modes(torch.compile(
                 fn, fullgraph=True, dynamic=False, backend=compile_backend))
-        elif backend == "compile_dynamic":
+        elif name == "compile_dynamic":
             self.compiled = compiled_in_parts or compile_dynamic(fn, compile_backend)
-        elif backend == "torchair":
+        elif name == "torchair":
             self.compiled = _outside_torch_function_modes(platform.compile_graph(
                 fn, compile_backend))
         else:
@@ -201,22 +250,23 @@ class StepGraph:
             raise TypeError(f"step arguments must be tensors (a Python value would be baked "
                             f"into a captured graph); got {bad}")
         self.calls += 1
-        if self.backend == "eager":  # nothing to set up: every call is the steady state
+        if self.backend.eager:  # nothing to set up: every call is the steady state
             return self.compiled(*args, **static)
-        if self.backend == "compile_dynamic":
+        if self.backend.dynamic:
             return self._compiled(*args, **static)
         key = (bucket, *sorted(static.items()))
-        captures = self.backend in ("cuda_graph", "replay")
+        captures = self.backend.captures
         if key not in self.seen:  # compile / capture outside the sync guards
             self.seen.add(key)
             with unguarded():
                 if not captures:
                     return self._compiled(*args, **static)
                 self.graphs += 1
-                if self.backend == "cuda_graph" and self.pool is None:
+                on_cuda = self.backend.name == "cuda_graph"
+                if on_cuda and self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 entry = self.captured[key] = _Captured(
-                    functools.partial(self.fn, **static), args, self.backend == "cuda_graph",
+                    functools.partial(self.fn, **static), args, on_cuda,
                     self.pool)
         elif not captures:
             return self._compiled(*args, **static)
@@ -248,7 +298,7 @@ class StepGraph:
         ``compile_dynamic`` (every step, no keys), else eagerly, with its own bounds."""
         if capturable:
             return self(bucket, *inputs, **captured, **static)
-        if self.backend == "compile_dynamic":
+        if self.backend.dynamic:
             return self(None, *inputs, **own, **static)
         return self.fn(*inputs, **own, **static)
 
@@ -270,23 +320,51 @@ def default_backend(device: torch.device, *, tensor_parallel_size: int = 1,
 
 def resolve_backend(graph_mode: str | None, graph_backend: str | None,
                     device: torch.device, *, tensor_parallel_size: int = 1,
-                    cross_rank: bool = False) -> str:
-    """The step wrapper backend: ``graph_backend`` if given, else the one of
+                    data_parallel_size: int = 1, cross_rank: bool = False,
+                    compile_backend: str | None = None) -> Backend:
+    """The step wrapper backend, checked: ``graph_backend`` if given, else the one of
     ``speculative_config.graph_mode``, else ``default_backend`` (cuda_graph on CUDA, eager
-    elsewhere). ValueError on a conflict or on cuda_graph off CUDA."""
+    elsewhere). ``cross_rank``: the target or head has MoE layers that exchange tokens over
+    the DP group. ValueError on a conflict, on cuda_graph off CUDA, on ``compile_backend``
+    where nothing compiles, and where the ranks' host-side collectives cannot run inside the
+    step (``check_parallel``)."""
     from_mode = GRAPH_MODE_BACKENDS[graph_mode] if graph_mode is not None else None
-    if graph_backend is not None and graph_backend not in BACKENDS:
-        raise ValueError(f"graph_backend={graph_backend!r}; allowed: {BACKENDS}")
+    if graph_backend is not None:
+        Backend(graph_backend)  # the name checked before it is compared
     if graph_backend is not None and from_mode not in (None, "eager", graph_backend):
         raise ValueError(f"graph_backend={graph_backend!r} conflicts with speculative_config "
                          f"graph_mode={graph_mode!r} (backend {from_mode!r})")
-    backend = graph_backend or from_mode or default_backend(
-        device, tensor_parallel_size=tensor_parallel_size, cross_rank=cross_rank)
-    if backend == "cuda_graph" and device.type != "cuda":
+    name = graph_backend or from_mode or default_backend(
+        device, tensor_parallel_size=tensor_parallel_size,
+        cross_rank=cross_rank and data_parallel_size > 1)
+    if name == "cuda_graph" and device.type != "cuda":
         given = ("graph_backend='cuda_graph'" if graph_backend else
                  "speculative_config graph_mode='full_cuda_graph' (backend 'cuda_graph')")
         allowed = [b for b in BACKENDS if b != "cuda_graph"] if graph_backend else [
             m for m in GRAPH_MODE_BACKENDS if m != "full_cuda_graph"]
         raise ValueError(f"{given} needs a CUDA device, got device={str(device)!r}; allowed "
                          f"here: {', '.join(allowed)}")
+    backend = Backend(name, compile_backend)
+    check_parallel(backend, tensor_parallel_size, data_parallel_size if cross_rank else 1)
     return backend
+
+
+def check_parallel(backend: Backend, tensor_parallel_size: int,
+                   cross_rank_size: int = 1) -> None:
+    """TP steps run eager or ``replay`` (CPU, gloo): torch.compile cannot trace the gloo
+    collectives of a step; NCCL inside a CUDA graph has not run here (one GPU at most):
+    opt-in with ``specdec.platform.unverified_gpu_paths()``. A MoE model whose layers exchange
+    tokens over ``cross_rank_size`` > 1 DP ranks runs eager (host-side gloo collectives)."""
+    if cross_rank_size > 1 and not backend.eager:
+        raise ValueError(f"graph backend {backend.name!r} with a MoE (cross-rank) model needs "
+                         f"data_parallel_size=1, got {cross_rank_size}: its host-side gloo "
+                         "collectives cannot run inside a captured or compiled step")
+    if tensor_parallel_size == 1 or backend.name in ("eager", "replay"):
+        return
+    if backend.name == "cuda_graph" and platform.unverified_gpu_paths():
+        return
+    raise ValueError(
+        f"graph_backend={backend.name!r} with tensor_parallel_size={tensor_parallel_size}: "
+        "allowed 'eager' or 'replay' ('cuda_graph' needs SPECDEC_UNVERIFIED_GPU_PATHS=1: NCCL "
+        "collectives inside a captured graph have not run on a multi-GPU machine here; the "
+        "compiling backends cannot trace the step's host-side gloo collectives)")

@@ -111,7 +111,7 @@ def test_async_scheduling_must_be_a_bool():
 
 
 def test_served_with_async_scheduling_equals_generate():
-    """The serving loop (EngineCore in the in-process server) over an async engine: four
+    """The serving loop (EngineLoop in the in-process server) over an async engine: four
     concurrent completions get the token ids a synchronous ``generate`` gives."""
     import asyncio
 
@@ -125,8 +125,8 @@ def test_served_with_async_scheduling_equals_generate():
     want = [o.token_ids for o in build("eagle3", "replay", False).generate(
         PROMPTS[:4], [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True)
                       for p in PARAMS[:4]])]
-    continued, launch_next = [], llm._continue  # counts the overlapped launches
-    llm._continue = lambda launched: continued.append(1) or launch_next(launched)
+    continued, launch_next = [], llm.core._continue  # counts the overlapped launches
+    llm.core._continue = lambda launched: continued.append(1) or launch_next(launched)
     server = ServerThread(build_server_app(llm, "tiny"))
 
     async def complete(client, prompt, n):

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from specdec.config import SpeculativeConfig
 from specdec.kernels import shift_first_pass_input_ids
 from specdec.kernels.ragged import draft_step_ragged
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import PaddedProposer
 from specdec.proposers.mtp import MtpProposer
 from specdec.syncs import count_host_syncs, forbid_host_sync
 
@@ -20,7 +20,7 @@ def i32(x):
 
 def make_proposer(k=2, padded=True, max_num_seqs=300, max_model_len=80, block_size=4,
                   vocab_size=100):
-    """An MTP proposer (the draft-loop state lives on DraftModelProposer) over a tiny head."""
+    """An MTP proposer (the draft-loop state lives on HeadProposer) over a tiny head."""
     config = SpeculativeConfig("mtp", k, disable_padded_drafter_batch=not padded)
     target = tiny_target()
     return MtpProposer(config, head=tiny_head("mtp", target), num_kv_blocks=4,
@@ -81,7 +81,7 @@ def test_constructor_validates_sizes(field, value, exc):
     kw = dict(max_num_seqs=4, block_size=4, max_model_len=64, vocab_size=10)
     kw[field] = value
     with pytest.raises(exc, match=f"{field}={value!r}"):
-        Proposer(SpeculativeConfig("mtp", 1), **kw)
+        PaddedProposer(SpeculativeConfig("mtp", 1), **kw)
 
 
 @given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))

@@ -332,7 +332,7 @@ def test_deepseek_mtp_k2_dp2_with_an_idle_rank_equals_dp1(ds_dir, ds_plain):
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
     job = DPJob(kw, PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
                 [list(range(len(PROMPTS))), []])
-    run, = run_data_parallel([job], 2, timeout=240)
+    run, = run_data_parallel([job], 2, engine=LLM, timeout=240)
     assert [o.token_ids for o in run.outputs] == ds_plain
     busy, idle = run.ranks
     assert all(s.num_reqs == 0 for s in idle.steps) and len(idle.steps) == len(busy.steps)

@@ -101,7 +101,7 @@ def dp_runs(request, target, dp1, tmp_path_factory):
     for method, assignment in ASSIGN[size].items():
         dirs[method] = tmp_path_factory.mktemp(f"dp{size}")
         jobs.append(DPJob(llm_kwargs(method, target, dirs[method]), PROMPTS, params, assignment))
-    runs = run_data_parallel(jobs, size, timeout=TIMEOUT)
+    runs = run_data_parallel(jobs, size, engine=LLM, timeout=TIMEOUT)
     return size, {m: (run, *dp1[m], dirs[m]) for m, run in zip(ASSIGN[size], runs)}
 
 
@@ -208,7 +208,7 @@ def test_each_runs_ranks_read_the_launchers_environment_of_that_run(target, monk
     job = DPJob(llm_kwargs("mtp", target), PROMPTS[:2], SamplingParams(max_tokens=4))
     for check, counted in (("1", 0), ("0", None)):
         monkeypatch.setenv("SPECDEC_CHECK_HOST_SYNCS", check)
-        [run] = run_data_parallel([job], 2, timeout=TIMEOUT)
+        [run] = run_data_parallel([job], 2, engine=LLM, timeout=TIMEOUT)
         assert {s.host_syncs for rank in run.ranks for s in rank.steps} == {counted}
 
 
@@ -217,18 +217,18 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging(target):
     kw = llm_kwargs("mtp", target)
     job = DPJob(kw, [[1, 2, 3], list(range(70))], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="data-parallel rank 1: .*max_model_len=64"):
-        run_data_parallel([job], 2, timeout=TIMEOUT)
+        run_data_parallel([job], 2, engine=LLM, timeout=TIMEOUT)
 
 
 def test_round_robin_and_bad_assignments():
     assert round_robin(5, 2) == [[0, 2, 4], [1, 3]]
     job = DPJob({}, [[1], [2]], SamplingParams(), [[0], [0]])
     with pytest.raises(ValueError, match="assignment"):
-        run_data_parallel([job], 2)
+        run_data_parallel([job], 2, engine=LLM)
     with pytest.raises(ValueError, match="data_parallel_size=1"):
-        run_data_parallel([replace(job, assignment=None)], 1)
+        run_data_parallel([replace(job, assignment=None)], 1, engine=LLM)
     with pytest.raises(ValueError, match="device='meta'"):
-        run_data_parallel([DPJob({"device": "meta"}, [[1]], SamplingParams())], 2)
+        run_data_parallel([DPJob({"device": "meta"}, [[1]], SamplingParams())], 2, engine=LLM)
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         LLM(data_parallel_size=0)
     with pytest.raises(ValueError, match="not both"):

@@ -282,6 +282,6 @@ def test_a_host_drafter_at_k_zero_drafts_nothing_and_keeps_up(tokens, cut):
     cut = min(cut, len(tokens))
     for method, c in cfg.items():
         lazy, eager = (PROPOSERS[method](c, max_model_len=64) for _ in range(2))
-        assert lazy.propose("r", tokens[:cut], 0) == []
-        eager.propose("r", tokens[:cut], 3)
-        assert lazy.propose("r", tokens, 3) == eager.propose("r", tokens, 3)
+        assert lazy.drafts("r", tokens[:cut], 0) == []
+        eager.drafts("r", tokens[:cut], 3)
+        assert lazy.drafts("r", tokens, 3) == eager.drafts("r", tokens, 3)

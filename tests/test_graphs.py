@@ -16,13 +16,13 @@ import torch._dynamo.utils as dynamo_utils
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specdec.engine import llm as llm_module
+from specdec.engine import core as core_module
 from specdec.engine.inputs import DEFAULT_MODEL
 from specdec.engine.llm import LLM
 from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
-from specdec.graphs import COMPILING, StepGraph
+from specdec.graphs import COMPILING, Backend, StepGraph
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -187,17 +187,17 @@ def test_batch_above_the_largest_bucket_runs_eager(target, heads):
 
 
 def test_step_arguments_must_be_tensors():
-    graph = StepGraph(lambda x, n: x + n, "replay")
+    graph = StepGraph(lambda x, n: x + n, Backend("replay"))
     with pytest.raises(TypeError, match="must be tensors.*int"):
         graph(1, torch.zeros(2), 3)
-    with pytest.raises(ValueError, match="graph backend='nope'"):
-        StepGraph(lambda x: x, "nope")
+    with pytest.raises(ValueError, match="graph_backend='nope'"):
+        StepGraph(lambda x: x, Backend("nope"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager():
     x = torch.arange(6.0, device="cuda")
-    graph = StepGraph(lambda t: (t * 2 + 1).sum()[None], "cuda_graph")
+    graph = StepGraph(lambda t: (t * 2 + 1).sum()[None], Backend("cuda_graph"))
     first = graph(6, x).clone()
     second = graph(6, x + 1)
     assert first.item() == 36 and second.item() == 48
@@ -212,13 +212,13 @@ def test_only_the_first_call_of_a_bucket_runs_outside_the_sync_guard():
         x.sum().item()
         return x + 1
 
-    graph = StepGraph(syncing_step, "replay")
+    graph = StepGraph(syncing_step, Backend("replay"))
     with forbid_host_sync():
         graph(1, torch.zeros(2))  # capture / warm-up of bucket 1
         graph(2, torch.zeros(3))  # a new bucket: its first call is set-up too
         with pytest.raises(HostSyncError, match="Tensor.item"):
             graph(1, torch.zeros(2))
-    eager = StepGraph(syncing_step, "eager")  # no set-up: even the first call is checked
+    eager = StepGraph(syncing_step, Backend("eager"))  # no set-up: its first call is checked
     with forbid_host_sync(), pytest.raises(HostSyncError, match="Tensor.item"):
         eager(1, torch.zeros(2))
 
@@ -227,12 +227,12 @@ def test_graphs_are_warmed_for_every_bucket_at_construction(target, heads):
     llm = make_llm(target, heads, "eagle3", graph_backend="replay")
     assert request_buckets(llm.runner.target_graph) == request_buckets(
         llm.runner.proposer.step_graph) == {1, 2, 4}
-    assert llm.graph_warmup_seconds > 0 and not llm.steps
+    assert llm.core.graph_warmup_seconds > 0 and not llm.steps
 
 
 def test_unknown_compile_backend_names_the_field():
     with pytest.raises(ValueError, match="compile_backend='tensorrt'.*inductor"):
-        StepGraph(lambda x: x, "compile", "tensorrt")
+        StepGraph(lambda x: x, Backend("compile", "tensorrt"))
 
 
 @pytest.mark.parametrize("backend", [None, "eager", "replay"])
@@ -247,7 +247,7 @@ def test_static_inputs_are_the_first_args_and_other_tensors_are_copied_in():
     """A persistent buffer passed again is read in place (no copy); a new tensor is copied
     into the static input before the replay."""
     buf = torch.tensor([1.0, 2.0])
-    graph = StepGraph(lambda x: x * 10, "replay")
+    graph = StepGraph(lambda x: x * 10, Backend("replay"))
     assert graph(2, buf).tolist() == [10.0, 20.0]
     buf.copy_(torch.tensor([3.0, 4.0]))  # the caller refills its buffer in place
     assert graph(2, buf).tolist() == [30.0, 40.0]
@@ -353,7 +353,7 @@ def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(warmed, tar
     max_model_len, greedy and sampled, compile nothing more, every step runs through the one
     wrapper, and tokens, drafts and acceptance equal the eager engine's."""
     llm, compiled = warmed(method)
-    assert llm.graph_warmup_seconds > 0
+    assert llm.core.graph_warmup_seconds > 0
     assert sum(g.graphs for g in step_graphs(llm)) == compiled > 0
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     calls, first = graph_calls(llm), len(llm.steps)
@@ -422,7 +422,7 @@ def test_compile_dynamic_compiles_nothing_after_start_up(warmed, method):
 def test_compile_dynamic_counts_each_graph_it_compiles():
     """A wrapper's ``graphs`` counts dynamo's graphs: one per code path, and one more for
     a size of 1 (dynamo specializes it)."""
-    graph = StepGraph(lambda x: x * 2, "compile_dynamic", "eager")
+    graph = StepGraph(lambda x: x * 2, Backend("compile_dynamic", "eager"))
     for size in (3, 5, 1, 4, 1):
         graph(None, torch.ones(size))
     assert graph.graphs == 2
@@ -449,7 +449,7 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
     def step(x, y, *, n: int):
         return (x * 2 + y.sum()) [:n]
 
-    graph = StepGraph(step, "compile_dynamic", "eager")
+    graph = StepGraph(step, Backend("compile_dynamic", "eager"))
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     for size in (3, 5, 8, 13):
         x, y = torch.arange(size, dtype=torch.float32), torch.ones(size + 1)
@@ -461,8 +461,8 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
     """A seeded one-layer target in ``dtype``, and a compile_dynamic warm-up of one greedy
     8-token prompt for the engines built while ``monkeypatch`` holds."""
-    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
-    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: (((8,),),))
+    monkeypatch.setattr(core_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(core_module, "warmup_phases", lambda *sizes: (((8,),),))
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
@@ -535,8 +535,8 @@ def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes
     """
     import dataclasses
 
-    monkeypatch.setattr(llm_module, "WARMUP_SAMPLING", ({},))
-    monkeypatch.setattr(llm_module, "warmup_phases", lambda *sizes: ())
+    monkeypatch.setattr(core_module, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(core_module, "warmup_phases", lambda *sizes: ())
     config = dataclasses.replace(ModelConfig.from_folder(DEFAULT_MODEL), num_hidden_layers=1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()

@@ -146,8 +146,8 @@ def test_greedy_under_the_policy_equals_plain_and_every_k_runs(plain, method, ba
     llm = LLM(max_model_len=128, graph_backend=backend, speculative_config={
         "method": method, "num_speculative_tokens": K,
         "num_speculative_tokens_policy": "goodput"})
-    llm.k_policy.decay = 1.0
-    llm.k_policy.refresh_steps = 6
+    llm.core.k_policy.decay = 1.0
+    llm.core.k_policy.refresh_steps = 6
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain
     assert {s.num_spec_tokens for s in llm.steps} == set(range(K + 1))
@@ -158,6 +158,6 @@ def test_greedy_under_the_policy_equals_plain_and_every_k_runs(plain, method, ba
         drafted, accepted = ([sum(getattr(o, name)[j] for o in outs
                                   if len(getattr(o, name)) > j) for j in range(K)]
                              for name in ("num_drafted", "num_accepted"))
-        assert [n for _, n in llm.k_policy.kept] == drafted
+        assert [n for _, n in llm.core.k_policy.kept] == drafted
         assert all(a <= hit <= a + len(PROMPTS)
-                   for (hit, _), a in zip(llm.k_policy.kept, accepted))
+                   for (hit, _), a in zip(llm.core.k_policy.kept, accepted))

@@ -14,11 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "specdec"
 LAYERS = {"models": 1, "proposers": 2, "engine": 3, "flags": 4, "train": 4,
           "bench": 5, "entrypoints": 5, "commands": 6}  # anything else: 0
-# Import edges (importer, imported) of circles that another change of issue 49 is removing,
-# left out of the circle tests until then; any other circle fails them.
-KNOWN_CIRCLES_BEING_FIXED = {("specdec.engine.dp_engine", "specdec.engine.llm")}
-
-
 def module_name(path: Path) -> str:
     parts = ["specdec", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -94,10 +89,8 @@ def test_cycle_finds_a_circle():
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the specdec modules it imports (package ``__init__`` files included), less
-    ``KNOWN_CIRCLES_BEING_FIXED``."""
-    return {m: {n for n in imports(p) & set(MODULES) if (m, n) not in KNOWN_CIRCLES_BEING_FIXED}
-            for m, p in MODULES.items()}
+    """module -> the specdec modules it imports (package ``__init__`` files included)."""
+    return {m: imports(p) & set(MODULES) for m, p in MODULES.items()}
 
 
 def package_graph(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:

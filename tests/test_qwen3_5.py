@@ -378,7 +378,7 @@ def test_extract_dp2_with_an_idle_rank_equals_dp1(extracted, q35_dir, tmp_path):
 
     job = DPJob(_extract_kwargs(q35_dir("qwen3_5"), tmp_path), PROMPTS,
                 SamplingParams(max_tokens=4, ignore_eos=True), [[0, 1, 2], []])
-    run, = run_data_parallel([job], 2, timeout=240)
+    run, = run_data_parallel([job], 2, engine=LLM, timeout=240)
     busy, idle = run.ranks
     assert all(s.num_reqs == 0 for s in idle.steps) and len(idle.steps) == len(busy.steps)
     assert idle.collectives == busy.collectives

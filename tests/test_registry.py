@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from specdec.config import GRAPH_MODES, METHODS, MTP_ALIASES, SpeculativeConfig
+from specdec.config import GRAPH_MODES, HOST_DRAFT_METHODS, METHODS, MTP_ALIASES, SpeculativeConfig
 from specdec.graphs import default_backend, resolve_backend
-from specdec.proposers.base import DraftModelProposer, Proposer
+from specdec.proposers.base import HeadProposer, PaddedProposer, Proposer
 from specdec.proposers.draft_model import DraftLMProposer
 from specdec.proposers.eagle import Eagle3Proposer, EagleProposer
 from specdec.proposers.extract_hidden_states import ExtractHiddenStatesProposer
@@ -41,20 +41,28 @@ def test_every_method_resolves_to_one_class_in_every_graph_mode(method, graph_mo
         return
     cls = get_proposer_class(c)
     assert cls is EXPECTED[c.method]
-    assert issubclass(cls, DraftModelProposer) == (c.method not in ("extract_hidden_states",
-                                                                      "ngram", "suffix"))
-    # ngram and suffix draft on the host from token ids: none of the device-side preparation
-    assert issubclass(cls, Proposer) == (c.method not in ("ngram", "suffix"))
+    assert issubclass(cls, HeadProposer) == (c.method not in ("extract_hidden_states",
+                                                                "ngram", "suffix"))
+    # one interface for every method; ngram and suffix draft on the host from token ids:
+    # none of the device-side preparation
+    assert issubclass(cls, Proposer)
+    assert issubclass(cls, PaddedProposer) == cls.drafts_on_device == (
+        c.method not in ("ngram", "suffix"))
 
 
 def test_the_table_is_exactly_the_config_methods():
+    """A method added to config.METHODS and not to PROPOSERS (or the other way) fails here;
+    so does a host drafter not named in config.HOST_DRAFT_METHODS (which refuses its
+    ``model``)."""
     assert set(PROPOSERS) == set(METHODS)
+    assert {m for m, cls in PROPOSERS.items() if not cls.drafts_on_device} == set(
+        HOST_DRAFT_METHODS)
 
 
 @pytest.mark.parametrize("mode,backend", [("eager", "eager"), ("torchair", "torchair"),
                                           (None, "eager")])
 def test_graph_mode_picks_the_wrapper_backend(mode, backend):
-    assert resolve_backend(mode, None, torch.device("cpu")) == backend
+    assert resolve_backend(mode, None, torch.device("cpu")).name == backend
 
 
 def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
@@ -67,7 +75,7 @@ def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
         resolve_backend("torchair", "replay", torch.device("cpu"))
     with pytest.raises(ValueError, match="graph_backend='tensorrt'.*allowed"):
         resolve_backend(None, "tensorrt", torch.device("cpu"))
-    assert resolve_backend(None, "replay", torch.device("cpu")) == "replay"
+    assert resolve_backend(None, "replay", torch.device("cpu")).name == "replay"
 
 
 @pytest.mark.parametrize("device,tp,cross_rank,backend", [
@@ -79,13 +87,13 @@ def test_the_default_backend_is_captured_on_cuda_only(device, tp, cross_rank, ba
     MoE model under DP)."""
     dev = torch.device(device)
     assert default_backend(dev, tensor_parallel_size=tp, cross_rank=cross_rank) == backend
-    assert resolve_backend(None, None, dev, tensor_parallel_size=tp,
-                           cross_rank=cross_rank) == backend
+    assert resolve_backend(None, None, dev, tensor_parallel_size=tp, cross_rank=cross_rank,
+                           data_parallel_size=2 if cross_rank else 1).name == backend
 
 
 def test_an_explicit_backend_or_graph_mode_beats_the_cuda_default():
     cuda = torch.device("cuda")
-    assert resolve_backend("eager", None, cuda) == "eager"
-    assert resolve_backend("torchair", None, cuda) == "torchair"
-    assert resolve_backend(None, "eager", cuda) == "eager"
-    assert resolve_backend(None, "compile_dynamic", cuda) == "compile_dynamic"
+    assert resolve_backend("eager", None, cuda).name == "eager"
+    assert resolve_backend("torchair", None, cuda).name == "torchair"
+    assert resolve_backend(None, "eager", cuda).name == "eager"
+    assert resolve_backend(None, "compile_dynamic", cuda).name == "compile_dynamic"

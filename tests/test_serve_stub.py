@@ -5,7 +5,7 @@ from rich.console import Console
 
 from benchmarks import bench_served_stub as stub_bench
 from specdec.engine.sequence import SamplingParams
-from specdec.entrypoints.engine_core import EngineCore
+from specdec.entrypoints.engine_loop import EngineLoop
 from specdec.entrypoints.stub_engine import StubLLM
 
 pytest.importorskip("uvicorn")
@@ -35,10 +35,10 @@ def test_stub_server_streams_exact_chunks_and_counts_cpu():
     assert "steps/s" in console.export_text()
 
 
-def test_stub_llm_under_engine_core():
+def test_stub_llm_under_the_engine_loop():
     """Prompt ids echoed N per step, finished at max_tokens ("length"), aborts honoured."""
     llm = StubLLM.from_kwargs(4, dict(model=None, max_num_seqs=1, max_model_len=64))
-    core = EngineCore(llm)
+    core = EngineLoop(llm)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     core.add("a", [5, 6, 7], params)
     core.add("b", [8, 9], params)

@@ -153,4 +153,4 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
         assert [o.token_ids for o in outs] == plain
         accepted.append(sum(sum(o.num_accepted) for o in outs))
     assert 0 < accepted[0] < accepted[1]
-    assert len(llm.host_drafter.cached_order) == 2 * len(PROMPTS) and not llm.host_drafter.own
+    assert len(llm.core.proposer.cached_order) == 2 * len(PROMPTS) and not llm.core.proposer.own

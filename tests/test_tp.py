@@ -120,7 +120,8 @@ def tp_runs(minimax, qwen3):
     jobs = {**DENSE, **moe_jobs(minimax), **qwen3_jobs(qwen3)}
     params = {name: SAMPLED if name in SAMPLED_JOBS else PARAMS for name in jobs}
     runs = run_data_parallel([DPJob(dict(kw, tensor_parallel_size=2), PROMPTS, params[name])
-                              for name, kw in jobs.items()], 1, tp_size=2, timeout=TIMEOUT)
+                              for name, kw in jobs.items()], 1, engine=LLM, tp_size=2,
+                             timeout=TIMEOUT)
     ref = {name: outcome(LLM(**kw).generate(PROMPTS, params[name]))
            for name, kw in jobs.items()}
     return {name: (run, ref[name]) for name, run in zip(jobs, runs)}
@@ -186,7 +187,7 @@ def seed_run(minimax, tmp_path_factory):
     mtp_kw = moe_jobs(minimax)["moe-mtp-sp"]  # a MoE head: its experts split across DP too
     mtp_job = DPJob(dict(mtp_kw, tensor_parallel_size=2), PROMPTS, PARAMS,
                     [[2], [0, 1, 3, 4]])
-    run, mtp_run = run_data_parallel([job, mtp_job], 2, tp_size=2, timeout=TIMEOUT)
+    run, mtp_run = run_data_parallel([job, mtp_job], 2, engine=LLM, tp_size=2, timeout=TIMEOUT)
     mtp_ref = outcome(LLM(**dict(mtp_kw, sequence_parallel=False)).generate(PROMPTS, PARAMS))
     return run, ref, one, many, mtp_run, mtp_ref
 

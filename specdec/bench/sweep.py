@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
 from specdec.config import SpeculativeConfig
 from specdec.engine.config import DTYPES
-from specdec.engine.llm import DEFAULT_MODEL
+from specdec.engine.llm import DEFAULT_MODEL, LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
 from specdec.graphs import BACKENDS
@@ -272,7 +272,7 @@ def measure_dp(jobs: list, dp_size: int) -> list[dict]:
     chunk arrival times are its cumulative step seconds (each rank starts at its t0)."""
     from specdec.engine.dp_engine import run_data_parallel
     raws = []
-    for run in run_data_parallel(jobs, dp_size):
+    for run in run_data_parallel(jobs, dp_size, engine=LLM):
         per_rank = []
         for rank in run.ranks:
             stats = [ReqStats(o.request_id, len(o.token_ids), o.num_drafted, o.num_accepted,

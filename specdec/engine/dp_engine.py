@@ -1,10 +1,12 @@
 """Data- and tensor-parallel engine: N x T rank processes, one ``LLM`` each, one process group.
 
-``run_data_parallel(jobs, N, tp_size=T)`` starts N*T processes (``rank_context``) that join
-a process group through a file store and build the DP x TP grid (``specdec.distributed``: gloo
-on CPU; ``cpu:gloo,cuda:nccl`` / ``cpu:gloo,npu:hccl`` on an accelerator, so the packed DP
-metadata and the step broadcast stay on a CPU group). For each job, every rank builds
-``LLM(**job.llm_kwargs, dp=..., tp=...)`` from the same arguments (same seed); TP rank 0 of each
+``run_data_parallel(jobs, N, engine=LLM, tp_size=T)`` starts N*T processes (``rank_context``)
+that join a process group through a file store and build the DP x TP grid
+(``specdec.distributed``: gloo on CPU; ``cpu:gloo,cuda:nccl`` / ``cpu:gloo,npu:hccl`` on an
+accelerator, so the packed DP metadata and the step broadcast stay on a CPU group). For each
+job, every rank builds ``engine(**job.llm_kwargs, dp=..., tp=...)`` (``engine``: the class
+handed in, ``specdec.LLM``; this module imports no engine) from the same arguments (same
+seed); TP rank 0 of each
 DP replica takes the replica's share of the prompts (round-robin by index unless
 ``job.assignment`` says otherwise) and calls ``step()`` until it returns None -- every DP rank
 idle -- while its TP peers ``serve()`` its steps. A DP rank with nothing scheduled while others
@@ -128,7 +130,7 @@ def generate_across_ranks(llm, ids: list[list[int]], per_prompt: list[SamplingPa
     if llm.role.torchrun:
         return _generate_on_torchrun_ranks(llm, ids, per_prompt, request_ids)
     run, = run_data_parallel([DPJob(llm.init_kwargs, ids, per_prompt, None, request_ids)],
-                             llm.config.data_parallel_size,
+                             llm.config.data_parallel_size, engine=type(llm),
                              timeout=llm.config.data_parallel_timeout,
                              tp_size=llm.config.tensor_parallel_size)
     return run.outputs
@@ -189,10 +191,10 @@ def exit_if_a_rank_reran_the_script() -> None:
         os._exit(MAIN_GUARD_STATUS)
 
 
-def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0,
-                      tp_size: int = 1) -> list[DPRun]:
-    """Run each job on ``dp_size`` x ``tp_size`` ranks (one start for all jobs); one DPRun per
-    job."""
+def run_data_parallel(jobs: list[DPJob], dp_size: int, *, engine: type,
+                      timeout: float = 600.0, tp_size: int = 1) -> list[DPRun]:
+    """Run each job on ``dp_size`` x ``tp_size`` ranks (one start for all jobs), each rank's
+    engine an ``engine`` (``specdec.LLM``); one DPRun per job."""
     exit_if_a_rank_reran_the_script()
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size={tp_size!r}: must be an int >= 1")
@@ -215,8 +217,8 @@ def run_data_parallel(jobs: list[DPJob], dp_size: int, *, timeout: float = 600.0
         store = str(Path(tmp) / "store")
         world = dp_size * tp_size
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"specdec-rank-{rank}",
-                             args=(rank, dp_size, tp_size, store, jobs, timeout, results,
-                                   os.getpid(), dict(os.environ)))
+                             args=(rank, dp_size, tp_size, store, engine, jobs, timeout,
+                                   results, os.getpid(), dict(os.environ)))
                  for rank in range(world)]
         for p in procs:
             p.start()
@@ -315,8 +317,9 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="specdec-parent-watch").start()
 
 
-def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, jobs: list[DPJob],
-               timeout: float, results, parent_pid: int, environ: dict) -> None:
+def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, engine: type,
+               jobs: list[DPJob], timeout: float, results, parent_pid: int,
+               environ: dict) -> None:
     os.environ.clear()  # the launcher's environment now, not the fork server's at its start
     os.environ.update(environ)
     _exit_with_parent(parent_pid)
@@ -326,14 +329,14 @@ def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, jobs: list[DPJ
         grid = init_grid(dp_size, tp_size, rank, device_type=device,
                          init_method=f"file://{store}", timeout=timeout)
         for j, job in enumerate(jobs):
-            results.put(("ok", j, rank, _run_job(job, rank, grid, device)))
+            results.put(("ok", j, rank, _run_job(engine, job, rank, grid, device)))
         grid.close()
     except BaseException as e:
         user_error = e if type(e) in (ValueError, TypeError) else None
         results.put(("error", rank, user_error, traceback.format_exc()))
 
 
-def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
+def _run_job(engine: type, job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
     kwargs = dict(job.llm_kwargs)
     if device != "cpu":  # one accelerator per rank
         count = getattr(torch, device).device_count()
@@ -341,8 +344,7 @@ def _run_job(job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
     dp = DPContext(grid.dp.rank, grid.dp.size, grid.dp.group)  # a fresh log per job
     tp = TPContext(grid.tp.rank, grid.tp.size, grid.tp.group,
                    kwargs.get("sequence_parallel", False), dp.record)
-    from specdec.engine.llm import LLM  # the rank's engine (llm.py imports this module)
-    llm = LLM(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
+    llm = engine(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
     if tp.rank > 0:
         return RankResult(rank, {}, [], llm.serve())
     params = job.params if isinstance(job.params, list) else [job.params] * len(job.prompts)

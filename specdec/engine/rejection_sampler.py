@@ -164,3 +164,8 @@ def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, t
         if named[name].dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {named[name].dtype}")
     return batch, num_rows, target_logits.shape[2]
+
+
+def valid_tokens(sampled: list[int]) -> list[int]:
+    """A request's row of sampled token ids up to its first placeholder (-1)."""
+    return sampled[:next((i for i, t in enumerate(sampled) if t < 0), len(sampled))]

@@ -26,17 +26,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specdec import platform
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
-from specdec.engine.rejection_sampler import GREEDY_TEMPERATURE, greedy_verify, rejection_sample
-from specdec.engine.scheduler import ScheduledRequest
+from specdec.engine.logprobs import token_logprobs
+from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
+                                              rejection_sample, valid_tokens)
+from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
 from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
-from specdec.graphs import SHAPE_FREE_BACKENDS, StepGraph, compile_dynamic
-from specdec.models.layers.moe import attach_parallel, has_cross_rank_layers
+from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
+from specdec.models.layers.moe import attach_parallel
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
 
@@ -96,10 +97,12 @@ class ModelRunner:
     def __init__(self, target, proposer, sizes: StepSizes, *,
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
-                 graph_backend: str = "eager", compile_backend: str = "inductor", seed: int = 0,
+                 backend: Backend = EAGER, seed: int = 0,
                  tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None):
         self.target = target
         self.proposer = proposer
+        # the drafter's step follows the target's (a host drafter, ngram / suffix, has none)
+        self.drafts_on_device = proposer is not None and proposer.drafts_on_device
         self.num_speculative_tokens = k = sizes.num_speculative_tokens
         self.step_ks = step_ks or (k,)  # every K a step can run (a K schedule's), ascending
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
@@ -119,37 +122,32 @@ class ModelRunner:
         self.token_table[max_num_seqs] = 0
         self.seed = seed  # keys the random numbers of requests without a seed of their own
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
-        # MoE layers (target and draft head) exchange tokens over the DP group
-        cross_rank = False
+        # MoE layers (target and draft head) exchange tokens over the DP group (the backend
+        # was checked for it: ``graphs.resolve_backend``)
         for model in (target, getattr(proposer, "head", None)):
             if model is not None:
                 attach_parallel(model, dp)
-                cross_rank |= dp.size > 1 and has_cross_rank_layers(model)
-        if cross_rank and graph_backend != "eager":
-            raise ValueError(f"graph backend {graph_backend!r} with a MoE (cross-rank) model "
-                             f"needs data_parallel_size=1, got {dp.size}: its host-side gloo "
-                             "collectives cannot run inside a captured or compiled step")
-        check_tp_backend(self.tp, graph_backend)
+        self.backend = backend
         # mixed steps: one graph per (Np, Bp, bound) key, captured at first use by the
         # capturing backends; the compiling ones would stall serving on an inductor compile
         # per key, so run them eager
-        self.planner = StepPlanner(padder, dp, k,
-                                   allow_capture=graph_backend not in SHAPE_FREE_BACKENDS,
-                                   capture_mixed=graph_backend in ("replay", "cuda_graph"))
+        self.planner = StepPlanner(padder, dp, k, allow_capture=backend.fixed_shapes,
+                                   capture_mixed=backend.captures)
         self.buffers = StepBuffers(sizes.max_num_tokens, sizes.max_num_reqs, k,
                                    -(-max_model_len // block_size), device,
                                    header=header_words(dp.size))
         # TP: the driver's step inputs reach its peers through one broadcast per step
         self.broadcast = StepBroadcast(self.tp, self.buffers, self.token_table, VARIANTS)
         in_parts = None
-        if graph_backend == "compile_dynamic":
+        if backend.dynamic:
             # the forward is traced once per row layout and the verification once per
             # sampling variant too, instead of the whole step once per both
             in_parts = functools.partial(
-                forward_then_verify, compile_dynamic(self.target_forward, compile_backend),
-                compile_dynamic(self.verify, compile_backend, realize_reused=True))
-        self.target_graph = StepGraph(self.target_step, graph_backend, compile_backend,
-                                      inputs_type=StepInputs, compiled_in_parts=in_parts)
+                forward_then_verify,
+                compile_dynamic(self.target_forward, backend.compile_backend),
+                compile_dynamic(self.verify, backend.compile_backend, realize_reused=True))
+        self.target_graph = StepGraph(self.target_step, backend, inputs_type=StepInputs,
+                                      compiled_in_parts=in_parts)
         self.last_step_captured = False  # whether the last execute() replayed a graph
         self.last_logits = self.last_hidden = None  # the last execute()'s (see there)
 
@@ -161,7 +159,7 @@ class ModelRunner:
         its first use. Compiling backends compile each bucket at its first use instead (an
         inductor compile per bucket would make start-up minutes long); either way outside the
         sync guards. -> seconds spent."""
-        if self.target_graph.backend not in ("cuda_graph", "replay"):
+        if not self.backend.captures:
             return 0.0
         start, padder = time.perf_counter(), self.planner.padder
         buckets = [b for b in padder.capture_sizes if b <= self.buffers.max_reqs]
@@ -183,10 +181,8 @@ class ModelRunner:
         ``k``: the step's K (None: K). A uniform decode step (every request 1 + k tokens) is
         capturable, greedy or not."""
         k = self.num_speculative_tokens if k is None else k
-        uniform = all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) + s.num_filler
-                      for s in scheduled)
-        return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled), uniform,
-                                 k)
+        return self.planner.plan(sum(s.num_tokens for s in scheduled), len(scheduled),
+                                 is_uniform_decode(scheduled, k), k)
 
     def prepare(self, scheduled: list[ScheduledRequest], plan: StepPlan) -> StepBatch:
         """Fill the step buffers for the plan's [Np] tokens and [Bp] requests.
@@ -246,14 +242,14 @@ class ModelRunner:
         h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
-        if self.target_graph.backend == "compile_dynamic":
+        if self.backend.dynamic:
             # an attention bound, not a length: 2 where it is 1 (dynamo specializes an int of
             # 1 -- a graph of its own for the steps of 1-token prompts)
             max_seq_len = min(max(max_seq_len, 2), self.max_model_len)
         bound = (self.max_model_len if plan.uniform_decode
                  else graph_seq_len(max_seq_len, self.max_model_len))
         rows = 1 + plan.num_spec_tokens
-        if self.proposer is None and self.target_graph.backend == "eager" and self.tp.size == 1:
+        if not self.drafts_on_device and self.backend.eager and self.tp.size == 1:
             rows = 1 + max(len(s.spec_token_ids) for s in scheduled)
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
@@ -306,6 +302,51 @@ class ModelRunner:
         """A captured step's logits rows per request: 1 + the step's K (uniform decode) or
         1 + K (a mixed step: one graph per key whatever the step's K)."""
         return 1 + (plan.num_spec_tokens if plan.uniform_decode else self.num_speculative_tokens)
+
+    def step_logprobs(self, scheduled: list[ScheduledRequest], sampled: list[list[int]]
+                      ) -> dict[int, list]:
+        """The log-probabilities the last step owes the requests that ask: batch index i ->
+        TokenLogprobs of request i's valid sampled tokens (``params.logprobs``; ``sampled``:
+        the step's rows read back). The prompt tokens its prefill chunk predicts
+        (``params.prompt_logprobs``) are filed in ``r.prompt_logprobs`` here. One log-softmax
+        over every row asked for, from ``last_logits`` / ``last_hidden``; nothing runs when no
+        request asks."""
+        # (row, token id, top N, batch index): rows of the step's final hidden states (prompt
+        # positions) and of its logits [Bp * rows] (sampled positions)
+        prompt, out = [], []
+        qsl = self.buffers.host["query_start_loc"]
+        width = len(sampled[0]) if sampled else 0
+        for i, s in enumerate(scheduled):
+            r, p = s.request, s.request.params
+            if p.prompt_logprobs is not None and not s.spec_token_ids:
+                start, done = r.num_computed_tokens, len(r.prompt_logprobs)
+                for pos in range(max(start, done - 1),
+                                 min(start + s.num_tokens, r.num_prompt_tokens - 1)):
+                    prompt.append((int(qsl[i]) + pos - start, r.token_ids[pos + 1],
+                                   p.prompt_logprobs, i))
+            if p.logprobs is not None and not s.is_discarded:
+                out += [(i * width + j, tok, p.logprobs, i)
+                        for j, tok in enumerate(valid_tokens(sampled[i]))]
+        if not prompt and not out:
+            return {}
+        parts = []
+        if prompt:  # the prompt positions' logits: only those the requests asked for
+            rows = torch.tensor([e[0] for e in prompt], device=self.device)
+            parts.append(self.target.compute_logits(self.last_hidden[rows]))
+        if out:
+            logits = self.last_logits
+            rows = torch.tensor([e[0] for e in out], device=self.device)
+            parts.append(logits.reshape(-1, logits.shape[-1])[rows])
+        entries = prompt + out
+        lps = token_logprobs(torch.cat(parts),
+                             torch.tensor([e[1] for e in entries], device=self.device),
+                             [e[2] for e in entries])
+        for (_, _, _, i), lp in zip(prompt, lps):
+            scheduled[i].request.prompt_logprobs.append(lp)
+        result: dict[int, list] = {}
+        for (_, _, _, i), lp in zip(out, lps[len(prompt):]):
+            result.setdefault(i, []).append(lp)
+        return result
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int,
@@ -378,7 +419,7 @@ class ModelRunner:
         self.last_logits, self.last_hidden = out[1], hidden
         self.last_draft_seconds = 0.0
         b = plan.num_reqs
-        if self.proposer is None:
+        if not self.drafts_on_device:
             return sampled[:b], None
         start = time.perf_counter()
         drafts = self.proposer.propose(DraftInputs(
@@ -452,20 +493,6 @@ class ModelRunner:
         attn = AttentionMetadata.dummy(n, self.device)
         zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.target(zeros, zeros, kv=self.kv.bind(attn), aux_layer_ids=self.aux_layer_ids)
-        if self.proposer is not None:
+        if self.drafts_on_device:
             self.proposer.dummy_run(plan)
 
-
-def check_tp_backend(tp: TPContext, graph_backend: str) -> None:
-    """TP steps run eager or ``replay`` (CPU, gloo). torch.compile cannot trace the gloo
-    collectives of a step; NCCL inside a CUDA graph has not run here (one GPU at most):
-    opt-in with ``specdec.platform.unverified_gpu_paths()``."""
-    if tp.size == 1 or graph_backend in ("eager", "replay"):
-        return
-    if graph_backend == "cuda_graph" and platform.unverified_gpu_paths():
-        return
-    raise ValueError(
-        f"graph_backend={graph_backend!r} with tensor_parallel_size={tp.size}: allowed "
-        "'eager' or 'replay' ('cuda_graph' needs SPECDEC_UNVERIFIED_GPU_PATHS=1: NCCL "
-        "collectives inside a captured graph have not run on a multi-GPU machine here; the "
-        "compiling backends cannot trace the step's host-side gloo collectives)")

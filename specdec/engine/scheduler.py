@@ -30,6 +30,13 @@ class ScheduledRequest:
         return r.num_computed_tokens + self.num_tokens < r.num_tokens
 
 
+def is_uniform_decode(scheduled: list[ScheduledRequest], k: int) -> bool:
+    """Every request decodes with 1 + ``k`` tokens (its drafts, then filler): the step a
+    capture bucket holds (greedy or not)."""
+    return all(s.num_tokens == 1 + k == 1 + len(s.spec_token_ids) + s.num_filler
+               for s in scheduled)
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
@@ -64,7 +71,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # kept (and filled as it is built) so that a failed step knows whom it touched
         self.scheduled = scheduled = []
-        k = self.step_k = self._step_k()
+        k = self.step_k = self.pick_step_k()
         for req in self.running:
             if budget == 0:
                 break
@@ -107,7 +114,7 @@ class Scheduler:
             s.num_tokens = 1 + len(s.spec_token_ids) + s.num_filler
         self.step_k = k
 
-    def _step_k(self) -> int:
+    def pick_step_k(self) -> int:
         """The step's K from its batch size: the running requests and the waiting ones that
         free rows admit (what the step runs unless the token budget stops admission first);
         decode-only: no request of it prefills."""

@@ -2,8 +2,8 @@
 
 HTTP handlers ``submit`` requests and read ``TokenChunk`` objects from their handles; each
 engine step sends every request that got tokens one chunk (a speculative step can bring
-several tokens), and a handler that lags reads the chunks queued meanwhile as one. The engine itself is an ``EngineCore`` (``specdec.entrypoints.engine_core``),
-reached one of two ways:
+several tokens), and a handler that lags reads the chunks queued meanwhile as one. The engine
+itself is an ``EngineLoop`` (``specdec.entrypoints.engine_loop``), reached one of two ways:
 
 * ``AsyncEngine(llm)``: an LLM built in this process, stepped in one worker thread; adds and
   aborts are queued and applied by the loop task between steps (the tests use it to inject
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specdec.engine.sequence import SamplingParams
-from specdec.entrypoints.engine_core import (CoreOutput, EngineCore, EngineInfo, FinishStats,
+from specdec.entrypoints.engine_loop import (CoreOutput, EngineLoop, EngineInfo, FinishStats,
                                              run_engine_process)
 
 
@@ -172,7 +172,7 @@ class AsyncEngine(_Frontend):
     def __init__(self, llm, *, max_waiting: int = 256, metrics=None):
         super().__init__(llm.scheduler.max_num_seqs, max_waiting, metrics)
         self.llm = llm
-        self.core = EngineCore(llm)
+        self.core = EngineLoop(llm)
         self._to_add: list[RequestHandle] = []
         self._to_abort: list[tuple[str, str]] = []  # (request id, reason)
         self._wake = asyncio.Event()

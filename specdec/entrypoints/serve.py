@@ -123,7 +123,7 @@ def run_from_args(args) -> int:
         raise UsageError("specdec serve needs the serve extra: pip install 'specdec[serve]'") \
             from None
     from specdec.entrypoints.async_engine import ProcessEngine
-    from specdec.entrypoints.engine_core import default_engine_threads
+    from specdec.entrypoints.engine_loop import default_engine_threads
     for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
         value = getattr(args, name)  # max_model_len None: the engine's default
         if value is not None and value < (0 if name == "max_waiting" else 1):

@@ -1,6 +1,6 @@
 """A stub engine for measuring the served path without a model (a benchmark tool).
 
-``StubLLM`` has the parts of ``LLM`` that ``EngineCore`` and ``run_engine_process`` use. Its
+``StubLLM`` has the parts of ``LLM`` that ``EngineLoop`` and ``run_engine_process`` use. Its
 step takes no model time: every running request gets ``tokens_per_step`` tokens at once (4 =
 EAGLE-3 K=3 at full acceptance; the last chunk is shorter), echoing its prompt's ids (real
 ids of the model's tokenizer, so detokenization does real work), until ``max_tokens`` or

@@ -1,13 +1,19 @@
-"""The proposer bases: padded preparation for every proposer, the draft step for head-based ones.
+"""The proposer bases: the one drafter interface, padded preparation, the draft step of a model.
 
-``Proposer`` is what every proposer shares: its sizes, the device-side padded preparation
-(next token, valid count, backup token, sample index, num rejected; the formulas live in
-`specdec.kernels`) and the ragged host reference. Every proposer is sized by the step's
+``Proposer`` is the interface the engine core calls for every method, at the same points:
+``propose`` / ``dummy_run`` in the step (device drafters; a host drafter's ``drafts_on_device``
+is False and the runner runs the target step alone), then on the host ``on_prefill_done``,
+``next_drafts`` (the drafts the next step verifies: the device's, or a host drafter's search
+over the request's tokens) and ``on_finish``.
+
+``PaddedProposer`` is what every device proposer shares: its sizes, the device-side padded
+preparation (next token, valid count, backup token, sample index, num rejected; the formulas
+live in `specdec.kernels`) and the ragged host reference. Every proposer is sized by the step's
 ``StepPlan`` (``DraftInputs.plan``), planned once by the runner with the step's one DP
 all-reduce: that plan is the one batch-padding + DP hook, in ``propose`` and ``dummy_run``.
 
-``DraftModelProposer`` (MTP, EAGLE, EAGLE-3) owns the draft head, its KV pages and one
-static-shape *padded step* per step: for Np tokens and Bp requests,
+``HeadProposer`` (MTP, EAGLE, EAGLE-3, and the separate draft model) owns the draft model, its
+KV pages and one static-shape *padded step* per step: for Np tokens and Bp requests,
 
     prep  = next tokens, valid counts, backups, sample indices, num_rejected   (no sync)
     ids   = target_ids shifted left by one, each request's next token at its sample index
@@ -27,12 +33,14 @@ padded step runs it compiled, with its own bounds, in two graphs: ``padded_first
 ``padded_loop``). The ragged path reuses the first pass and the draft loop.
 """
 
+from pathlib import Path
+
 import torch
 
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
-from specdec.graphs import StepGraph, compile_dynamic
+from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import (
     DraftStep,
     PaddedPrep,
@@ -47,12 +55,62 @@ from specdec.kernels.ragged import (
     prepare_inputs_ragged,
     valid_counts_ragged,
 )
-from specdec.padding import StepPlan
+from specdec.models.heads import load_head
+from specdec.padding import StepPlan, StepSizes
+from specdec.proposers.head_folder import find_head_dir
 from specdec.proposers.inputs import DraftInputs, PaddedStepInputs
 
 
 class Proposer:
-    """Sizes and the acceptance-dependent preparation shared by every proposer."""
+    """The drafter interface of every method (above). Host-side hooks default to nothing."""
+
+    drafts_on_device = True  # False: drafts from the request's tokens, on the host
+    # its padded drafts can feed the next step on the device (async scheduling)
+    feeds_next_step = False
+    tensor_parallel = True  # runs under tensor parallelism (its model replicated or sharded)
+
+    @classmethod
+    def head_folder(cls, spec: SpeculativeConfig, model_dir: Path | None) -> Path | None:
+        """The folder of the draft model this method runs (``model_dir``: the target's);
+        None: it runs none."""
+        return None
+
+    @classmethod
+    def load_head(cls, spec: SpeculativeConfig, target, path: Path | None, *,
+                  dtype: torch.dtype, device: torch.device, tokenizer=None):
+        """The draft model in ``path`` (``head_folder``'s); None: this method runs none."""
+        return None
+
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, *,
+              block_size: int, num_kv_blocks: int, dtype: torch.dtype, device: torch.device,
+              backend: Backend) -> "Proposer":
+        """The proposer of ``spec`` over ``head`` (``load_head``'s, or the caller's), sized by
+        ``sizes`` (its rows: the largest padded request count)."""
+        raise NotImplementedError
+
+    def propose(self, x: DraftInputs) -> torch.Tensor:
+        """Draft tokens [>= B, K] int32 for the step (rows past B are padding)."""
+        raise NotImplementedError
+
+    def dummy_run(self, plan: StepPlan) -> None:
+        """An idle DP rank's drafter call: the same forwards (so collectives) as propose()."""
+        raise NotImplementedError
+
+    def on_prefill_done(self, request) -> None:
+        """After the step in which ``request`` finished its prefill."""
+
+    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
+        """The drafts the next step verifies for a running ``request``, at most ``k``:
+        ``drafted``, the ones this step's ``propose`` made for it (read back with the step)."""
+        return list(drafted)
+
+    def on_finish(self, request, keep: bool = True) -> None:
+        """``request`` ended (any reason); ``keep`` False: a warm-up request, keep nothing."""
+
+
+class PaddedProposer(Proposer):
+    """Sizes and the acceptance-dependent preparation shared by every device proposer."""
 
     def __init__(self, config: SpeculativeConfig, *, max_num_seqs: int, block_size: int,
                  max_model_len: int, vocab_size: int, device: torch.device | str = "cpu"):
@@ -94,24 +152,33 @@ class Proposer:
         valid = valid_counts_ragged(sampled, discard, self.vocab_size)
         return next_ids, prepare_inputs_ragged(query_start_loc, seq_lens, num_draft_tokens, valid)
 
-    def propose(self, x: DraftInputs) -> torch.Tensor:
-        """Draft tokens [>= B, K] int32 for the step (rows past B are padding)."""
-        raise NotImplementedError
+class HeadProposer(PaddedProposer):
+    """MTP / EAGLE / EAGLE-3 (and the draft model): a draft model run once over the target's
+    layout, then K-1 times."""
 
-    def dummy_run(self, plan: StepPlan) -> None:
-        """An idle DP rank's drafter call: the same forwards (so collectives) as propose()."""
-        raise NotImplementedError
+    feeds_next_step = True
 
-    def on_prefill_done(self, request) -> None:
-        """Host-side hook, after the step in which ``request`` finished its prefill."""
+    @classmethod
+    def head_folder(cls, spec: SpeculativeConfig, model_dir: Path | None) -> Path:
+        return find_head_dir(spec, model_dir)
 
+    @classmethod
+    def load_head(cls, spec: SpeculativeConfig, target, path: Path, *, dtype: torch.dtype,
+                  device: torch.device, tokenizer=None):
+        return load_head(path, target, dtype=dtype, device=device,
+                         aux_layer_ids=spec.aux_layer_ids_configured)
 
-class DraftModelProposer(Proposer):
-    """MTP / EAGLE / EAGLE-3: a draft head run once over the target's layout, then K-1 times."""
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, *,
+              block_size: int, num_kv_blocks: int, dtype: torch.dtype, device: torch.device,
+              backend: Backend) -> "HeadProposer":
+        return cls(spec, head=head, num_kv_blocks=num_kv_blocks, dtype=dtype, backend=backend,
+                   max_num_seqs=sizes.max_num_reqs, block_size=block_size,
+                   max_model_len=sizes.max_model_len, vocab_size=target.config.vocab_size,
+                   device=device)
 
     def __init__(self, config: SpeculativeConfig, *, head, num_kv_blocks: int,
-                 dtype: torch.dtype, graph_backend: str = "eager",
-                 compile_backend: str = "inductor", **sizes):
+                 dtype: torch.dtype, backend: Backend = EAGER, **sizes):
         super().__init__(config, **sizes)
         self.head = head
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
@@ -128,19 +195,19 @@ class DraftModelProposer(Proposer):
         self.slot_mapping = buf(torch.int64)
         self.loop_rows = 0  # rows the draft loop runs, set by start_draft_loop
         in_parts = None
-        if graph_backend == "compile_dynamic":
+        if backend.dynamic:
             # the first pass is traced once per row layout of the target's tokens, the loop
             # once per row count and K (its shapes are the requests'), not both per both
-            first = compile_dynamic(self.padded_first, compile_backend)
-            loop = compile_dynamic(self.padded_loop, compile_backend)
+            first = compile_dynamic(self.padded_first, backend.compile_backend)
+            loop = compile_dynamic(self.padded_loop, backend.compile_backend)
 
             def in_parts(x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
                          loop_seq_len: int, num_drafts: int) -> torch.Tensor:
                 return loop(x, *first(x, max_seq_len=max_seq_len, max_query_len=max_query_len,
                                       num_drafts=num_drafts),
                             loop_seq_len=loop_seq_len, num_drafts=num_drafts)
-        self.step_graph = StepGraph(self.padded_step, graph_backend, compile_backend,
-                                    inputs_type=PaddedStepInputs, compiled_in_parts=in_parts)
+        self.step_graph = StepGraph(self.padded_step, backend, inputs_type=PaddedStepInputs,
+                                    compiled_in_parts=in_parts)
 
     # ---- the per-method hooks ---------------------------------------------------------------
     def draft_features(self, x: DraftInputs) -> torch.Tensor:

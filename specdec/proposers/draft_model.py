@@ -15,14 +15,29 @@ So a step costs one wide pass and K narrow ones (a head: one and K - 1). The rag
 the same over the kept tokens only.
 """
 
+from pathlib import Path
+
 import torch
 
+from specdec.models.draft_lm import DraftLM, load_draft_lm
 from specdec.padding import StepPlan
-from specdec.proposers.base import DraftModelProposer, _pad_rows
+from specdec.proposers.base import HeadProposer, _pad_rows
 from specdec.proposers.inputs import DraftInputs, PaddedStepInputs
 
 
-class DraftLMProposer(DraftModelProposer):
+class DraftLMProposer(HeadProposer):
+    tensor_parallel = False  # the draft LM is not sharded yet (data parallelism runs it)
+
+    @classmethod
+    def head_folder(cls, spec, model_dir: Path | None) -> Path:
+        return spec.model
+
+    @classmethod
+    def load_head(cls, spec, target, path: Path, *, dtype: torch.dtype,
+                  device: torch.device, tokenizer=None) -> DraftLM:
+        """The causal LM at ``speculative_config.model`` (``tokenizer``: the target's)."""
+        return load_draft_lm(path, target, tokenizer, dtype=dtype, device=device)
+
     def loop_seq_len(self, max_seq_len: int) -> int:
         """The loop's K steps reach one position past a head's K - 1."""
         return min(max_seq_len + self.num_speculative_tokens, self.max_model_len)

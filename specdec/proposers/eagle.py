@@ -8,15 +8,15 @@ back.
 
 import torch
 
-from specdec.proposers.base import DraftModelProposer
+from specdec.proposers.base import HeadProposer
 from specdec.proposers.inputs import DraftInputs
 
 
-class EagleProposer(DraftModelProposer):
+class EagleProposer(HeadProposer):
     pass
 
 
-class Eagle3Proposer(DraftModelProposer):
+class Eagle3Proposer(HeadProposer):
     def draft_features(self, x: DraftInputs) -> torch.Tensor:
         """[Np, A * H] the target's aux-layer hidden states, concatenated."""
         if x.aux_hidden_states is None:

@@ -1,6 +1,6 @@
 """ExtractHiddenStatesProposer (method ``extract_hidden_states``, K = 1).
 
-It runs no draft model (so it builds on the plain ``Proposer`` base, not the draft step): it
+It runs no draft model (so it builds on ``PaddedProposer``, not the draft step): it
 captures the target's aux-layer hidden states for every prompt
 token and, once a request's prefill is complete, writes ``<request_id>.safetensors`` with
 ``token_ids [T]`` int64 and ``hidden_states [T, num_layers, H]`` to ``output_dir``. Its
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdec.proposers.base import Proposer
-from specdec.padding import StepPlan
+from specdec.graphs import Backend
+from specdec.proposers.base import PaddedProposer
+from specdec.padding import StepPlan, StepSizes
 from specdec.proposers.inputs import DraftInputs
 
 
@@ -49,7 +50,23 @@ def check_output_dir(config) -> Path:
     return path
 
 
-class ExtractHiddenStatesProposer(Proposer):
+class ExtractHiddenStatesProposer(PaddedProposer):
+    @classmethod
+    def head_folder(cls, spec, model_dir: Path | None) -> None:
+        """No draft model; the output folder is checked instead (before anything is built)."""
+        check_output_dir(spec)
+
+    @classmethod
+    def build(cls, spec, target, head, sizes: StepSizes, *, block_size: int,
+              num_kv_blocks: int, dtype: torch.dtype, device: torch.device,
+              backend: Backend) -> "ExtractHiddenStatesProposer":
+        return cls(spec, output_dir=Path(spec.draft_model_config["output_dir"]),
+                   num_aux_layers=len(spec.aux_layer_ids(target.config.num_hidden_layers)),
+                   hidden_size=target.config.hidden_size, dtype=dtype,
+                   max_num_seqs=sizes.max_num_reqs, block_size=block_size,
+                   max_model_len=sizes.max_model_len, vocab_size=target.config.vocab_size,
+                   device=device)
+
     def __init__(self, config, *, output_dir: Path, num_aux_layers: int, hidden_size: int,
                  dtype: torch.dtype, **sizes):
         """output_dir: ``check_output_dir(config)``'s folder (created here)."""

@@ -30,7 +30,7 @@ class DraftInputs:
 
 
 class PaddedStepInputs(NamedTuple):
-    """The padded draft step's tensors (``DraftModelProposer.padded_step``), passed
+    """The padded draft step's tensors (``HeadProposer.padded_step``), passed
     positionally through its StepGraph: Np tokens, Bp requests (B real)."""
 
     target_ids: torch.Tensor  # [Np] int64, the target's input tokens

@@ -6,8 +6,8 @@ that is the base class's padded step: this class only names the method. Torchair
 class with ``graph_mode="torchair"`` (the step wrapper's torchair backend).
 """
 
-from specdec.proposers.base import DraftModelProposer
+from specdec.proposers.base import HeadProposer
 
 
-class MtpProposer(DraftModelProposer):
+class MtpProposer(HeadProposer):
     pass

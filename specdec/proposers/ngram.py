@@ -15,6 +15,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.config import SpeculativeConfig
+from specdec.padding import StepSizes
+from specdec.proposers.base import Proposer
 
 
 def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -31,8 +33,17 @@ def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Drafts from the request's tokens (``ngram_drafts``), on the host, after each step."""
+
+    drafts_on_device = False
+
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, **device_parts
+              ) -> "NgramProposer":
+        """Only the sizes matter: no draft model, no device state."""
+        return cls(spec, max_model_len=sizes.max_model_len)
+
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
         self.config = config
@@ -40,13 +51,13 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
+        return self.drafts(request.request_id, request.token_ids, k)
+
+    def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a request with these tokens: at most ``k`` (<= K; 0:
         none, no search), and none past max_model_len."""
         k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
         return ngram_drafts(np.asarray(token_ids, dtype=np.int64), self.min_n, self.max_n, k)
-
-    def finish(self, request_id: str, token_ids: list[int], keep: bool = True) -> None:
-        """A request ended: nothing is kept per request."""

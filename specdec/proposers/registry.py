@@ -10,13 +10,13 @@ from specdec.proposers.mtp import MtpProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.suffix import SuffixProposer
 
-PROPOSERS: dict[str, type[Proposer] | type[NgramProposer] | type[SuffixProposer]] = {
+PROPOSERS: dict[str, type[Proposer]] = {
     "mtp": MtpProposer,
     "eagle": EagleProposer,
     "eagle3": Eagle3Proposer,
     "draft_model": DraftLMProposer,  # a separate small causal LM (speculative_config.model)
     "extract_hidden_states": ExtractHiddenStatesProposer,
-    # host drafters: drafts from the token ids after each step (LLM._apply), no device step
+    # host drafters: drafts from the token ids after each step (Proposer.next_drafts)
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
 }

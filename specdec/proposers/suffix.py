@@ -15,6 +15,8 @@ m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matc
 """
 
 from specdec.config import SpeculativeConfig
+from specdec.padding import StepSizes
+from specdec.proposers.base import Proposer
 
 
 class SuffixTree:
@@ -132,9 +134,18 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     return best
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
     request's own tree and one tree over the last ``max_cached_requests`` finished ones."""
+
+    drafts_on_device = False
+
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, **device_parts
+              ) -> "SuffixProposer":
+        """Only the sizes matter: no draft model, no device state."""
+        return cls(spec, max_model_len=sizes.max_model_len)
+
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
         self.config = config
@@ -148,7 +159,10 @@ class SuffixProposer:
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
 
-    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
+        return self.drafts(request.request_id, request.token_ids, k)
+
+    def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
         K, none past max_model_len). ``k`` 0: nothing at all; its tree takes the tokens since
         its last proposal at the next one (a request that ends first never builds it)."""
@@ -161,14 +175,14 @@ class SuffixProposer:
         other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob, own=False)
         return (other if other[0] > own[0] else own)[1]
 
-    def finish(self, request_id: str, token_ids: list[int], keep: bool = True) -> None:
+    def on_finish(self, request, keep: bool = True) -> None:
         """A request ended: drop its own tree; cache its tokens unless not ``keep`` (an
         engine's warm-up requests), the oldest out past ``max_cached_requests``."""
-        self.own.pop(request_id, None)
+        self.own.pop(request.request_id, None)
         if self.max_cached == 0 or not keep:
             return
-        self.cached.extend(request_id, token_ids)
-        self.cached.close(request_id)
-        self.cached_order.append(list(token_ids))
+        self.cached.extend(request.request_id, request.token_ids)
+        self.cached.close(request.request_id)
+        self.cached_order.append(list(request.token_ids))
         if len(self.cached_order) > self.max_cached:
             self.cached.remove(self.cached_order.pop(0))

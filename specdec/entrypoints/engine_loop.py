@@ -1,6 +1,7 @@
-"""The engine core: one single-rank ``LLM`` stepped in a loop, its results as plain messages.
+"""The server's engine loop: one single-rank ``LLM`` (its ``EngineCore``, engine/core.py, runs
+the steps) stepped in a loop, its results as plain messages.
 
-``EngineCore`` owns the LLM: it applies adds and aborts, steps, and returns a ``CoreOutput``
+``EngineLoop`` owns the LLM: it applies adds and aborts, steps, and returns a ``CoreOutput``
 per step (the ``StepRecord`` plus, per request that got tokens or ended, a ``RequestUpdate``).
 The API server runs it either in a worker thread of its own process (``AsyncEngine`` over an
 in-process LLM: the tests inject faults there) or in a separate process (``specdec serve``:
@@ -75,7 +76,7 @@ class EngineInfo:
     frozen_objects: int = 0  # start-up's objects out of the collections (gc.freeze)
 
 
-class EngineCore:
+class EngineLoop:
     """Adds, aborts and steps over one single-rank LLM; every result is a message."""
 
     def __init__(self, llm):
@@ -109,8 +110,8 @@ class EngineCore:
         return len(s.running), len(s.waiting), len(self.llm.allocator.free)
 
     def step(self) -> CoreOutput:
-        """One engine step. A step that raises fails the requests it ran (``LLM.step`` has
-        finished them with reason "error"); the others go on."""
+        """One engine step. A step that raises fails the requests it ran (``EngineCore.step``
+        has finished them with reason "error"); the others go on."""
         updates = []
         try:
             rec = self.llm.step()
@@ -167,7 +168,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     except UsageError as e:
         conn.send(("error", str(e)))
         return
-    core = EngineCore(llm)
+    core = EngineLoop(llm)
     # the engine lives as long as this process: what start-up made (torch, the model, the
     # graphs) goes to the permanent generation, so a full collection while serving scans
     # only what serving made (a full collection of it all: ~120 ms here, a stalled step)
