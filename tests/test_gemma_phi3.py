@@ -127,7 +127,7 @@ def test_longrope_tables_equal_transformers(max_pos, folder):
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     cfg = {**H.read_config(folder("phi3")), "max_position_embeddings": max_pos}
-    config = ModelConfig.from_dict(cfg, model_class(cfg["architectures"]).CONFIG_KEYS)
+    config = ModelConfig.from_dict(cfg, model_class(cfg["architectures"]))
     rotary = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
     hf = Phi3RotaryEmbedding(Phi3Config(**cfg))
     positions = torch.arange(max_pos)[None]  # past the original length iff extended
@@ -165,10 +165,10 @@ def test_transformers5_spelling_reads_as_the_hubs(folder):
         hub = load_model(folder(name)).config
         cls = model_class(hub.architectures)
         t5 = json.loads(H.hf_model(folder(name)).config.to_json_string())
-        c = cls(ModelConfig.from_dict(t5, cls.CONFIG_KEYS)).config
+        c = cls(ModelConfig.from_dict(t5, cls)).config
         assert c.layer_types == hub.layer_types and c.sliding_window == hub.sliding_window
         assert ropes(c) == ropes(hub)
-        assert ropes(cls(ModelConfig.from_dict(c.to_hf_dict(), cls.CONFIG_KEYS)).config) == \
+        assert ropes(cls(ModelConfig.from_dict(c.to_hf_dict(), cls)).config) == \
             ropes(c)
 
 
@@ -276,8 +276,6 @@ def test_ngram_speculation_equals_plain_greedy(folder, reference):
     ("gemma3", _set(sliding_window_pattern=0), "sliding_window_pattern"),
     ("phi3", _set(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
                                 "long_factor": [1.0] * 8}), "short_factor"),
-    ("phi3", lambda cfg: cfg.pop("original_max_position_embeddings"),
-     "original_max_position_embeddings"),
 ])
 def test_refusals_name_the_key(name, edit, key, folder, tmp_path):
     path = H.copy_folder(folder(name), tmp_path / "m")
@@ -286,6 +284,17 @@ def test_refusals_name_the_key(name, edit, key, folder, tmp_path):
     H.write_config(path, cfg)
     with pytest.raises(ValueError, match=key):
         load_model(path)
+
+
+def test_phi3_without_original_max_position_embeddings_takes_transformers_default(folder,
+                                                                                  tmp_path):
+    """Left out, longrope's original length is Phi3Config's default 4096 (``HF_DEFAULTS``),
+    as transformers reads the file."""
+    path = H.copy_folder(folder("phi3"), tmp_path / "m")
+    cfg = H.read_config(path)
+    del cfg["original_max_position_embeddings"]
+    H.write_config(path, cfg)
+    assert load_model(path).config.rope["original_max_position_embeddings"] == 4096
 
 
 def test_phi3_tensor_parallel_is_refused(folder):

@@ -139,7 +139,7 @@ def _edit(src, dst, edit):
     ("ungated attention", lambda c: c.update(attn_output_gate=False), "attn_output_gate"),
     ("own MTP embedding", lambda c: c.update(mtp_use_dedicated_embeddings=True),
      "mtp_use_dedicated_embeddings"),
-    ("a DeltaNet shape", lambda c: c.pop("linear_key_head_dim"), "linear_key_head_dim"),
+    ("a DeltaNet shape", lambda c: c.update(linear_key_head_dim=0), "linear_key_head_dim"),
     ("linear layers in a Llama", lambda c: [c.pop(k) for k in list(c) if k.startswith(
         "linear_")] + [c.update(architectures=["LlamaForCausalLM"])], "linear_attention"),
 ])

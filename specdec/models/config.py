@@ -6,6 +6,13 @@ key the model family reads (its ``CONFIG_KEYS``, kept in ``extra``), a draft-hea
 (``IGNORED_KEYS``: bookkeeping and training-only). Anything else is refused with a
 ValueError naming the key, so a config is never loaded and silently computed wrong.
 
+A key the config leaves out takes the value transformers' config class gives it for the
+family's ``model_type`` (the family's ``HF_DEFAULTS``, added by ``with_defaults``): published
+``config.json`` files leave out keys equal to that default (gemma-2-2b has no
+``tie_word_embeddings``: true). ``bos_token_id`` / ``eos_token_id`` are never defaulted: they
+do not change the math, ``generation_config.json`` names the ids that stop, and a class default
+(gpt-oss's eos 200002) would not fit a small vocabulary.
+
 Both spellings load: transformers 4 (``rope_theta`` + ``rope_scaling``) and transformers 5
 (``rope_parameters``); ``eos_token_id`` may be a list (and ``generation_config.json``'s ids are
 added by ``from_folder``): every id stops generation.
@@ -13,9 +20,11 @@ added by ``from_folder``): every id stops generation.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 from specdec.models.layers.rotary import ROPE_CONFIG_KEYS, rope_parameters
 
@@ -62,6 +71,28 @@ HEAD_KEYS = frozenset({
 # reads one of them itself (its CONFIG_KEYS, e.g. Gemma's hidden_act) checks it instead
 REFUSED_VALUES = {"hidden_act": ("silu",), "mlp_bias": (False,)}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# spellings of one setting: a default is not added when any of them is given
+SPELLINGS = ({"num_experts", "num_local_experts", "n_routed_experts"},
+             {"sliding_window_pattern", "_sliding_window_pattern"},
+             {"partial_rotary_factor", "rotary_dim"}, {"rope_scaling", "rope_parameters"})
+
+
+class Family:
+    """What a model family says about its ``config.json``, as class attributes: the target
+    classes (``models.decoder.DecoderForCausalLM`` subclasses) set them, ``ModelConfig`` reads
+    them. This base is no family: no keys of its own, no defaults but ``ModelConfig``'s.
+
+    ``MODEL_TYPE``: transformers' ``model_type`` of the config. ``CONFIG_KEYS``: the keys it
+    reads beyond ``ModelConfig``'s fields (kept in ``extra``). ``HF_DEFAULTS``: key -> the value
+    transformers' config class for ``MODEL_TYPE`` gives it when a config leaves it out, for the
+    keys the loader reads (rotary ones in the transformers-4 spelling: ``rope_theta``,
+    ``partial_rotary_factor``, ``rope_scaling`` without the theta, Gemma-3's
+    ``rope_local_base_freq``); ``tests/test_hf_defaults.py`` checks each against transformers.
+    """
+
+    MODEL_TYPE: ClassVar[str] = ""
+    CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset()
+    HF_DEFAULTS: ClassVar[dict] = {}
 
 
 @dataclass
@@ -192,14 +223,19 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
-    def from_dict(cls, d: dict, family_keys: frozenset[str] = frozenset()) -> ModelConfig:
-        """Build from an HF config dict. ``family_keys``: keys the model family reads (kept in
-        ``extra``). A key nobody reads, or a value that is not implemented, raises ValueError
-        naming it."""
+    def from_dict(cls, d: dict, family: type[Family] = Family) -> ModelConfig:
+        """Build from an HF config dict of ``family`` (its ``CONFIG_KEYS`` kept in ``extra``,
+        its ``HF_DEFAULTS`` for the keys ``d`` leaves out; a config naming no architectures
+        is the family's own, ``family.__name__``). A key nobody reads, or a value that is not
+        implemented, raises ValueError naming it."""
+        family_keys = family.CONFIG_KEYS
+        d = with_defaults(d, family.HF_DEFAULTS)
         for key, allowed in REFUSED_VALUES.items():
             if key in d and key not in family_keys and d[key] not in allowed:
                 raise ValueError(f"config {key}={d[key]!r}: allowed {list(allowed)}")
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if not d.get("architectures") and family is Family:
+            raise ValueError("config names no architectures (and no family was given)")
+        archs = d.get("architectures") or [family.__name__]
         if archs[0] not in QKV_BIAS_ARCHS + QKVO_BIAS_ARCHS and d.get("attention_bias", False):
             raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
                              "bias on o_proj too, which is not supported (q/k/v-only layouts: "
@@ -235,8 +271,7 @@ class ModelConfig:
                    rope_by_layer_type=by_type, **_attention_layout(d, archs), **kwargs)
 
     @classmethod
-    def from_folder(cls, path: str | Path, family_keys: frozenset[str] = frozenset()
-                    ) -> ModelConfig:
+    def from_folder(cls, path: str | Path, family: type[Family] = Family) -> ModelConfig:
         """``config.json`` of a folder (its ``generation_config.json`` eos ids added)."""
         from specdec.models.checkpoint import load_config
         d = load_config(path)
@@ -248,7 +283,7 @@ class ModelConfig:
             own = [] if own is None else own if isinstance(own, list) else [own]
             merged = own + [i for i in ids if i not in own]
             d = dict(d, eos_token_id=merged[0] if len(merged) == 1 else merged or None)
-        return cls.from_dict(d, family_keys)
+        return cls.from_dict(d, family)
 
     def to_hf_dict(self) -> dict:
         """The transformers-4 spelling (``rope_theta`` + ``rope_scaling``), which both
@@ -276,6 +311,32 @@ class ModelConfig:
         return dict(sorted(d.items()))
 
 
+def with_defaults(d: dict, defaults: dict) -> dict:
+    """``d`` with each key of ``defaults`` it does not give added (a copy). A rotary key is
+    given at the top level or inside ``rope_parameters`` / ``rope_scaling`` (every rotary key by
+    a ``rope_parameters`` nested by layer type, as transformers 5 writes Gemma-3's); a null
+    rotary key is not given (transformers takes its default then too); a key of ``SPELLINGS``
+    is given by any of its spellings.
+
+    Example: ``({"hidden_size": 8}, {"tie_word_embeddings": True, "rope_theta": 1e4})`` ->
+    ``{"hidden_size": 8, "tie_word_embeddings": True, "rope_theta": 1e4}``; with
+    ``{"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}`` the theta is given.
+    """
+    ropes = [r for r in (d.get("rope_parameters"), d.get("rope_scaling"))
+             if isinstance(r, dict) and r]
+    nested = next((r for r in ropes if set(r) <= set(LAYER_TYPES)), None)
+    if nested is not None:  # its sliding_attention entry is Gemma-3's rope_local_base_freq
+        given = set(d) | ROPE_CONFIG_KEYS | (
+            {"rope_local_base_freq"} if "sliding_attention" in nested else set())
+    else:
+        given = {k for k, v in d.items() if v is not None or k not in ROPE_CONFIG_KEYS}
+        given |= {k for r in ropes for k in r}
+    for same in SPELLINGS:
+        if same & given:
+            given |= same
+    return dict(d, **copy.deepcopy({k: v for k, v in defaults.items() if k not in given}))
+
+
 def _rope_by_layer_type(d: dict) -> tuple[dict, dict[str, dict] | None]:
     """(the rope of full-attention layers, {layer type: its rope} for the other types or None)
     from ``rope_parameters`` nested by layer type, as transformers 5 writes Gemma-3's
@@ -299,7 +360,7 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
     >= ``max_window_layers``; Mistral slides on every layer when ``sliding_window`` is set."""
     window = d.get("sliding_window")
     if archs[0] in LINEAR_ATTENTION_ARCHS and d.get("layer_types") is None:
-        every = d.get("full_attention_interval", 4)
+        every = d.get("full_attention_interval")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"config full_attention_interval={every!r}: must be an int >= 1")
         return {"sliding_window": window, "layer_types": [

@@ -27,7 +27,7 @@ from torch import nn
 from specdec import kernels
 from specdec.distributed import TPContext
 from specdec.models import checkpoint
-from specdec.models.config import ModelConfig
+from specdec.models.config import Family, ModelConfig
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
 from specdec.models.layers.norm import RMSNorm
 from specdec.models.layers.parallel import shard_model
@@ -83,11 +83,13 @@ class DecoderLayer(nn.Module):
         return x, h, self.mlp(normed)
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module, Family):
     """Target model; parameter names are HF's (``model.embed_tokens.weight``,
-    ``model.layers.{i}.*``, ``model.norm.weight``, ``lm_head.weight``).
+    ``model.layers.{i}.*``, ``model.norm.weight``, ``lm_head.weight``). The class is named as
+    the architecture it reads (``config.json``'s ``architectures[0]``).
 
-    What a family supplies: ``build_layer`` (its layer ``i``, with a ``mixer`` whose
+    What a family supplies: its facts (``config.Family``: ``MODEL_TYPE``, ``HF_DEFAULTS``,
+    ...), ``build_layer`` (its layer ``i``, with a ``mixer`` whose
     ``kv_cache_spec`` the engine reads), ``NORM`` (the final norm's class), ``build_rotary``
     (a layer type with a rope of its own, ``ModelConfig.rope_by_layer_type``, gets that one
     instead), ``embed`` and ``compute_logits`` where they differ (Gemma scales the embedding
@@ -240,7 +242,7 @@ class DecoderForCausalLM(nn.Module):
         rank's slice of each tensor is read."""
         if config is None:
             config = checkpoint.naming_folder(
-                path, lambda: ModelConfig.from_folder(path, cls.CONFIG_KEYS))
+                path, lambda: ModelConfig.from_folder(path, cls))
         slices = None
         if tp is not None and tp.size > 1:
             with torch.device("meta"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import ClassVar
 
 from torch import nn
 
@@ -78,7 +79,7 @@ def check_config(config: ModelConfig) -> None:
     freq = e.get("moe_layer_freq", 1)
     if freq != 1:
         raise ValueError(f"config moe_layer_freq={freq!r}: only 1 is implemented")
-    dense = e.get("first_k_dense_replace", 0)
+    dense = e.get("first_k_dense_replace")
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise ValueError(f"config first_k_dense_replace={dense!r}: must be an int >= 0")
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
@@ -90,7 +91,7 @@ def check_config(config: ModelConfig) -> None:
 def is_moe_layer(config: ModelConfig, layer: int) -> bool:
     """DeepSeek's rule: MoE from layer ``first_k_dense_replace`` on (``moe_layer_freq`` 1)."""
     return (config.extra.get("n_routed_experts") or 0) > 0 and \
-        layer >= config.extra.get("first_k_dense_replace", 0)
+        layer >= config.extra["first_k_dense_replace"]
 
 
 def build_layer(config: ModelConfig, layer_idx: int, scale: float,
@@ -113,7 +114,7 @@ def rotary(config: ModelConfig) -> RotaryEmbedding:
     is false)."""
     return RotaryEmbedding(config.extra["qk_rope_head_dim"], config.rope,
                            config.max_position_embeddings,
-                           interleaved=config.extra.get("rope_interleave", True))
+                           interleaved=config.extra["rope_interleave"])
 
 
 CORRECTION_BIAS = re.compile(r"(.*\.mlp)\.gate\.e_score_correction_bias")
@@ -127,7 +128,16 @@ def correction_bias_name(name: str) -> str:
 
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    MODEL_TYPE = "deepseek_v3"
     CONFIG_KEYS = DEEPSEEK_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "num_key_value_heads": 128, "attention_bias": False, "hidden_act": "silu",
+        "rope_theta": 10000.0, "rope_interleave": True, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "first_k_dense_replace": 3, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+        "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
     MTP_AFTER_LAYERS = True
     check_config = staticmethod(check_config)
 

@@ -12,8 +12,9 @@ which layers see only the last ``sliding_window`` keys (default: Gemma-2 every o
 layer 0, Gemma-3 all but every ``sliding_window_pattern``-th, default 6). Gemma-3 adds a
 per-head zero-centred ``q_norm``/``k_norm`` and gives its sliding layers their own rope
 (``rope_local_base_freq``, or transformers 5's ``rope_parameters.sliding_attention``); its
-full layers take ``rope_theta``/``rope_scaling``. Defaults are transformers': Gemma-2 caps 50
-(attention) and 30 (logits), Gemma-3 none; ``query_pre_attn_scalar`` 256.
+full layers take ``rope_theta``/``rope_scaling``. Defaults are transformers' (``HF_DEFAULTS``):
+Gemma-2 caps 50 (attention) and 30 (logits), Gemma-3 none; ``query_pre_attn_scalar`` 256; tied
+embeddings (the published config.json files leave ``tie_word_embeddings`` out).
 
 KV cache: every layer keeps its whole sequence's keys; a sliding layer's window is a mask over
 them (``KVCacheSpec.sliding_window``).
@@ -76,13 +77,17 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    """``DEFAULTS``: transformers' values of the keys a config may leave out; ``QK_NORM``:
-    Gemma-3's per-head q/k norm."""
+    """``QK_NORM``: Gemma-3's per-head q/k norm."""
 
+    MODEL_TYPE = "gemma2"
     CONFIG_KEYS = GEMMA2_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
+        "num_key_value_heads": 4, "head_dim": 256, "attention_bias": False,
+        "sliding_window": 4096, "rope_theta": 10000.0, "hidden_activation": ACTIVATION,
+        "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "use_bidirectional_attention": None}
     NORM = OffsetRMSNorm
-    DEFAULTS: ClassVar[dict] = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-                                "final_logit_softcapping": 30.0}
     QK_NORM: str | None = None
 
     def __init__(self, config: ModelConfig):
@@ -95,11 +100,8 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        """Refuse what is not implemented, naming the key; fill transformers' defaults and
-        the default ``layer_types``."""
+        """Refuse what is not implemented, naming the key; fill the default ``layer_types``."""
         e = config.extra
-        for key, value in cls.DEFAULTS.items():
-            e.setdefault(key, value)
         _positive("query_pre_attn_scalar", e["query_pre_attn_scalar"], optional=False)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             _positive(key, e[key], optional=True)
@@ -147,15 +149,19 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    MODEL_TYPE = "gemma3_text"
     CONFIG_KEYS = GEMMA3_KEYS
-    DEFAULTS: ClassVar[dict] = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
-                                "final_logit_softcapping": None}
+    HF_DEFAULTS: ClassVar[dict] = {
+        **Gemma2ForCausalLM.HF_DEFAULTS, "max_position_embeddings": 131072,
+        "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "attn_logit_softcapping": None,
+        "final_logit_softcapping": None, "use_bidirectional_attention": False,
+        "_sliding_window_pattern": 6}
     QK_NORM = "head"
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        """Gemma-2's checks; the sliding layers' rope: ``rope_local_base_freq`` (default
-        10000) or the nested ``rope_parameters.sliding_attention`` (they must agree)."""
+        """Gemma-2's checks; the sliding layers' rope: ``rope_local_base_freq`` or the nested
+        ``rope_parameters.sliding_attention`` (they must agree)."""
         super().check_config(config)
         own = dict(config.rope_by_layer_type or {})
         local = config.extra.get("rope_local_base_freq")
@@ -166,14 +172,16 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                 raise ValueError(f"config rope_local_base_freq={local!r} and rope_parameters."
                                  f"sliding_attention={own['sliding_attention']!r} disagree")
             own["sliding_attention"] = from_key
-        own.setdefault("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})
+        if "sliding_attention" not in own:
+            raise ValueError("config rope_parameters nested by layer type has no "
+                             "sliding_attention entry (and no rope_local_base_freq)")
         config.rope_by_layer_type = own
 
     @staticmethod
     def default_layer_type(config: ModelConfig, layer_idx: int) -> str:
-        """Gemma-3: every ``sliding_window_pattern``-th layer (default 6) is full."""
+        """Gemma-3: every ``sliding_window_pattern``-th layer is full."""
         e = config.extra
-        every = e.get("sliding_window_pattern", e.get("_sliding_window_pattern", 6))
+        every = e.get("sliding_window_pattern", e.get("_sliding_window_pattern"))
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"config sliding_window_pattern={every!r}: must be an int >= 1")
         return "full_attention" if (layer_idx + 1) % every == 0 else "sliding_attention"

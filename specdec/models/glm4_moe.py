@@ -7,7 +7,7 @@ DeepSeek-V3's MoE (``layers.moe``: sigmoid scores, group-limited top-k on score 
 ``n_shared_experts``). E.g. GLM-4.5: head_dim 128, factor 0.5 -> 64 rotated channels; 160
 experts in 1 group, top-8, scaling 2.5; layers 0-2 dense, 3-91 MoE.
 
-A key config.json omits means transformers' ``Glm4MoeConfig`` default (``DEFAULTS``, and
+A key config.json omits means transformers' ``Glm4MoeConfig`` default (``HF_DEFAULTS``, e.g.
 ``partial_rotary_factor`` 0.5). Checkpoint names are HF's; ``mlp.gate.e_score_correction_bias``
 loads into ``mlp.e_score_correction_bias``; the MTP layer stored after the target's
 (``model.layers.{L}``, L = ``num_hidden_layers``) is the head's (``heads.glm4_moe_mtp``),
@@ -15,6 +15,8 @@ skipped here.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from torch import nn
 
@@ -27,20 +29,13 @@ from specdec.models.layers.moe import DEEPSEEK_MOE_KEYS, MOE_CONFIG_KEYS, MoEMLP
 
 GLM4_MOE_KEYS = MOE_CONFIG_KEYS | DEEPSEEK_MOE_KEYS | frozenset({"first_k_dense_replace",
                                                                  "use_qk_norm"})
-# transformers' defaults where an absent key would mean something else to the shared layers
-DEFAULTS = {"first_k_dense_replace": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
-            "moe_intermediate_size": 1408, "n_shared_experts": 1, "norm_topk_prob": True,
-            "use_qk_norm": False}
 # the only routing GLM has (its configs do not name it)
 ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def check_config(config: ModelConfig) -> None:
-    """Fill transformers' defaults (``DEFAULTS``, ``partial_rotary_factor`` 0.5) and refuse
-    what GLM does not have, naming the key."""
+    """Refuse what GLM does not have, naming the key; fill its routing."""
     e = config.extra
-    for key, value in DEFAULTS.items():
-        e.setdefault(key, value)
     for key, value in ROUTING.items():
         if e.setdefault(key, value) != value:
             raise ValueError(f"config {key}={e[key]!r}: Glm4MoeForCausalLM routes only with "
@@ -50,9 +45,6 @@ def check_config(config: ModelConfig) -> None:
         raise ValueError(f"config first_k_dense_replace={dense!r}: must be an int >= 0")
     if not isinstance(e["use_qk_norm"], bool):
         raise ValueError(f"config use_qk_norm={e['use_qk_norm']!r}: must be true or false")
-    if "partial_rotary_factor" not in config.rope:
-        config.rope_scaling = {**(config.rope_scaling or {"rope_type": "default"}),
-                               "partial_rotary_factor": 0.5}
 
 
 def build_layer(config: ModelConfig, layer_idx: int, cache_idx: int | None = None
@@ -70,7 +62,15 @@ def build_layer(config: ModelConfig, layer_idx: int, cache_idx: int | None = Non
 
 
 class Glm4MoeForCausalLM(DecoderForCausalLM):
+    MODEL_TYPE = "glm4_moe"
     CONFIG_KEYS = GLM4_MOE_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "num_key_value_heads": 8, "attention_bias": False, "hidden_act": "silu",
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "use_qk_norm": False,
+        "first_k_dense_replace": 1, "n_routed_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True}
     MTP_AFTER_LAYERS = True
     check_config = staticmethod(check_config)
 

@@ -25,6 +25,7 @@ not sharded yet).
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 from torch import nn
 
@@ -39,22 +40,28 @@ from specdec.models.layers.moe import MOE_CONFIG_KEYS, MoEMLP
 # original_max_position_embeddings is what the math reads)
 GPT_OSS_KEYS = MOE_CONFIG_KEYS | {"swiglu_alpha", "swiglu_limit", "experts_per_token",
                                   "initial_context_length"}
-DEFAULTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
-# transformers' rope when a config names none
-DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 4096}
 STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
+    MODEL_TYPE = "gpt_oss"
     CONFIG_KEYS = GPT_OSS_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True, "sliding_window": 128,
+        "hidden_act": "silu", "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0}
 
     @staticmethod
     def check_config(config: ModelConfig) -> None:
-        """Fill transformers' defaults (swiglu, rope, layer_types); refuse what disagrees."""
+        """Fill the default ``layer_types`` (layers 0, 2, 4, ... slide); refuse what
+        disagrees."""
         e = config.extra
-        for key, value in DEFAULTS.items():
-            e.setdefault(key, value)
+        for key in ("swiglu_alpha", "swiglu_limit"):
             if isinstance(e[key], bool) or not isinstance(e[key], (int, float)) or \
                     not e[key] > 0:
                 raise ValueError(f"config {key}={e[key]!r}: must be a number > 0")
@@ -62,8 +69,6 @@ class GptOssForCausalLM(DecoderForCausalLM):
                 e.get("num_experts_per_tok"):
             raise ValueError(f"config experts_per_token={e['experts_per_token']!r} and "
                              f"num_experts_per_tok={e.get('num_experts_per_tok')!r} disagree")
-        if config.rope_scaling is None:
-            config.rope_scaling = dict(DEFAULT_ROPE)
         if config.layer_types is None:
             config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                   for i in range(config.num_hidden_layers)]

@@ -1,10 +1,13 @@
-"""The Llama decoder: Llama-2/3/3.1/3.2, Mistral, Qwen2/2.5 (and MiMo's target). Qwen3,
-Qwen3-MoE and MiniMax-M2 are this model with other layer options (``qwen3.py``,
-``minimax_m2.py``). Its layer: attention (``layers.attention``: GQA, optional q/k/v biases,
-q/k norms and sliding windows) + an MLP, a MoE on the layers ``is_moe_layer`` picks; the
-engine's contract is the skeleton's (``decoder.py``)."""
+"""The Llama decoder: Llama-2/3/3.1/3.2 and, as thin subclasses (their own config facts, the
+same layers), Mistral, Qwen2/2.5 and MiMo's target. Qwen3 and Qwen3-MoE are this model with
+other layer options (``qwen3.py``). Its layer (``build_layer``, which MiniMax-M2 and Phi-3 use
+too): attention (``layers.attention``: GQA, optional q/k/v biases, q/k norms and sliding
+windows) + an MLP, a MoE on the layers ``is_moe_layer`` picks; the engine's contract is the
+skeleton's (``decoder.py``)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from torch import nn
 
@@ -34,8 +37,37 @@ def build_layer(config: ModelConfig, layer_idx: int, *, qk_norm: str | None = No
 class LlamaForCausalLM(DecoderForCausalLM):
     """``QK_NORM``: the q/k norm option a subclass sets (see ``layers.attention``)."""
 
+    MODEL_TYPE = "llama"
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "rope_theta": 10000.0}
     QK_NORM: str | None = None
 
     def build_layer(self, layer_idx: int) -> nn.Module:
         return build_layer(self.config, layer_idx, qk_norm=self.QK_NORM,
                            sliding_window=self.config.sliding_window_of(layer_idx))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    MODEL_TYPE = "mistral"
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "num_key_value_heads": 8, "sliding_window": 4096, "hidden_act": "silu",
+        "rope_theta": 10000.0}
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """q/k/v always carry biases (the architecture implies them)."""
+
+    MODEL_TYPE = "qwen2"
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": 28, "hidden_act": "silu", "rope_theta": 10000.0}
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    """MiMo's target: a Qwen2 (its remote-code config class subclasses ``Qwen2Config``, whose
+    defaults it keeps); its MTP layers are the head's (``heads.mimo_mtp``)."""
+
+    MODEL_TYPE = "mimo"

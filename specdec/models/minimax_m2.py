@@ -7,6 +7,7 @@ w3 = up, w2 = down). The published MTP modules (``use_mtp``) are not read (vLLM 
 too): their keys are refused only when they would change the target's own forward."""
 
 import re
+from typing import ClassVar
 
 from specdec.models.config import ModelConfig
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
@@ -39,7 +40,12 @@ def check_config(config: ModelConfig) -> None:
 
 class MiniMaxM2ForCausalLM(LlamaForCausalLM):
     QK_NORM = "full"
+    MODEL_TYPE = "minimax_m2"
     CONFIG_KEYS = MOE_CONFIG_KEYS | MINIMAX_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
+        "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "rope_theta": 5e6,
+        "num_local_experts": 256, "num_experts_per_tok": 8}
     MTP_AFTER_LAYERS = True
     _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
     check_config = staticmethod(check_config)

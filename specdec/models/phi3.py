@@ -7,6 +7,8 @@ cos/sin; which factor set, once per model, is ``layers.rotary._longrope_is_long`
 ``sliding_window`` covers every layer (transformers' mask) unless it reaches past
 ``max_position_embeddings`` (Phi-3.5's 262144), where it is no window at all."""
 
+from typing import ClassVar
+
 from torch import nn
 
 from specdec.models.config import ModelConfig
@@ -24,7 +26,13 @@ def check_config(config: ModelConfig) -> None:
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    MODEL_TYPE = "phi3"
     CONFIG_KEYS = PHI3_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096, "sliding_window": None,
+        "hidden_act": "silu", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0}
     check_config = staticmethod(check_config)
 
     def build_layer(self, layer_idx: int) -> nn.Module:

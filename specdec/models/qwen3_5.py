@@ -3,7 +3,8 @@ decoder whose layers are gated DeltaNet linear attention (``layers.gated_deltane
 full attention (``layers.gated_attention``), as ``layer_types`` says (else every
 ``full_attention_interval``-th layer, default 4, is full attention), each followed by a
 SwiGLU MLP; every norm but the DeltaNet's output norm is zero-centred (``x * (1 + w)``);
-rotary covers ``partial_rotary_factor`` (default 0.25) of each head.
+rotary covers ``partial_rotary_factor`` (transformers' default 0.25, ``HF_DEFAULTS``) of each
+head.
 
 Qwen3-Next differs in two places: the DeltaNet's input projections are fused per key-head
 group (``in_proj_qkvz``, ``in_proj_ba``), and the MLPs are softmax-routed MoEs with a gated
@@ -23,6 +24,7 @@ its tensors ``model.language_model.*`` (read as ``model.*``); the vision tower
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -48,7 +50,6 @@ LINEAR_KEYS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim",
 QWEN3_5_KEYS = LINEAR_KEYS | {"attn_output_gate", "mtp_num_hidden_layers",
                               "mtp_use_dedicated_embeddings"}
 QWEN3_NEXT_KEYS = QWEN3_5_KEYS | MOE_CONFIG_KEYS | {SHARED_EXPERT_KEY}
-DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3.5 default when the config names none
 
 
 def check_config(config: ModelConfig) -> None:
@@ -67,9 +68,8 @@ def check_config(config: ModelConfig) -> None:
 
 
 def rotary(config: ModelConfig) -> RotaryEmbedding:
-    """The rope of the first ``partial_rotary_factor`` (default 0.25) channels of a head."""
-    rope = {"partial_rotary_factor": DEFAULT_PARTIAL_ROTARY, **config.rope}
-    return RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
+    """The rope of the first ``partial_rotary_factor`` channels of a head."""
+    return RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -130,7 +130,15 @@ def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecod
 
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    MODEL_TYPE = "qwen3_5_text"
     CONFIG_KEYS = QWEN3_5_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "num_key_value_heads": 4, "head_dim": 256, "attention_bias": False,
+        "hidden_act": "silu", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+        "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32}
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*|model\.visual\..*")
     FUSED_PROJECTIONS = False  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next)
     TEXT_PREFIX = "model.language_model."  # the multimodal checkpoints' text model
@@ -150,5 +158,11 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    MODEL_TYPE = "qwen3_next"
     CONFIG_KEYS = QWEN3_NEXT_KEYS
+    HF_DEFAULTS: ClassVar[dict] = {
+        **Qwen3_5ForCausalLM.HF_DEFAULTS, "num_key_value_heads": 2, "num_experts": 512,
+        "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}
     FUSED_PROJECTIONS = True

@@ -20,7 +20,12 @@ from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from specdec.models.glm4_moe import Glm4MoeForCausalLM
 from specdec.models.gpt_oss import GptOssForCausalLM
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import (
+    LlamaForCausalLM,
+    MiMoForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+)
 from specdec.models.minimax_m2 import MiniMaxM2ForCausalLM
 from specdec.models.phi3 import Phi3ForCausalLM
 from specdec.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -28,9 +33,9 @@ from specdec.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v biases, implied by the architecture
-    "MiMoForCausalLM": LlamaForCausalLM,  # a Qwen2 target; its MTP layers are the head's
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,  # q/k/v biases, implied by the architecture
+    "MiMoForCausalLM": MiMoForCausalLM,  # a Qwen2 target; its MTP layers are the head's
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,

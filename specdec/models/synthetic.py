@@ -110,7 +110,7 @@ def synthetic_config(name: str) -> ModelConfig:
     shape = SHAPES[name]
     return ModelConfig.from_dict({**shape, "torch_dtype": "bfloat16", "bos_token_id": 0,
                                   "eos_token_id": 0},
-                                 model_class(shape["architectures"]).CONFIG_KEYS)
+                                 model_class(shape["architectures"]))
 
 
 def head_methods(name: str) -> tuple[str, ...]:

@@ -27,8 +27,8 @@ from specdec.models import checkpoint
 from specdec.models.config import ModelConfig
 from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.layers.attention import Attention
-from specdec.models.layers.moe import MOE_CONFIG_KEYS
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
+from specdec.models.llama import LlamaForCausalLM
 
 # checkpoint tensors no head reads: an old exporter's rotary buffer
 SKIPPED = re.compile(r".*rotary_emb\.inv_freq")
@@ -50,9 +50,11 @@ class DraftHead(nn.Module):
     is checked), ``from_checkpoint`` (what the tensors present decide, e.g. an own
     embedding), ``load`` (folder -> head, when the default flow does not fit) and
     ``holds_layer`` (an MTP head a target folder may hold: ``(config dict, tensor names) ->
-    bool``; None: never a target's)."""
+    bool``; None: never a target's). ``FAMILY``: the target family whose config layout the
+    head's ``config.json`` has (its keys, defaults and facts: ``config.Family``)."""
 
     method = ""
+    FAMILY: type[DecoderForCausalLM] = LlamaForCausalLM
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose input states feed the head
     SHARED_COPIES: dict[str, str] = {}
     holds_layer = None
@@ -96,7 +98,7 @@ class DraftHead(nn.Module):
         fc_bias = d.pop("bias", None)  # EAGLE's flag for an fc bias (EAGLE-1 heads only)
         if fc_bias is not None and not isinstance(fc_bias, bool):
             raise ValueError(f"config bias={fc_bias!r}: must be true or false")
-        config = ModelConfig.from_dict(d, MOE_CONFIG_KEYS)
+        config = ModelConfig.from_dict(d, cls.FAMILY)
         head_cls = cls.for_config(config)
         options = head_cls.load_options(fc_bias, aux_layer_ids)
         tensors = read_tensors(path, head_cls.skips, shape_only=head_cls.SHARED_COPIES)

@@ -93,7 +93,7 @@ class DeepseekMtpHead(DraftHead):
     def load(cls, path, target, aux_layer_ids=None):
         """The MTP layer of a ``FAMILY`` folder (the target's, or a head folder with the same
         names and config): only ``model.layers.L.*`` is read."""
-        config = ModelConfig.from_folder(path, cls.FAMILY.CONFIG_KEYS)
+        config = ModelConfig.from_folder(path, cls.FAMILY)
         prefix = f"model.layers.{config.num_hidden_layers}."
         tensors = read_tensors(path, lambda name: not name.startswith(prefix))
         head = cls.from_checkpoint(config, target, tensors)

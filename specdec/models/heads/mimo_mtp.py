@@ -32,7 +32,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.decoder import DecoderForCausalLM, DecoderLayer
 from specdec.models.heads.base import DraftHead
 from specdec.models.layers.norm import RMSNorm
-from specdec.models.llama import build_layer
+from specdec.models.llama import MiMoForCausalLM, build_layer
 
 MTP_ARCH = "MiMoForCausalLM"
 MTP_PREFIX = "model.mtp_layers."
@@ -43,6 +43,7 @@ class MtpHead(DraftHead):
     in a head folder of its own or in the MiMo target's folder."""
 
     method = "mtp"
+    FAMILY = MiMoForCausalLM
     # vLLM's MiMo loader requires these two in the folder; they are the target's
     SHARED_COPIES = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
     # a MiMo checkpoint's target tensors (the target loader reads them, the head never does)

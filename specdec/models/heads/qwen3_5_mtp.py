@@ -24,15 +24,15 @@ from specdec.models.config import ModelConfig
 from specdec.models.heads.base import DraftHead, read_tensors
 from specdec.models.layers.norm import OffsetRMSNorm
 from specdec.models.qwen3_5 import (
-    QWEN3_5_KEYS,
-    QWEN3_NEXT_KEYS,
+    Qwen3_5ForCausalLM,
+    Qwen3NextForCausalLM,
     full_attention_layer,
     rotary,
 )
 
-# the architectures holding this layout, with the config keys their family reads
-ARCHS = {"Qwen3_5ForCausalLM": QWEN3_5_KEYS, "Qwen3NextForCausalLM": QWEN3_NEXT_KEYS,
-         "Qwen3_5ForConditionalGeneration": QWEN3_5_KEYS}
+# the architectures holding this layout, with their family (its config keys and defaults)
+ARCHS = {"Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+         "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM}
 PREFIX = "mtp."
 
 
@@ -65,7 +65,7 @@ class Qwen3_5MtpHead(DraftHead):
         """The MTP layer (``mtp.*``) of a Qwen3.5 / Qwen3-Next folder; every ``mtp.*`` tensor
         must be present with its shape (ValueError naming them)."""
         arch = (checkpoint.load_config(path).get("architectures") or [None])[0]
-        config = ModelConfig.from_folder(path, ARCHS.get(arch, QWEN3_5_KEYS))
+        config = ModelConfig.from_folder(path, ARCHS.get(arch, Qwen3_5ForCausalLM))
         tensors = read_tensors(path, cls.skips)
         head = cls(config, target)
         head.load_tensors(tensors, path)

@@ -39,7 +39,7 @@ def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig
     if method == "eagle3":
         d.setdefault("draft_vocab_size", target_config.vocab_size)
         d["norm_before_residual"] = False
-    return ModelConfig.from_dict(d, MOE_CONFIG_KEYS)
+    return ModelConfig.from_dict(d, HEAD_CLASSES[method].FAMILY)
 
 
 def build_head(method: str, target: DecoderForCausalLM, **extra) -> DraftHead:
