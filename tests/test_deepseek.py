@@ -14,6 +14,7 @@ import torch
 
 from specdec import LLM
 from specdec.models import checkpoint, load_model
+from specdec.models.registry import ARCHITECTURE_OF_MODEL_TYPE
 
 CASES = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v3_t4"]
 MAX_NEW = 32
@@ -270,12 +271,13 @@ def test_a_config_without_architectures_is_read_by_its_model_type(ds_dir, tmp_pa
     path = H.copy_folder(ds_dir("deepseek_v3"), tmp_path / "m")
     config = {k: v for k, v in H.read_config(path).items() if k != "architectures"}
     H.write_config(path, config)
-    assert checkpoint.load_config(path)["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert checkpoint.load_config(path, ARCHITECTURE_OF_MODEL_TYPE)["architectures"] == [
+        "DeepseekV3ForCausalLM"]
     assert type(load_model(path)).__name__ == "DeepseekV3ForCausalLM"
     H.write_config(path, {**config, "model_type": "falcon"})
     with pytest.raises(ValueError, match="names no architectures, and model_type='falcon' is "
                                          "not a supported one; allowed: "):
-        checkpoint.load_config(path)
+        checkpoint.load_config(path, ARCHITECTURE_OF_MODEL_TYPE)
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -338,3 +340,30 @@ def test_deepseek_mtp_k2_dp2_with_an_idle_rank_equals_dp1(ds_dir, ds_plain):
     assert all(s.num_reqs == 0 for s in idle.steps) and len(idle.steps) == len(busy.steps)
     assert idle.collectives == busy.collectives
     assert any(op.startswith("moe_") for step in busy.collectives for op, _ in step)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_deepseek_mtp_under_tensor_parallelism_equals_one_rank(tp, ds_dir):
+    """MLA split by heads (each rank 4 / tp of them; the latent projection and cache
+    replicated), the MoE experts and dense MLP split, the MTP layer replicated on every rank
+    over the sharded embedding and lm_head: plain and padded MTP at K=1 and K=3 give one
+    rank's tokens and acceptance counters (one launch of the tp ranks for the jobs); the
+    exact MTP layer over the cycle target accepts every draft, as on one rank."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    mtp = [{"method": "deepseek_mtp", "num_speculative_tokens": k} for k in (1, 3)]
+    jobs = [("deepseek_v3_mtp", s) for s in [None] + mtp] + [("deepseek_v3_mtp_cycle", mtp[1])]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+    def kw(folder, spec):
+        return dict(model=str(ds_dir(folder)), max_num_seqs=4, max_model_len=256,
+                    speculative_config=spec)
+    runs = run_data_parallel([DPJob(dict(kw(*job), tensor_parallel_size=tp), PROMPTS, params)
+                              for job in jobs], 1, engine=LLM, tp_size=tp, timeout=300)
+    for (folder, spec), run in zip(jobs, runs):
+        one = LLM(**kw(folder, spec)).generate(PROMPTS, params)
+        assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in run.outputs] == \
+            [(o.token_ids, o.num_drafted, o.num_accepted) for o in one]
+        assert spec is None or sum(sum(o.num_drafted) for o in one) > 0
+    assert all(o.num_accepted == o.num_drafted for o in runs[-1].outputs)

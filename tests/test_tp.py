@@ -318,9 +318,9 @@ def test_a_killed_tp_peer_fails_the_call_naming_it():
 
 
 def test_a_family_not_sharded_yet_is_refused_before_any_rank_starts(tmp_path):
-    import hf_deepseek
-    path = hf_deepseek.build_deepseek_v3(tmp_path / "ds")
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM family is not sharded yet"):
+    import hf_gpt_oss
+    path = hf_gpt_oss.build(tmp_path / "oss")
+    with pytest.raises(ValueError, match="GptOssForCausalLM .attention sinks.*not sharded yet"):
         LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
 
 

@@ -7,6 +7,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+import hf_deepseek
 import hf_glm4_moe
 import hf_models
 import pytest
@@ -49,7 +50,8 @@ BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
             "qwen3_moe": hf_models.build_qwen3_moe, "minimax_m2": hf_models.build_minimax_m2,
             "llama_tied_mqa": build_llama_tied_mqa, "minimax_mqa": build_minimax_mqa,
             "glm4_moe": hf_glm4_moe.build_glm, "gemma2": hf_models.build_gemma2,
-            "gemma3": hf_models.build_gemma3}
+            "gemma3": hf_models.build_gemma3, "deepseek_v3": hf_deepseek.build_deepseek_v3,
+            "deepseek_v3_noq": hf_deepseek.build_deepseek_v3_noq}
 N = 10  # tokens: two requests of 6 and 4
 
 
@@ -121,10 +123,12 @@ def test_sharded_forward_equals_the_full_model(ranks, name, sp):
 
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_each_rank_holds_about_half_the_parameter_bytes(ranks, name):
-    """Everything but the norms and the MoE routers is split in two; a replicated KV head
-    is held whole on both ranks."""
+    """Everything but the norms and the MoE routers is split in two; a replicated KV head,
+    and MLA's latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``), are held whole on
+    both ranks."""
     tp_bytes, full_bytes = ranks[0][name, False][2]
-    assert 0.5 <= tp_bytes / full_bytes < (0.56 if name.endswith("mqa") else 0.51)
+    replicated = name.endswith("mqa") or name.startswith("deepseek")
+    assert 0.5 <= tp_bytes / full_bytes < (0.56 if replicated else 0.51)
 
 
 def test_head_and_vocab_counts_must_divide():
@@ -148,10 +152,28 @@ def test_kv_heads_that_do_not_divide_the_tp_size_are_refused():
 
 
 def test_a_family_not_sharded_yet_is_refused_by_name(tmp_path):
-    import hf_deepseek
-    model = load_model(hf_deepseek.build_deepseek_v3(tmp_path / "ds"), torch.float32)
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM family is not sharded yet"):
+    import hf_gpt_oss
+    model = load_model(hf_gpt_oss.build(tmp_path / "oss"), torch.float32)
+    with pytest.raises(ValueError, match="GptOssForCausalLM .attention sinks.*not sharded yet"):
         shard_model(model, TPContext(0, 2))
+
+
+@pytest.mark.parametrize("build", ["deepseek_v3", "deepseek_v3_noq"])
+def test_mla_is_split_by_heads_with_the_latent_replicated(tmp_path, build):
+    """T=2, rank 1 of 4 heads (nope 32 + rope 16 = 48 query rows a head, nope 32 + v 24 = 56
+    kv_b rows, 24 o_proj columns): heads 2-3's rows and columns; the latent projection and
+    its norm whole."""
+    path = hf_deepseek.BUILDERS[build](tmp_path / build)
+    full, part = load_model(path, torch.float32), load_model(path, torch.float32)
+    shard_from(part, TPContext(1, 2))
+    a, b = full.model.layers[1].self_attn, part.model.layers[1].self_attn
+    q = "q_b_proj" if build == "deepseek_v3" else "q_proj"
+    assert torch.equal(getattr(b, q).weight, getattr(a, q).weight[96:])
+    assert torch.equal(b.kv_b_proj.weight, a.kv_b_proj.weight[112:])
+    assert torch.equal(b.o_proj.weight, a.o_proj.weight[:, 48:])
+    assert torch.equal(b.kv_a_proj_with_mqa.weight, a.kv_a_proj_with_mqa.weight)
+    assert torch.equal(b.kv_a_layernorm.weight, a.kv_a_layernorm.weight)
+    assert b.n_heads == 2 and b.kv_cache_spec() == a.kv_cache_spec()
 
 
 def test_in_memory_model_is_sliced_like_the_checkpoint():

@@ -21,6 +21,13 @@ Two modes (the contract of ``layers.attention``):
 
 Example (H=4, L=32, R=16, Dn=32, Dv=24): the cache holds 48 values per token per layer where a
 GQA layer with 4 kv heads of head dim 48 keeps 2*4*48 = 384.
+
+Tensor parallelism (``layers.parallel``, as vLLM splits MLA): each rank keeps H/T heads --
+its rows of ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``, its columns of ``o_proj`` (whose
+partial outputs are summed) -- while ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms,
+and so the latent cache row of every token, are replicated: the latent is shared by every
+head, so splitting it would cost a collective inside attention for a cache of L+R values.
+``tp`` (set by the sharding): under sequence parallelism the layer gathers its N/T tokens once.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.tp = None  # a TPContext once sharded (``layers.parallel``)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent row per token: ``[c (L), k_pe (R)]``, V = its first L columns."""
@@ -66,6 +74,8 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope, kv=None) -> torch.Tensor:
         """x: [B, T, hidden] with kv=None, else [N, hidden]; rope: a ``layers.rotary.Rope``
         of R channels for the same leading dims. -> [..., hidden]."""
+        if self.tp is not None:
+            x = self.tp.gather(x)  # sequence parallelism: every token, once
         lead, h = x.shape[:-1], self.n_heads
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)

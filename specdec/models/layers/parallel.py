@@ -14,7 +14,9 @@ Layers (T = tensor_parallel_size, r = this rank):
   all-reduced (divided by the replication of KV heads).
 
 Attention: Hq/T query heads per rank; KV heads split when Hkv >= T, else each rank keeps KV
-head ``r // (T / Hkv)`` (replicated). MoE: every expert (and shared expert) split like an MLP,
+head ``r // (T / Hkv)`` (replicated). MLA (``layers.mla``): H/T heads per rank (``q_proj`` or
+``q_b_proj`` and ``kv_b_proj`` rows, ``o_proj`` columns), the latent projection and cache
+replicated. MoE: every expert (and shared expert) split like an MLP,
 its partial outputs summed by ONE reduction after the experts; the router is replicated.
 
 ``shard_model(model, tp)`` swaps those modules in place (the new ones are empty, on the old
@@ -36,6 +38,7 @@ from torch import nn
 from specdec.distributed import TPContext
 from specdec.models.layers.attention import Attention
 from specdec.models.layers.linear import MergedLinear
+from specdec.models.layers.mla import MLAttention
 from specdec.models.layers.mlp import MLP
 from specdec.models.layers.moe import MoEMLP
 
@@ -155,6 +158,20 @@ def _shard_attention(attn: Attention, tp: TPContext, prefix: str, out: Slices) -
     attn.n_heads, attn.n_kv = nq, nk
 
 
+def _shard_mla(attn: MLAttention, tp: TPContext, prefix: str, out: Slices) -> None:
+    h0, nh = _split(attn.n_heads, tp, "num_attention_heads")
+    qk, kv = attn.nope + attn.rope_dim, attn.nope + attn.v_dim
+    q_name = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+    for name, width in ((q_name, qk), ("kv_b_proj", kv)):
+        old = getattr(attn, name)
+        setattr(attn, name, _like(nn.Linear(old.in_features, nh * width, bias=False), old))
+        out[f"{prefix}{name}.weight"] = (0, h0 * width, (h0 + nh) * width)
+    attn.o_proj = _like(RowParallelLinear(nh * attn.v_dim, attn.o_proj.out_features, tp),
+                        attn.o_proj)
+    out[f"{prefix}o_proj.weight"] = (1, h0 * attn.v_dim, (h0 + nh) * attn.v_dim)
+    attn.n_heads, attn.tp = nh, tp
+
+
 def _shard_mlp(mlp: MLP, tp: TPContext, prefix: str, out: Slices, *, reduce: bool) -> None:
     """gate/up rows and down columns of this rank; ``reduce=False`` (MoE experts): plain
     layers whose partial outputs the MoE sums once."""
@@ -203,23 +220,24 @@ def shard_model(model: nn.Module, tp: TPContext) -> Slices:
     out["lm_head.weight"] = (0, v0, v0 + nv)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        sharded = isinstance(attn, Attention) and isinstance(mlp, (MLP, MoEMLP))
+        sharded = isinstance(attn, (Attention, MLAttention)) and isinstance(mlp, (MLP, MoEMLP))
         if not sharded:
             raise ValueError(
                 f"tensor_parallel_size={tp.size}: the {type(model).__name__} family is not "
                 f"sharded yet (layer {i}: {type(attn).__name__}, {type(mlp).__name__}); "
                 "allowed: tensor_parallel_size=1")
-        if attn.fused_checkpoint or getattr(mlp, "fused_checkpoint", False):
+        if getattr(attn, "fused_checkpoint", False) or getattr(mlp, "fused_checkpoint", False):
             raise ValueError(
                 f"tensor_parallel_size={tp.size}: {type(model).__name__} stores fused "
                 "qkv_proj / gate_up_proj tensors, whose per-rank rows are not one slice (not "
                 "sharded yet); allowed: tensor_parallel_size=1")
-        if attn.sinks is not None:
+        if getattr(attn, "sinks", None) is not None:
             raise ValueError(
                 f"tensor_parallel_size={tp.size}: {type(model).__name__} (attention sinks, "
                 "biased experts) is not sharded yet; allowed: tensor_parallel_size=1")
         prefix = f"model.layers.{i}."
-        _shard_attention(layer.self_attn, tp, prefix + "self_attn.", out)
+        shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
+        shard_attn(attn, tp, prefix + "self_attn.", out)
         if isinstance(layer.mlp, MoEMLP):
             _shard_moe(layer.mlp, tp, prefix + "mlp.", out)
         else:
