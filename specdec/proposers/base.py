@@ -109,6 +109,31 @@ class Proposer:
         """``request`` ended (any reason); ``keep`` False: a warm-up request, keep nothing."""
 
 
+class HostProposer(Proposer):
+    """A drafter without a device step (ngram, suffix): ``drafts(request_id, token_ids, k)``
+    searches the request's tokens on the host after each step's read."""
+
+    drafts_on_device = False
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes,
+              **device_parts) -> "HostProposer":
+        """Only the sizes matter: no draft model, no device state."""
+        return cls(spec, max_model_len=sizes.max_model_len)
+
+    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
+        return self.drafts(request.request_id, request.token_ids, k)
+
+    def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        """At most ``k`` drafts for the request with these tokens (0: none, no search)."""
+        raise NotImplementedError
+
+
 class PaddedProposer(Proposer):
     """Sizes and the acceptance-dependent preparation shared by every device proposer."""
 

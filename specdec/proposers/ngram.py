@@ -15,8 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.config import SpeculativeConfig
-from specdec.padding import StepSizes
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import HostProposer
 
 
 def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -33,26 +32,12 @@ def ngram_drafts(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[
     return []
 
 
-class NgramProposer(Proposer):
+class NgramProposer(HostProposer):
     """Drafts from the request's tokens (``ngram_drafts``), on the host, after each step."""
 
-    drafts_on_device = False
-
-    @classmethod
-    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, **device_parts
-              ) -> "NgramProposer":
-        """Only the sizes matter: no draft model, no device state."""
-        return cls(spec, max_model_len=sizes.max_model_len)
-
-
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
-        self.config = config
-        self.num_speculative_tokens = config.num_speculative_tokens
+        super().__init__(config, max_model_len=max_model_len)
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.max_model_len = max_model_len
-
-    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
-        return self.drafts(request.request_id, request.token_ids, k)
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a request with these tokens: at most ``k`` (<= K; 0:

@@ -15,8 +15,7 @@ m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matc
 """
 
 from specdec.config import SpeculativeConfig
-from specdec.padding import StepSizes
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import HostProposer
 
 
 class SuffixTree:
@@ -134,33 +133,19 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     return best
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(HostProposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
     request's own tree and one tree over the last ``max_cached_requests`` finished ones."""
 
-    drafts_on_device = False
-
-    @classmethod
-    def build(cls, spec: SpeculativeConfig, target, head, sizes: StepSizes, **device_parts
-              ) -> "SuffixProposer":
-        """Only the sizes matter: no draft model, no device state."""
-        return cls(spec, max_model_len=sizes.max_model_len)
-
-
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
-        self.config = config
-        self.num_speculative_tokens = config.num_speculative_tokens
+        super().__init__(config, max_model_len=max_model_len)
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
-        self.max_model_len = max_model_len
         self.own: dict[str, SuffixTree] = {}  # running request id -> its tokens' tree
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
-
-    def next_drafts(self, request, drafted: list[int], k: int) -> list[int]:
-        return self.drafts(request.request_id, request.token_ids, k)
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
