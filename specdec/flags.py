@@ -100,9 +100,10 @@ def default_method(model: str | None) -> tuple[str, int]:
 
 
 def default_device() -> str:
-    """cuda when this torch has a CUDA device, else cpu."""
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The accelerator when one is present (cuda, npu), else cpu: ``LLM``'s rule,
+    ``specdec.platform.default_device``."""
+    from specdec.platform import default_device
+    return default_device()
 
 
 def speculation_from_args(args) -> dict | None:
@@ -156,12 +157,13 @@ def add_speculation_arguments(
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --graph-backend (generate and serve)."""
-    from specdec.engine.config import DTYPES
+    from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
-                   help="cpu, cuda, cuda:N or npu (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="weights and activations (default float32)")
+                   help="cpu, cuda, cuda:N or npu (default: cuda or npu when present, else cpu)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="weights and activations; auto: the checkpoint's torch_dtype, float32 "
+                        "on CPU (default: auto)")
     p.add_argument("--graph-backend", default=None, choices=BACKENDS,
                    help="step wrapper of captured steps (default: the speculative config's "
                         "graph_mode, else cuda_graph on CUDA and eager elsewhere)")
@@ -177,7 +179,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     """LLM keyword arguments from add_engine_arguments' flags."""
-    kw = dict(device=args.device or default_device(), dtype=args.dtype or "float32",
+    kw = dict(device=args.device or default_device(), dtype=args.dtype or "auto",
               graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 

@@ -74,6 +74,19 @@ def available_devices() -> list[str]:
     return found
 
 
+def default_device() -> str:
+    """The device an engine runs on when none is given (``LLM``, generate, serve, bench):
+    ``cuda`` when this torch sees a CUDA device, else ``npu`` when torch_npu is installed
+    and sees one, else ``cpu`` (vLLM's rule: the accelerator when one is present)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if _has_module("torch_npu"):
+        importlib.import_module("torch_npu")  # registers torch.npu
+        if torch.npu.is_available():
+            return "npu"
+    return "cpu"
+
+
 def torch_device(spec: str | torch.device) -> torch.device:
     """``torch.device(spec)``, importing ``torch_npu`` first for an ``npu`` device (it
     registers the device type). ValueError naming the available devices when ``spec`` is not

@@ -35,8 +35,8 @@ def assert_captured_cuda_equals_cpu():
     (float32) -> the CUDA engine."""
     cuda, cuda_acc, llm = generate("eagle3", "cuda_graph")
     spec = {"method": "eagle3", "num_speculative_tokens": 3}
-    outs = LLM(speculative_config=spec, dtype=torch.float32, max_num_seqs=4).generate(
-        PROMPTS, max_tokens=48)
+    outs = LLM(speculative_config=spec, device="cpu", dtype=torch.float32,
+               max_num_seqs=4).generate(PROMPTS, max_tokens=48)
     assert cuda == [o.token_ids for o in outs]
     assert cuda_acc == [o.num_accepted for o in outs]
     return llm

@@ -46,8 +46,9 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
                                  synthetic_model, weight_read)
-from specdec.engine.config import DTYPES
-from specdec.flags import UsageError, ints, words
+from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
+from specdec.engine.inputs import checkpoint_dtype
+from specdec.flags import UsageError, default_device, ints, words
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES
 
@@ -101,8 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, help="0 = greedy (default 0)")
     p.add_argument("--model", metavar="PATH", help="target folder (default: the embedded model)")
     p.add_argument("--dp", type=int, help="data-parallel ranks (default 1)")
-    p.add_argument("--device", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", help=f"one of {', '.join(DTYPES)} (default float32)")
+    p.add_argument("--device", help="cpu, cuda or npu (default: cuda or npu when present, "
+                                    "else cpu)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES,
+                   help="auto: the checkpoint's torch_dtype, float32 on CPU (default: auto)")
     p.add_argument("--synthetic", help=f"a synthetic target instead of --model: "
                    f"{', '.join(SHAPES)} (zero weights, heads to match: every draft accepted; "
                    "default: none)")
@@ -132,7 +135,28 @@ def sweep_from_args(args) -> dict:
         v = getattr(args, key, None)
         if v is not None:
             sweep[key] = v
+    sweep.setdefault("device", default_device())  # LLM's rule: the accelerator if present
+    sweep["dtype"] = resolve_dtype(sweep)
     return check_sweep(sweep)
+
+
+def resolve_dtype(sweep: dict) -> str:
+    """The sweep's dtype name: "auto" (the default) resolved as ``LLM`` does (the model's
+    checkpoint dtype, float32 on CPU or for a synthetic target), vLLM's aliases to their
+    names; any other value is left for ``check_sweep`` to judge."""
+    import torch
+    dtype = sweep.get("dtype", "auto")
+    if dtype != "auto":
+        return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    try:
+        device = torch.device(sweep["device"])
+    except (RuntimeError, TypeError):  # check_sweep names the bad device
+        device = torch.device("cpu")
+    ckpt = None if sweep.get("synthetic") else checkpoint_dtype(sweep.get("model"))
+    try:
+        return str(auto_dtype(ckpt, device)).removeprefix("torch.")
+    except ValueError as e:
+        raise UsageError(f"--dtype auto: {e}") from None
 
 
 def run_from_args(args) -> int:
@@ -143,7 +167,9 @@ def run_from_args(args) -> int:
     except OSError as e:
         raise UsageError(f"--out={args.out!r} cannot be created: {e}") from None
     start = time.perf_counter()
-    results = run_sweep(sweep, Console(stderr=True))
+    err = Console(stderr=True)
+    err.print(f"specdec bench: device {sweep['device']}, dtype {sweep['dtype']}", highlight=False)
+    results = run_sweep(sweep, err)
     t = time.perf_counter()
     results["plots"] = write_plots(results, out)
     results["phase_seconds"]["plots_s"] = time.perf_counter() - t

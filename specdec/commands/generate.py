@@ -31,13 +31,20 @@ DEFAULT_BATCHED_TOKENS = 256  # LLM's default max_num_batched_tokens
 STATS_COLUMNS = ("method", "K", "batch", "tokens", "tok/s", "accept\nlen", "drafted", "accepted")
 
 
-def stats_table(rows: list[tuple], engine: str) -> Table:
+COLD = ("tok/s: this process's first run, cold (it includes one-time start-up work: first "
+        "kernels, lazy compiles); --compare-plain times every row warm")
+WARM = "tok/s: timed warm (after a first run of the prompt)"
+
+
+def stats_table(rows: list[tuple], engine: str, warm: bool = False) -> Table:
     """One row per run: method, K, batch (padded/ragged), output tokens, tok/s, acceptance
     length, drafted/accepted counts; ``engine`` (device, dtype, graph backend) in the title.
-    ``rows``: (out, seconds, spec). Fits 80 columns whatever K is: the per-position rates are
+    ``rows``: (out, seconds, spec). ``warm``: the rows were timed after a first run (else the
+    caption says tok/s is cold). Fits 80 columns whatever K is: the per-position rates are
     printed below it (rate_lines)."""
     table = Table(title=f"speculative decoding ({engine})", header_style="bold",
-                  caption="accept len = 1 + accepted / verifying steps; tok/s includes prefill")
+                  caption="accept len = 1 + accepted / verifying steps; tok/s includes "
+                          f"prefill. {WARM if warm else COLD}")
     for col in STATS_COLUMNS:
         table.add_column(col, justify="left" if col in ("method", "batch") else "right",
                          no_wrap=True)
@@ -184,13 +191,17 @@ def cmd_generate(args) -> int:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         return 0
     rows = [(out, seconds, spec)]
+    warm = method == "torchair-mtp"  # its first run was the warm-up above
     if args.compare_plain and spec is not None:  # the same prompt without a drafter
         plain = build_llm(args.model, None, **engine_args)
         timed(plain)  # warm-up, as the speculative engine had (its first call above or here)
         rows.append((*timed(plain), None))
         if method != "torchair-mtp":  # time the speculative run warm too, as plain's
             rows[0] = (*timed(llm), spec)
-    console.print(stats_table(rows, engine))
+        warm = True
+    console.print(f"engine: {llm.config.describe(args.device is None)}", markup=False,
+                  highlight=False)
+    console.print(stats_table(rows, engine, warm))
     for line in rate_lines(rows):
         console.print(line, markup=False, highlight=False)
     if (hint := compare_hint(rows)) is not None:

@@ -9,7 +9,7 @@ max_position_embeddings)``.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,10 @@ from specdec.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
+# what ``dtype`` takes: "auto" (the default, see ``auto_dtype``), a DTYPES name, or vLLM's
+# aliases "half" (float16) and "float" (float32)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
@@ -33,14 +37,20 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     block_size: int = 16
-    dtype: str | torch.dtype = torch.float32  # normalised to a torch.dtype
-    device: str | torch.device = "cpu"  # normalised to an available torch.device
+    # normalised to a torch.dtype; "auto": auto_dtype(checkpoint_dtype, device)
+    dtype: str | torch.dtype = "auto"
+    # normalised to an available torch.device; None: platform.default_device()
+    device: str | torch.device | None = None
     seed: int = 0
     capture_sizes: list[int] | None = None
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     data_parallel_size: int = 1
     data_parallel_timeout: float = 600.0  # seconds a DP run may take before it is failed
+    # the checkpoint's config.json torch_dtype (or dtype), read only for dtype "auto"
+    checkpoint_dtype: str | None = None
+    dtype_auto: bool = field(init=False, default=False)  # dtype was "auto"
+    device_auto: bool = field(init=False, default=False)  # device was None
 
     def __post_init__(self):
         if self.max_model_len is not None:
@@ -60,8 +70,28 @@ class EngineConfig:
             raise TypeError(f"data_parallel_timeout={timeout!r}: must be a number of seconds")
         if not 0 < timeout < float("inf"):
             raise ValueError(f"data_parallel_timeout={timeout!r}: must be finite and > 0")
-        self.dtype = _dtype(self.dtype)
-        self.device = platform.torch_device(self.device)
+        self.device_auto = self.device is None
+        self.device = platform.torch_device(platform.default_device() if self.device_auto
+                                            else self.device)
+        self.dtype_auto = isinstance(self.dtype, str) and self.dtype == "auto"
+        self.dtype = (auto_dtype(self.checkpoint_dtype, self.device) if self.dtype_auto
+                      else _dtype(self.dtype))
+
+    def describe(self, device_default: bool | None = None) -> str:
+        """What was chosen, for the commands' start-up line, e.g. ``"device cpu (default: no
+        accelerator), dtype float32 (auto: float32 on CPU; the checkpoint's is float16)"``.
+        ``device_default``: the device was the default (None: it was None here)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        default = self.device_auto if device_default is None else device_default
+        device = f"device {self.device}" + (
+            (" (default: the accelerator present)" if self.device.type != "cpu"
+             else " (default: no accelerator)") if default else "")
+        if not self.dtype_auto:
+            return f"{device}, dtype {dtype}"
+        ckpt = (f"the checkpoint's is {self.checkpoint_dtype}" if self.checkpoint_dtype
+                else "the checkpoint names none")
+        why = "float32 on CPU; " if self.device.type == "cpu" else ""
+        return f"{device}, dtype {dtype} (auto: {why}{ckpt})"
 
     def check_num_speculative_tokens(self, k: int) -> None:
         """A decode step feeds 1 + K tokens: the step budget must hold them."""
@@ -105,16 +135,31 @@ class EngineConfig:
                 f"has {free / 2**30:.2f} GiB free; lower max_num_seqs or max_model_len")
 
 
+def auto_dtype(checkpoint: str | None, device: torch.device) -> torch.dtype:
+    """``dtype="auto"``: float32 on a CPU (bfloat16 / float16 matmuls are slow there), else
+    the checkpoint's ``torch_dtype`` (float32 when it names none). ``auto_dtype("bfloat16",
+    torch.device("cuda"))`` -> torch.bfloat16. ValueError for a checkpoint dtype specdec does
+    not run (give ``dtype`` explicitly then)."""
+    if device.type == "cpu" or checkpoint is None:
+        return torch.float32
+    checkpoint = str(checkpoint).removeprefix("torch.")
+    if checkpoint not in DTYPES:
+        raise ValueError(f"dtype='auto': the checkpoint's torch_dtype={checkpoint!r} is not "
+                         f"one specdec runs; give dtype, allowed {list(DTYPE_CHOICES)}")
+    return DTYPES[checkpoint]
+
+
 def _dtype(value) -> torch.dtype:
     if isinstance(value, str):
+        value = DTYPE_ALIASES.get(value, value)
         if value not in DTYPES:
-            raise ValueError(f"dtype={value!r}: allowed {sorted(DTYPES)}")
+            raise ValueError(f"dtype={value!r}: allowed {list(DTYPE_CHOICES)}")
         return DTYPES[value]
     if not isinstance(value, torch.dtype):
         raise TypeError(f"dtype={value!r}: must be a str or torch.dtype; allowed "
-                        f"{sorted(DTYPES)}")
+                        f"{list(DTYPE_CHOICES)}")
     if value not in DTYPES.values():
-        raise ValueError(f"dtype={value}: allowed {sorted(DTYPES)}")
+        raise ValueError(f"dtype={value}: allowed {list(DTYPE_CHOICES)}")
     return value
 
 

@@ -68,14 +68,31 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
     return target, tokenizer, (Path(model) if model is not None else None)
 
 
-def check_target_dtype(target, dtype: torch.dtype) -> None:
-    """Raise ValueError unless most of ``target``'s floating-point parameter elements are in
-    ``dtype`` (the KV cache and the step buffers are; a few float32 router weights may stay)."""
+def checkpoint_dtype(model) -> str | None:
+    """The ``torch_dtype`` (transformers 5: ``dtype``) of the folder's config.json (default:
+    the embedded model), e.g. "bfloat16"; None when it names none or cannot be read (loading
+    the folder then says why)."""
+    try:
+        config = checkpoint.load_config(Path(model) if model is not None else DEFAULT_MODEL)
+    except (ValueError, TypeError, OSError):
+        return None
+    value = config.get("torch_dtype") or config.get("dtype")
+    return str(value).removeprefix("torch.") if value is not None else None
+
+
+def main_dtype(target, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of most of ``target``'s floating-point parameter elements."""
     numel: dict[torch.dtype, int] = {}
     for p in target.parameters():
         if p.is_floating_point():
             numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
-    main = max(numel, key=numel.get, default=dtype)
+    return max(numel, key=numel.get, default=default)
+
+
+def check_target_dtype(target, dtype: torch.dtype) -> None:
+    """Raise ValueError unless most of ``target``'s floating-point parameter elements are in
+    ``dtype`` (the KV cache and the step buffers are; a few float32 router weights may stay)."""
+    main = main_dtype(target, dtype)
     if main != dtype:
         raise ValueError(f"target: its parameters are {main}, dtype={dtype}: they must match "
                          f"(pass target.to({dtype}) or dtype={main})")

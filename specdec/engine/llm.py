@@ -15,8 +15,8 @@ from specdec.engine.core import EngineCore
 from specdec.engine.dp_engine import (exit_if_a_rank_reran_the_script,
                                       generate_across_ranks, parallel_role)
 from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
-from specdec.engine.inputs import (as_prompt_list, encode_prompt, load_target,
-                                   parse_speculative_config)
+from specdec.engine.inputs import (as_prompt_list, checkpoint_dtype, encode_prompt,
+                                   load_target, main_dtype, parse_speculative_config)
 from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, speculative_config=None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 256, block_size: int = 16,
-                 dtype: str | torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                 dtype: str | torch.dtype = "auto", device: str | None = None, seed: int = 0,
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
                  sequence_parallel: bool = False, dp: DPContext | None = None,
                  data_parallel_size: int = 1, data_parallel_timeout: float = 600.0,
@@ -41,14 +41,22 @@ class LLM:
                  check_host_syncs: bool | None = None, async_scheduling: bool = False):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
-        dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``)."""
+        dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``).
+        ``device`` None: the accelerator when one is present, else cpu; ``dtype`` "auto": the
+        checkpoint's torch_dtype, float32 on a CPU (``EngineConfig``), a given ``target``'s
+        own dtype."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
+        if (isinstance(dtype, str) and dtype == "auto"
+                and callable(getattr(target, "parameters", None))):
+            dtype = main_dtype(target)  # nothing is converted: the object's own dtype
         cfg = self.config = EngineConfig(
             max_model_len, max_num_seqs, max_num_batched_tokens, block_size, dtype, device,
             seed, capture_sizes, tensor_parallel_size, sequence_parallel, data_parallel_size,
-            data_parallel_timeout)
+            data_parallel_timeout, checkpoint_dtype(model) if target is None else None)
+        # the ranks take what was chosen here
+        self.init_kwargs.update(device=str(cfg.device), dtype=cfg.dtype)
         self.role = parallel_role(cfg, dp, tp)
         self.launcher, self.tp, self.device = self.role.launcher, self.role.tp, cfg.device
         if self.launcher:

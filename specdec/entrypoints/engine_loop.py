@@ -74,6 +74,7 @@ class EngineInfo:
     startup: str | None = None  # LLM.startup: step graphs captured / compiled at start-up
     eos_token_ids: tuple[int, ...] = ()  # the model's (for /tokenizer_info)
     frozen_objects: int = 0  # start-up's objects out of the collections (gc.freeze)
+    config: object = None  # the engine's EngineConfig (device, dtype chosen); None: a stub
 
 
 class EngineLoop:
@@ -177,7 +178,8 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
                          llm.max_model_len, llm.target.config.vocab_size,
                          llm.scheduler.max_num_seqs, torch.get_num_threads(), llm.startup,
-                         tuple(llm.target.config.eos_token_ids), gc.get_freeze_count()))
+                         tuple(llm.target.config.eos_token_ids), gc.get_freeze_count(),
+                         getattr(llm, "config", None)))
     try:
         while True:
             messages = [] if core.has_work() else [conn.recv()]  # idle: block until asked

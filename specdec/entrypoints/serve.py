@@ -161,9 +161,10 @@ def run_from_args(args) -> int:
                                         info.eos_token_ids),
                    args.shutdown_timeout, args.max_request_bytes)
     host = f"[{args.host}]" if ":" in args.host else args.host
+    chosen = "" if info.config is None else f"; {info.config.describe(args.device is None)}"
     print(f"specdec serve: {name} on http://{host}:{sock.getsockname()[1]} "
           f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
-          f"{info.num_threads} torch threads"
+          f"{info.num_threads} torch threads{chosen}"
           + (f"; start-up: {info.startup})" if info.startup else ")"), flush=True)
     serve_until_signal(app, sock, args.log_level, args.shutdown_timeout)
     if engine.exitcode is not None:
