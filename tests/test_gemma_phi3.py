@@ -168,7 +168,7 @@ def test_transformers5_spelling_reads_as_the_hubs(folder):
         c = cls(ModelConfig.from_dict(t5, cls)).config
         assert c.layer_types == hub.layer_types and c.sliding_window == hub.sliding_window
         assert ropes(c) == ropes(hub)
-        assert ropes(cls(ModelConfig.from_dict(c.to_hf_dict(), cls)).config) == \
+        assert ropes(cls(ModelConfig.from_dict(c.to_hf_dict(cls), cls)).config) == \
             ropes(c)
 
 

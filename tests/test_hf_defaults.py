@@ -187,3 +187,37 @@ def test_a_folder_as_published_loads_and_equals_transformers(model_type, publish
     out = LLM(model=str(path), max_num_seqs=2, max_model_len=128).generate(
         [PROMPT], max_tokens=MAX_NEW, ignore_eos=True)[0]
     assert out.token_ids == want["tokens"]
+
+
+# ---- one home per architecture fact ---------------------------------------------------------
+def _subclasses(cls) -> set:
+    return {c for s in cls.__subclasses__() for c in {s} | _subclasses(s)}
+
+
+def test_every_target_family_is_registered_and_its_tables_derive():
+    """Each decoder class of specdec.models is in ``FAMILIES`` (a family added to one place and
+    not the registry fails here); the tables derive from its class: the architecture is the
+    class's name, its model_type (or its multimodal checkpoint's) reads back to it, one
+    architecture per model_type."""
+    from specdec.models.decoder import DecoderForCausalLM
+    from specdec.models.registry import ARCHITECTURE_OF_MODEL_TYPE, FAMILIES
+
+    defined = {c for c in _subclasses(DecoderForCausalLM) if c.__module__.startswith(
+        "specdec.models.")}
+    assert defined == set(FAMILIES)
+    assert all(ARCHITECTURES[cls.__name__] is cls and cls.MODEL_TYPE for cls in FAMILIES)
+    assert len(ARCHITECTURE_OF_MODEL_TYPE) == len(ARCHITECTURES)
+    for arch, cls in ARCHITECTURES.items():
+        assert ARCHITECTURE_OF_MODEL_TYPE[cls.MULTIMODAL_MODEL_TYPE or cls.MODEL_TYPE] == arch
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_each_architecture_is_transformers_class_of_its_model_type(arch):
+    """transformers' class of that name reads a config of the family's model_type (MiMo's is
+    remote code: its Qwen2 base)."""
+    import transformers
+
+    cls = ARCHITECTURES[arch]
+    model_type = cls.MULTIMODAL_MODEL_TYPE or cls.MODEL_TYPE
+    hf = getattr(transformers, arch if model_type != "mimo" else "Qwen2ForCausalLM")
+    assert hf.config_class.model_type == TRANSFORMERS_TYPE.get(model_type, model_type)

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from specdec.models.heads import (Eagle3Head, EagleHead, MtpHead, build_head, head_config,
                                   load_head)
-from specdec.models.config import ModelConfig
+from specdec.models.config import Family, ModelConfig
 from specdec.models.layers.rotary import RotaryEmbedding
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from specdec.models.registry import load_pretrained
 
 from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_inputs
@@ -23,15 +23,23 @@ from helpers import tiny_config, tiny_model, tiny_model_head, ReferenceKV, head_
 
 def test_config_hf_round_trip_and_defaults():
     c = tiny_config(rope_theta=5e5, tie_word_embeddings=True)
-    d = c.to_hf_dict()
+    d = c.to_hf_dict(LlamaForCausalLM)
     assert d["model_type"] == "llama" and d["hidden_act"] == "silu" and d["head_dim"] == 8
     assert ModelConfig.from_dict(json.loads(json.dumps(d))) == c
 
 
+def test_config_of_no_family_is_not_saved():
+    """No silent model_type: a config is written through its family class."""
+    with pytest.raises(ValueError, match="MODEL_TYPE"):
+        tiny_config().to_hf_dict(Family)
+
+
 def test_qwen2_config_implies_qkv_bias():
-    c = ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
-    assert c.attention_bias and c.model_type == "qwen2"
-    names = set(LlamaForCausalLM(c).state_dict())
+    d = dict(tiny_config().to_hf_dict(LlamaForCausalLM), architectures=["Qwen2ForCausalLM"])
+    c = ModelConfig.from_dict(d, Qwen2ForCausalLM)
+    assert c.attention_bias and c.to_hf_dict(Qwen2ForCausalLM)["model_type"] == "qwen2"
+    assert "attention_bias" not in c.to_hf_dict(Qwen2ForCausalLM)
+    names = set(Qwen2ForCausalLM(c).state_dict())
     assert "model.layers.0.self_attn.q_proj.bias" in names
     assert "model.layers.0.self_attn.o_proj.bias" not in names
 
@@ -48,11 +56,11 @@ def test_qwen2_config_implies_qkv_bias():
 ])
 def test_config_validation_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
-        ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), **change))
+        ModelConfig.from_dict(dict(tiny_config().to_hf_dict(LlamaForCausalLM), **change))
 
 
 def test_config_missing_key_is_named():
-    d = tiny_config().to_hf_dict()
+    d = tiny_config().to_hf_dict(LlamaForCausalLM)
     del d["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size"):
         ModelConfig.from_dict(d)
@@ -169,9 +177,10 @@ def test_kv_contract_matches_dense(t, chunk, seed):
 
 
 def test_qwen2_target_kv_matches_dense():
-    c = ModelConfig.from_dict(dict(tiny_config().to_hf_dict(), architectures=["Qwen2ForCausalLM"]))
+    d = dict(tiny_config().to_hf_dict(LlamaForCausalLM), architectures=["Qwen2ForCausalLM"])
+    c = ModelConfig.from_dict(d, Qwen2ForCausalLM)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(c).eval()
+    model = Qwen2ForCausalLM(c).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias"):
@@ -333,4 +342,4 @@ def test_eagle3_config_validation():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         build_head("eagle3", target, eagle_aux_hidden_state_layer_ids=[1, 2, 3], draft_vocab_size=99)
     with pytest.raises(ValueError, match="method"):
-        head_config("medusa", target.config)
+        head_config("medusa", target)

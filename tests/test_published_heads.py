@@ -471,7 +471,7 @@ def test_heads_of_family_targets_build_save_and_load(root, family, tmp_path):
         torch.manual_seed(0)
         extra = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]} if method == "eagle3" else {}
         head = build_head(method, target, **extra)
-        config = head.config.to_hf_dict()
+        config = head.config.to_hf_dict(head.FAMILY)
         assert not {"use_qk_norm", "qk_norm_type", "attn_type_list", "layer_types"} & set(config)
         if method != "mtp":  # a Llama-style head: a dense MLP
             layer = head.layers[0] if method == "eagle" else head.midlayer

@@ -79,32 +79,21 @@ def _shards(sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]:
     return shards
 
 
-# multimodal checkpoints whose text model specdec runs: their config.json nests it in
-# text_config (read as the config; the architecture kept), the vision keys are not read
-TEXT_OF_MULTIMODAL = ("Qwen3_5ForConditionalGeneration",)
-# top-level keys of such a config that belong to the text model
+# top-level keys of a multimodal config that belong to its text model
 _TEXT_KEYS_OUTSIDE = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype",
                       "dtype")
 
 
-# transformers picks the class by model_type where a config names no architectures
-# (AutoModelForCausalLM): the supported ones' types
-ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    "minimax_m2": "MiniMaxM2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM"}
-
-
-def load_config(path: str | Path) -> dict:
+def load_config(path: str | Path, architecture_of: dict[str, str] | None = None) -> dict:
     """The folder's ``config.json`` as a dict; ValueError naming the file when it is missing,
-    not JSON, or not a JSON object. For a ``TEXT_OF_MULTIMODAL`` architecture: its
-    ``text_config`` (with ``architectures`` and the text keys set only at the top level),
-    rotary ``mrope_*`` keys dropped: specdec feeds text only, whose three position streams
-    are one, where multimodal rope is the plain rope of those positions."""
+    not JSON, or not a JSON object. ``architecture_of`` (model_type -> architecture, the
+    registry's ``ARCHITECTURE_OF_MODEL_TYPE``): a config naming no architectures gets its
+    model_type's, as transformers' AutoModelForCausalLM picks (ValueError naming an unknown
+    one). A multimodal config (a ``text_config`` object) reads as its text model's: the
+    ``text_config`` with ``architectures`` and the text keys set only at the top level,
+    rotary ``mrope_*`` keys dropped (specdec feeds text only, whose three position streams
+    are one, where multimodal rope is the plain rope of those positions); its vision keys are
+    not read."""
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"checkpoint folder {str(path)!r} has no {CONFIG_NAME}")
@@ -114,21 +103,21 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file}: must be a JSON object, got a {type(config).__name__}")
-    if not config.get("architectures") and config.get("model_type") is not None:
-        arch = ARCHITECTURE_OF_MODEL_TYPE.get(config["model_type"])
+    if architecture_of is not None and not config.get("architectures") and \
+            config.get("model_type") is not None:
+        arch = architecture_of.get(config["model_type"])
         if arch is None:
             raise ValueError(f"{file} names no architectures, and model_type="
                              f"{config['model_type']!r} is not a supported one; allowed: "
-                             f"{sorted(ARCHITECTURE_OF_MODEL_TYPE)}")
+                             f"{sorted(architecture_of)}")
         config = {**config, "architectures": [arch]}
-    if (config.get("architectures") or [None])[0] in TEXT_OF_MULTIMODAL and \
-            isinstance(config.get("text_config"), dict):
+    if isinstance(config.get("text_config"), dict):
         return _text_model_config(config)
     return config
 
 
 def _text_model_config(config: dict) -> dict:
-    text = dict(config["text_config"], architectures=config["architectures"])
+    text = dict(config["text_config"], architectures=config.get("architectures"))
     for key in _TEXT_KEYS_OUTSIDE:
         if key in config and text.get(key) is None:
             text[key] = config[key]

@@ -28,27 +28,6 @@ from typing import ClassVar
 
 from specdec.models.layers.rotary import ROPE_CONFIG_KEYS, rope_parameters
 
-QWEN2_ARCHS = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # q/k/v always carry biases
-# attention_bias=True means biases on q/k/v only (o_proj has none), as the layers implement it
-QKV_BIAS_ARCHS = QWEN2_ARCHS + ("Glm4MoeForCausalLM",)
-# attention_bias=True means biases on q/k/v and o_proj (the family's layers take both)
-QKVO_BIAS_ARCHS = ("GptOssForCausalLM",)
-# their quantization_config may say mxfp4 (experts stored MXFP4, dequantized at load)
-MXFP4_ARCHS = ("GptOssForCausalLM",)
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-               "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
-               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
-               "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
-               "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
-               "Glm4MoeForCausalLM": "glm4_moe", "Gemma2ForCausalLM": "gemma2",
-               "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
-               "GptOssForCausalLM": "gpt_oss"}
-# hybrid models: layer_types may say linear_attention (default schedule: every
-# full_attention_interval-th layer full, the others linear)
-LINEAR_ATTENTION_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
-                          "Qwen3_5ForConditionalGeneration")
-
 # bookkeeping, generation defaults and training-only knobs: they never change a forward
 IGNORED_KEYS = frozenset({
     "_name_or_path", "transformers_version", "model_type", "architectures", "auto_map",
@@ -82,17 +61,31 @@ class Family:
     classes (``models.decoder.DecoderForCausalLM`` subclasses) set them, ``ModelConfig`` reads
     them. This base is no family: no keys of its own, no defaults but ``ModelConfig``'s.
 
-    ``MODEL_TYPE``: transformers' ``model_type`` of the config. ``CONFIG_KEYS``: the keys it
+    ``MODEL_TYPE``: transformers' ``model_type`` of the config (``to_hf_dict`` writes it; a
+    config naming no architectures is read by it: ``registry.ARCHITECTURE_OF_MODEL_TYPE``).
+    ``MULTIMODAL_MODEL_TYPE``: the ``model_type`` of the multimodal checkpoint whose config.json
+    nests this text model in ``text_config`` (None: a text model). ``CONFIG_KEYS``: the keys it
     reads beyond ``ModelConfig``'s fields (kept in ``extra``). ``HF_DEFAULTS``: key -> the value
     transformers' config class for ``MODEL_TYPE`` gives it when a config leaves it out, for the
     keys the loader reads (rotary ones in the transformers-4 spelling: ``rope_theta``,
     ``partial_rotary_factor``, ``rope_scaling`` without the theta, Gemma-3's
     ``rope_local_base_freq``); ``tests/test_hf_defaults.py`` checks each against transformers.
+    ``ATTENTION_BIAS``: its layers read ``attention_bias`` (biases on q/k/v, and on o_proj
+    where the family's layers put one: gpt-oss); else ``attention_bias: true`` is refused.
+    ``QKV_BIAS_IMPLIED``: q/k/v always carry biases whatever the config says (Qwen2).
+    ``MXFP4``: its ``quantization_config`` may be MXFP4 (experts dequantized at load).
+    ``LINEAR_ATTENTION``: ``layer_types`` may say ``linear_attention`` (none given: every
+    ``full_attention_interval``-th layer full, the others linear).
     """
 
     MODEL_TYPE: ClassVar[str] = ""
+    MULTIMODAL_MODEL_TYPE: ClassVar[str | None] = None
     CONFIG_KEYS: ClassVar[frozenset[str]] = frozenset()
     HF_DEFAULTS: ClassVar[dict] = {}
+    ATTENTION_BIAS: ClassVar[bool] = False
+    QKV_BIAS_IMPLIED: ClassVar[bool] = False
+    MXFP4: ClassVar[bool] = False
+    LINEAR_ATTENTION: ClassVar[bool] = False
 
 
 @dataclass
@@ -104,7 +97,7 @@ class ModelConfig:
     form: ``rope_type`` and its keys, e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``),
     None for the default rope. ``layer_types[i]`` is ``full_attention`` or
     ``sliding_attention`` (then layer i sees ``sliding_window`` keys) or, for a hybrid
-    architecture (``LINEAR_ATTENTION_ARCHS``), ``linear_attention``; None = all full.
+    family (``Family.LINEAR_ATTENTION``), ``linear_attention``; None = all full.
     ``rope_by_layer_type``: the rotary parameters of the layers of a type that has its own
     (transformers-5 form each, ``rope_theta`` included; Gemma-3's ``sliding_attention``
     layers), the others use ``rope``; None = one rope for every layer. ``extra`` keeps the
@@ -168,11 +161,6 @@ class ModelConfig:
                     not set(self.layer_types) <= set(LAYER_TYPES):
                 raise ValueError(f"config layer_types={self.layer_types!r}: need one of "
                                  f"{LAYER_TYPES} per layer ({self.num_hidden_layers})")
-            if "linear_attention" in self.layer_types and \
-                    self.architectures[0] not in LINEAR_ATTENTION_ARCHS:
-                raise ValueError(f"config layer_types has linear_attention layers: only "
-                                 f"{list(LINEAR_ATTENTION_ARCHS)} implement them, not "
-                                 f"{self.architectures}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("config layer_types has sliding_attention layers but "
                                  "sliding_window is null")
@@ -183,15 +171,9 @@ class ModelConfig:
         if not self.architectures or not all(isinstance(a, str) for a in self.architectures):
             raise ValueError(f"config architectures={self.architectures!r}: "
                              "must be a non-empty list of str")
-        if self.architectures[0] in QWEN2_ARCHS:
-            self.attention_bias = True
         if self.torch_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"config torch_dtype={self.torch_dtype!r}: "
                              "allowed float16, bfloat16, float32")
-
-    @property
-    def model_type(self) -> str:
-        return MODEL_TYPES.get(self.architectures[0], "llama")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -208,7 +190,7 @@ class ModelConfig:
     def weight_block_size(self) -> tuple[int, int] | None:
         """The FP8 block size of a block-quantized checkpoint (None: not quantized)."""
         q = self.extra.get("quantization_config")
-        return None if q is None or is_mxfp4(q, self.architectures) else fp8_block_size(q)
+        return None if q is None or is_mxfp4(q) else fp8_block_size(q)
 
     def rope_of(self, layer: int) -> dict:
         """Layer ``layer``'s rotary parameters: its type's own (``rope_by_layer_type``) or
@@ -236,10 +218,10 @@ class ModelConfig:
         if not d.get("architectures") and family is Family:
             raise ValueError("config names no architectures (and no family was given)")
         archs = d.get("architectures") or [family.__name__]
-        if archs[0] not in QKV_BIAS_ARCHS + QKVO_BIAS_ARCHS and d.get("attention_bias", False):
-            raise ValueError(f"config attention_bias=True with architectures={archs}: Llama puts a "
-                             "bias on o_proj too, which is not supported (q/k/v-only layouts: "
-                             f"{list(QKV_BIAS_ARCHS)})")
+        if d.get("attention_bias") and not family.ATTENTION_BIAS:
+            raise ValueError(f"config attention_bias=True with architectures={archs}: "
+                             f"{family.__name__} implements no attention biases (transformers "
+                             "puts one on o_proj too); allowed: false")
         names = {f.name for f in fields(cls)} - {"extra", "architectures", "rope_scaling",
                                                  "rope_theta", "layer_types", "sliding_window",
                                                  "rope_by_layer_type"}
@@ -260,15 +242,19 @@ class ModelConfig:
         kwargs["bos_token_id"] = d.get("bos_token_id")
         if "torch_dtype" not in d and d.get("dtype") is not None:
             kwargs["torch_dtype"] = d["dtype"]
-        if "quantization_config" in d and not is_mxfp4(d["quantization_config"], archs):
-            fp8_block_size(d["quantization_config"])  # refused unless implemented
+        if family.QKV_BIAS_IMPLIED:
+            kwargs["attention_bias"] = True
+        q = d.get("quantization_config")
+        if q is not None and not (is_mxfp4(q) and family.MXFP4):
+            fp8_block_size(q)  # refused unless implemented
         rope, by_type = _rope_by_layer_type(d)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         extra = {k: v for k, v in d.items()
                  if k in HEAD_KEYS | family_keys | {"quantization_config"}}
         return cls(architectures=list(archs), extra=extra, rope_theta=rope["rope_theta"],
                    rope_scaling=None if scaling == {"rope_type": "default"} else scaling,
-                   rope_by_layer_type=by_type, **_attention_layout(d, archs), **kwargs)
+                   rope_by_layer_type=by_type, **_attention_layout(d, family.LINEAR_ATTENTION),
+                   **kwargs)
 
     @classmethod
     def from_folder(cls, path: str | Path, family: type[Family] = Family) -> ModelConfig:
@@ -285,13 +271,17 @@ class ModelConfig:
             d = dict(d, eos_token_id=merged[0] if len(merged) == 1 else merged or None)
         return cls.from_dict(d, family)
 
-    def to_hf_dict(self) -> dict:
+    def to_hf_dict(self, family: type[Family]) -> dict:
         """The transformers-4 spelling (``rope_theta`` + ``rope_scaling``), which both
         transformers 4 and 5 and vLLM read; a rope per layer type is written as transformers 5
-        nests it (``rope_parameters: {"full_attention": ..., "sliding_attention": ...}``)."""
+        nests it (``rope_parameters: {"full_attention": ..., "sliding_attention": ...}``).
+        ``family``: the config's (its ``MODEL_TYPE`` is written; ValueError for none)."""
+        if not family.MODEL_TYPE:
+            raise ValueError(f"config of {family.__name__}: no MODEL_TYPE to write; save through "
+                             "the family class (e.g. LlamaForCausalLM)")
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("extra", "rope_by_layer_type")}
-        d["model_type"] = self.model_type
+        d["model_type"] = family.MODEL_TYPE
         d["hidden_act"] = "silu"
         scaling = dict(self.rope_scaling or {})
         for key in ("partial_rotary_factor",):
@@ -302,7 +292,7 @@ class ModelConfig:
             for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
                 d.pop(key, None)
             d["rope_parameters"] = {"full_attention": self.rope, **self.rope_by_layer_type}
-        if self.model_type == "qwen2":
+        if family.QKV_BIAS_IMPLIED:
             del d["attention_bias"]  # implied by the architecture
         for key in ("layer_types", "sliding_window"):
             if d[key] is None:
@@ -354,12 +344,17 @@ def _rope_by_layer_type(d: dict) -> tuple[dict, dict[str, dict] | None]:
     return main, ropes or None
 
 
-def _attention_layout(d: dict, archs: list[str]) -> dict:
+def _attention_layout(d: dict, linear: bool) -> dict:
     """``sliding_window`` and ``layer_types`` from either spelling: transformers 5 writes
     ``layer_types``; Qwen2/3 (transformers 4) slide only with ``use_sliding_window``, on layers
-    >= ``max_window_layers``; Mistral slides on every layer when ``sliding_window`` is set."""
+    >= ``max_window_layers``; Mistral slides on every layer when ``sliding_window`` is set.
+    ``linear``: the family's ``LINEAR_ATTENTION`` (its default schedule; else such layers are
+    refused)."""
     window = d.get("sliding_window")
-    if archs[0] in LINEAR_ATTENTION_ARCHS and d.get("layer_types") is None:
+    if not linear and "linear_attention" in (d.get("layer_types") or ()):
+        raise ValueError("config layer_types has linear_attention layers: this family does not "
+                         "implement them (a hybrid family's LINEAR_ATTENTION)")
+    if linear and d.get("layer_types") is None:
         every = d.get("full_attention_interval")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"config full_attention_interval={every!r}: must be an int >= 1")
@@ -381,10 +376,10 @@ def _attention_layout(d: dict, archs: list[str]) -> dict:
     return {"sliding_window": window, "layer_types": types}
 
 
-def is_mxfp4(q, archs: list[str]) -> bool:
-    """Whether ``quantization_config`` is gpt-oss's ``{"quant_method": "mxfp4", ...}`` on an
-    architecture whose loader dequantizes it (``MXFP4_ARCHS``)."""
-    return isinstance(q, dict) and q.get("quant_method") == "mxfp4" and archs[0] in MXFP4_ARCHS
+def is_mxfp4(q) -> bool:
+    """Whether ``quantization_config`` is gpt-oss's ``{"quant_method": "mxfp4", ...}`` (which
+    ``from_dict`` takes only for a family whose loader dequantizes it: ``Family.MXFP4``)."""
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
 
 def fp8_block_size(q) -> tuple[int, int]:

@@ -228,7 +228,7 @@ class DecoderForCausalLM(nn.Module, Family):
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
         """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype``)."""
         tensors = {k: v for k, v in self.state_dict().items() if k in self.expected_tensors()}
-        checkpoint.save_folder(path, self.config.to_hf_dict(), tensors, dtype)
+        checkpoint.save_folder(path, self.config.to_hf_dict(type(self)), tensors, dtype)
 
     @classmethod
     def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

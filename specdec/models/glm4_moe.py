@@ -63,6 +63,7 @@ def build_layer(config: ModelConfig, layer_idx: int, cache_idx: int | None = Non
 
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     MODEL_TYPE = "glm4_moe"
+    ATTENTION_BIAS = True  # q/k/v only
     CONFIG_KEYS = GLM4_MOE_KEYS
     HF_DEFAULTS: ClassVar[dict] = {
         "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,

@@ -45,6 +45,8 @@ STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_pr
 
 class GptOssForCausalLM(DecoderForCausalLM):
     MODEL_TYPE = "gpt_oss"
+    ATTENTION_BIAS = True  # q/k/v and o_proj
+    MXFP4 = True
     CONFIG_KEYS = GPT_OSS_KEYS
     HF_DEFAULTS: ClassVar[dict] = {
         "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,

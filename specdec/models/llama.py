@@ -60,6 +60,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """q/k/v always carry biases (the architecture implies them)."""
 
     MODEL_TYPE = "qwen2"
+    ATTENTION_BIAS = True
+    QKV_BIAS_IMPLIED = True
     HF_DEFAULTS: ClassVar[dict] = {
         "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
         "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": None,

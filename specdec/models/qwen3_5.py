@@ -131,6 +131,7 @@ def build_layer(config: ModelConfig, layer_idx: int, fused: bool) -> HybridDecod
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     MODEL_TYPE = "qwen3_5_text"
+    LINEAR_ATTENTION = True
     CONFIG_KEYS = QWEN3_5_KEYS
     HF_DEFAULTS: ClassVar[dict] = {
         "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
@@ -155,6 +156,13 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def build_rotary(self):
         return rotary(self.config)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published (multimodal) Qwen3.5 checkpoints: this text model, read from
+    ``text_config`` (module docstring)."""
+
+    MULTIMODAL_MODEL_TYPE = "qwen3_5"
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

@@ -162,7 +162,8 @@ class DraftHead(nn.Module):
         return {k: v.shape for k, v in self.state_dict().items()}
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
-        checkpoint.save_folder(path, self.config.to_hf_dict(), self.checkpoint_tensors(), dtype)
+        checkpoint.save_folder(path, self.config.to_hf_dict(self.FAMILY),
+                               self.checkpoint_tensors(), dtype)
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
         """Load the folder's tensors: every expected one present with its shape, no other

@@ -38,6 +38,7 @@ PREFIX = "mtp."
 
 class Qwen3_5MtpHead(DraftHead):
     method = "mtp"
+    FAMILY = Qwen3_5ForCausalLM
 
     def __init__(self, config: ModelConfig, target):
         super().__init__(config, target)

@@ -28,6 +28,7 @@ from specdec.models.heads.eagle import (
 from specdec.models.heads.glm4_moe_mtp import Glm4MoeMtpHead
 from specdec.models.heads.mimo_mtp import MtpHead
 from specdec.models.heads.qwen3_5_mtp import Qwen3_5MtpHead
+from specdec.models.registry import ARCHITECTURE_OF_MODEL_TYPE, ARCHITECTURES
 
 HEADS: dict[str, type[DraftHead]] = {
     "MiMoForCausalLM": MtpHead,  # a head folder, or the MiMo target's (model.mtp_layers.*)
@@ -44,7 +45,7 @@ HEADS: dict[str, type[DraftHead]] = {
 # the target architectures whose folder may hold its MTP layer (a multimodal one is named by
 # its text model's)
 MTP_TARGETS = tuple(arch for arch, cls in HEADS.items() if cls.holds_layer is not None
-                    and arch not in checkpoint.TEXT_OF_MULTIMODAL)
+                    and ARCHITECTURES[arch].MULTIMODAL_MODEL_TYPE is None)
 
 
 def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype = torch.float32,
@@ -62,7 +63,7 @@ def load_head(path: str | Path, target: DecoderForCausalLM, dtype: torch.dtype =
     default. Every tensor the head needs must be present with its shape, and every other one
     known to be skipped: ValueError naming them.
     """
-    config = checkpoint.load_config(path)
+    config = checkpoint.load_config(path, ARCHITECTURE_OF_MODEL_TYPE)
 
     def build() -> DraftHead:
         # a ``speculators``-format folder (``speculators_model_type``, as vLLM detects it):
@@ -82,7 +83,8 @@ def target_architecture(path: str | Path) -> str | None:
     """The folder's architecture as the loader reads it (a multimodal one's: its text
     model's); None when its config cannot be read."""
     try:
-        return (checkpoint.load_config(Path(path)).get("architectures") or [None])[0]
+        config = checkpoint.load_config(Path(path), ARCHITECTURE_OF_MODEL_TYPE)
+        return (config.get("architectures") or [None])[0]
     except (ValueError, OSError):
         return None
 
@@ -93,7 +95,7 @@ def holds_mtp_layers(path: str | Path) -> bool:
     files' headers."""
     path = Path(path)
     try:
-        config = checkpoint.load_config(path)
+        config = checkpoint.load_config(path, ARCHITECTURE_OF_MODEL_TYPE)
         cls = HEADS.get((config.get("architectures") or [None])[0])
         if cls is None or cls.holds_layer is None:
             return False

@@ -9,14 +9,12 @@ from specdec.models.heads.base import DraftHead
 from specdec.models.heads.eagle import Eagle3Head, EagleHead
 from specdec.models.heads.mimo_mtp import MTP_ARCH, MtpHead
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
-from specdec.models.llama import LlamaForCausalLM
-from specdec.models.registry import ARCHITECTURES
 
 HEAD_CLASSES = {"mtp": MtpHead, "eagle": EagleHead, "eagle3": Eagle3Head}
 
 
-def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig:
-    """A head config sized like the target (one layer), with the keys vLLM reads for ``method``.
+def head_config(method: str, target: DecoderForCausalLM, **extra) -> ModelConfig:
+    """A head config sized like ``target`` (one layer), with the keys vLLM reads for ``method``.
 
     The target family's own keys that no head reads are left out: q/k-norm and attention-type
     keys (MiniMax-M2), the sliding window (a head attends to every earlier token), and for the
@@ -28,11 +26,11 @@ def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig
     archs = {"mtp": [MTP_ARCH], "eagle": ["LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
     if method not in archs:
         raise ValueError(f"head method={method!r}: allowed {sorted(archs)}")
-    family = ARCHITECTURES.get(target_config.architectures[0], LlamaForCausalLM).CONFIG_KEYS
-    unread = (family - MOE_CONFIG_KEYS) | {"layer_types", "sliding_window"}
+    family, target_config = type(target), target.config
+    unread = (family.CONFIG_KEYS - MOE_CONFIG_KEYS) | {"layer_types", "sliding_window"}
     if method != "mtp":
         unread |= MOE_CONFIG_KEYS | {"attention_bias", "quantization_config"}
-    d = {k: v for k, v in target_config.to_hf_dict().items() if k not in unread}
+    d = {k: v for k, v in target_config.to_hf_dict(family).items() if k not in unread}
     d.update(architectures=archs[method], num_hidden_layers=1, tie_word_embeddings=False, **extra)
     if method == "mtp":
         d["num_nextn_predict_layers"] = 1
@@ -44,4 +42,4 @@ def head_config(method: str, target_config: ModelConfig, **extra) -> ModelConfig
 
 def build_head(method: str, target: DecoderForCausalLM, **extra) -> DraftHead:
     """A freshly initialised head for ``target`` (training)."""
-    return HEAD_CLASSES[method](head_config(method, target.config, **extra), target)
+    return HEAD_CLASSES[method](head_config(method, target, **extra), target)
