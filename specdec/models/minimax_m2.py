@@ -1,5 +1,6 @@
-"""MiniMax-M2: the Llama decoder with ``q_norm``/``k_norm`` over the whole projection (widths
-Hq*D and Hkv*D, before the per-head split), partial rotary (``rotary_dim``), and on every layer
+"""MiniMax-M2: the decoder skeleton with Llama's layer (``llama.build_layer``): ``q_norm`` /
+``k_norm`` over the whole projection (widths Hq*D and Hkv*D, before the per-head split),
+partial rotary (``rotary_dim``), and on every layer
 a sigmoid-routed MoE that chooses on score + ``e_score_correction_bias`` and weighs by the
 unbiased scores, renormalised (``layers.moe``). Checkpoint names on disk:
 ``block_sparse_moe.{gate.weight, e_score_correction_bias, experts.E.w1/w2/w3}`` (w1 = gate,
@@ -9,9 +10,12 @@ too): their keys are refused only when they would change the target's own forwar
 import re
 from typing import ClassVar
 
+from torch import nn
+
 from specdec.models.config import ModelConfig
+from specdec.models.decoder import DecoderForCausalLM
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import build_layer
 
 EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # read here and checked in check_config; the MTP keys describe modules the target never runs
@@ -38,8 +42,7 @@ def check_config(config: ModelConfig) -> None:
     extra.setdefault("moe_intermediate_size", config.intermediate_size)
 
 
-class MiniMaxM2ForCausalLM(LlamaForCausalLM):
-    QK_NORM = "full"
+class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     MODEL_TYPE = "minimax_m2"
     CONFIG_KEYS = MOE_CONFIG_KEYS | MINIMAX_KEYS
     HF_DEFAULTS: ClassVar[dict] = {
@@ -49,6 +52,11 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
     MTP_AFTER_LAYERS = True
     _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
     check_config = staticmethod(check_config)
+
+    def build_layer(self, layer_idx: int) -> nn.Module:
+        """Llama's layer with q/k norms over the whole projection; every MLP a MoE."""
+        return build_layer(self.config, layer_idx, qk_norm="full",
+                           sliding_window=self.config.sliding_window_of(layer_idx))
 
     def checkpoint_name(self, name: str) -> str | None:
         m = self._EXPERT.fullmatch(name)
