@@ -48,17 +48,16 @@ def test_no_module_imports_a_higher_layer(module):
 
 
 def test_no_family_file_imports_a_registry():
-    """The registries import the target and head families (and what those import); none of
-    those imports a registry back (``heads.training``, which no registry imports, may)."""
+    """The registries (and the packages' ``__init__``, which re-export them) import the model
+    files; none of those imports a registry back: every module of ``specdec.models``, the
+    registries' families and the helpers beside them (``synthetic``, ``heads.training``)
+    alike. ``draft_lm`` still loads its draft model through the registry (``load_draft_lm``,
+    called by ``proposers.draft_model``: to move with it)."""
     registries = {"specdec.models.registry", "specdec.models.heads.registry"}
-    seen, todo = set(), list(registries)
-    while todo:
-        for m in imports(MODULES[todo.pop()]) & set(MODULES):
-            if m not in seen and m not in registries:
-                seen.add(m)
-                todo.append(m)
-    families = {m for m in seen if m.startswith("specdec.models.")}
-    assert {"specdec.models.llama", "specdec.models.heads.eagle"} <= families
+    allowed = registries | {"specdec.models", "specdec.models.heads", "specdec.models.draft_lm"}
+    families = {m for m in MODULES if m.startswith("specdec.models.")} - allowed
+    assert {"specdec.models.llama", "specdec.models.heads.eagle", "specdec.models.synthetic",
+            "specdec.models.heads.training"} <= families
     offenders = {m: sorted(imports(MODULES[m]) & registries) for m in families}
     assert not {m: r for m, r in offenders.items() if r}
 

@@ -53,11 +53,13 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.decoder import DecoderForCausalLM
-from specdec.models.heads import DraftHead, build_head
+from specdec.models.deepseek import DeepseekV3ForCausalLM
+from specdec.models.heads.base import DraftHead
 from specdec.models.heads.deepseek_mtp import DeepseekMtpHead
-from specdec.models.registry import model_class
+from specdec.models.heads.training import build_head
+from specdec.models.llama import LlamaForCausalLM
 
-LLAMA, DEEPSEEK = ["LlamaForCausalLM"], ["DeepseekV3ForCausalLM"]
+LLAMA, DEEPSEEK = [LlamaForCausalLM.__name__], [DeepseekV3ForCausalLM.__name__]
 # HF config dicts
 SHAPES = {
     "llama-1b": dict(architectures=LLAMA, vocab_size=32000, hidden_size=2048,
@@ -94,7 +96,9 @@ SHAPES = {
 # and llama-tiny's at the same 1/4 scale
 DRAFT_VOCAB = {"llama-8b": 32000, "llama-tiny": 64}
 HEAD_METHODS = ("mtp", "eagle", "eagle3")  # every method some shape has
-FAMILY_METHODS = {"LlamaForCausalLM": HEAD_METHODS, "DeepseekV3ForCausalLM": ("mtp",)}
+# the families the shapes use, with the head methods each has
+FAMILY_METHODS = {LlamaForCausalLM: HEAD_METHODS, DeepseekV3ForCausalLM: ("mtp",)}
+FAMILIES = {cls.__name__: cls for cls in FAMILY_METHODS}
 INITS = ("random", "zeros")
 INIT_STD = 0.02
 
@@ -110,12 +114,12 @@ def synthetic_config(name: str) -> ModelConfig:
     shape = SHAPES[name]
     return ModelConfig.from_dict({**shape, "torch_dtype": "bfloat16", "bos_token_id": 0,
                                   "eos_token_id": 0},
-                                 model_class(shape["architectures"]))
+                                 FAMILIES[shape["architectures"][0]])
 
 
 def head_methods(name: str) -> tuple[str, ...]:
     """The draft-head methods synthetic ``name`` has, e.g. ``deepseek-tiny`` -> ("mtp",)."""
-    return FAMILY_METHODS[synthetic_config(name).architectures[0]]
+    return FAMILY_METHODS[FAMILIES[synthetic_config(name).architectures[0]]]
 
 
 def build_synthetic(name: str, dtype: torch.dtype = torch.bfloat16,
@@ -133,7 +137,7 @@ def build_synthetic(name: str, dtype: torch.dtype = torch.bfloat16,
     if unknown:
         raise ValueError(f"methods {unknown}: allowed {allowed} for {name}")
     with torch.device("meta"):
-        target = model_class(config.architectures)(config)
+        target = FAMILIES[config.architectures[0]](config)
         heads = {m: _head(name, m, target) for m in methods}
     device = torch.device(device)
     gen = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
