@@ -15,7 +15,6 @@ from torch import nn
 from specdec.attention import KVCacheSpec
 from specdec.models import checkpoint
 from specdec.models.decoder import DecoderForCausalLM
-from specdec.models.registry import load_model
 
 
 class DraftLM(nn.Module):
@@ -49,9 +48,10 @@ class DraftLM(nn.Module):
         return self.model.kv_cache_spec()
 
 
-def load_draft_lm(path: str | Path, target: DecoderForCausalLM, target_tokenizer, *,
-                  dtype: torch.dtype, device: torch.device) -> DraftLM:
-    """The draft model of folder ``path`` for ``target``: ValueError naming both when their
+def load_draft_lm(path: str | Path, target: DecoderForCausalLM, target_tokenizer, load_model,
+                  *, dtype: torch.dtype, device: torch.device) -> DraftLM:
+    """The draft model of folder ``path`` for ``target``, built by ``load_model`` (the
+    registry's: no model file imports a registry): ValueError naming both when their
     vocabularies differ (size, or the tokenizers' token -> id maps where both folders ship
     one)."""
     where = f"speculative_config.model={str(path)!r}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specdec.models.draft_lm import DraftLM, load_draft_lm
+from specdec.models.registry import load_model
 from specdec.padding import StepPlan
 from specdec.proposers.base import HeadProposer, _pad_rows
 from specdec.proposers.inputs import DraftInputs, PaddedStepInputs
@@ -36,7 +37,7 @@ class DraftLMProposer(HeadProposer):
     def load_head(cls, spec, target, path: Path, *, dtype: torch.dtype,
                   device: torch.device, tokenizer=None) -> DraftLM:
         """The causal LM at ``speculative_config.model`` (``tokenizer``: the target's)."""
-        return load_draft_lm(path, target, tokenizer, dtype=dtype, device=device)
+        return load_draft_lm(path, target, tokenizer, load_model, dtype=dtype, device=device)
 
     def loop_seq_len(self, max_seq_len: int) -> int:
         """The loop's K steps reach one position past a head's K - 1."""
