@@ -130,10 +130,10 @@ def test_reference_is_sensitive_to_the_deepseek_feature(what, edit, ds_dir, ds_r
 FP8_BLOCK = [32, 32]  # DeepSeek-V3 publishes [128, 128]; the tiny weights need smaller blocks
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [O, I] float -> (e4m3 weight, weight_scale_inv [ceil(O/32), ceil(I/32)]), as
+def quantize_blocks(w: torch.Tensor, block=FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] float -> (e4m3 weight, weight_scale_inv [ceil(O/bo), ceil(I/bi)]), as
     DeepSeek's published weights are: per block, scale_inv = amax / 448."""
-    bo, bi = FP8_BLOCK
+    bo, bi = block
     o, i = w.shape
     scale = torch.zeros(-(-o // bo), -(-i // bi))
     for r in range(scale.shape[0]):
@@ -143,11 +143,10 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path):
-    """Every linear weight of the tiny DeepSeek-V3 stored as e4m3 + weight_scale_inv (with
-    ``quantization_config``) loads into exactly the float model of the dequantized weights."""
+def fp8_folders(src, tmp_path, block=FP8_BLOCK):
+    """(a copy of ``src`` with every linear weight stored as e4m3 + weight_scale_inv in
+    ``block`` blocks, with ``quantization_config``; a float copy of the dequantized weights)."""
     from safetensors.torch import load_file, save_file
-    src = ds_dir("deepseek_v3")
     fp8, dequant = H.copy_folder(src, tmp_path / "fp8"), H.copy_folder(src, tmp_path / "f32")
     quantized = 0
     for shard in sorted(src.glob("model-*.safetensors")):
@@ -157,9 +156,9 @@ def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path)
             linear = t.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name \
                 and not name.endswith("mlp.gate.weight")
             if linear:
-                w8, scale = quantize_blocks(t.float())
+                w8, scale = quantize_blocks(t.float(), block)
                 q[name], q[name.removesuffix(".weight") + ".weight_scale_inv"] = w8, scale
-                d[name] = checkpoint.dequantize_blocks(w8, scale, tuple(FP8_BLOCK))
+                d[name] = checkpoint.dequantize_blocks(w8, scale, tuple(block))
                 quantized += 1
             else:
                 q[name] = d[name] = t
@@ -174,8 +173,16 @@ def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path)
     (fp8 / "model.safetensors.index.json").write_text(json.dumps(index))
     _mutate(fp8, lambda c: c.update(quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": FP8_BLOCK}))
+        "weight_block_size": list(block)}))
     assert quantized > 10
+    return fp8, dequant
+
+
+def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path):
+    """Every linear weight of the tiny DeepSeek-V3 stored as e4m3 + weight_scale_inv (with
+    ``quantization_config``) loads into exactly the float model of the dequantized weights."""
+    src = ds_dir("deepseek_v3")
+    fp8, dequant = fp8_folders(src, tmp_path)
     a, b = load_model(fp8), load_model(dequant)
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sb)
@@ -187,6 +194,30 @@ def test_fp8_block_quantized_copy_equals_the_dequantized_model(ds_dir, tmp_path)
         ha, _ = a(ids[None], torch.arange(20)[None])
         hb, _ = b(ids[None], torch.arange(20)[None])
     assert torch.equal(a.compute_logits(ha), b.compute_logits(hb))
+
+
+def test_fp8_under_tensor_parallelism_each_rank_reads_its_weight_and_scale_blocks(ds_dir,
+                                                                                 tmp_path):
+    """16x16 blocks, T=2: each rank's slices (MLA heads, expert and MLP halves) start and end
+    on block edges; a rank reads its slice of each fp8 weight and of its weight_scale_inv and
+    holds exactly its slice of the dequantized model."""
+    from specdec.distributed import TPContext
+    fp8, dequant = fp8_folders(ds_dir("deepseek_v3"), tmp_path, [16, 16])
+    for rank in (0, 1):
+        a = load_model(fp8, tp=TPContext(rank, 2)).state_dict()
+        b = load_model(dequant, tp=TPContext(rank, 2)).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b)
+        assert a["model.layers.1.self_attn.kv_b_proj.weight"].shape == (112, 32)
+
+
+def test_fp8_slice_that_cuts_a_scale_block_is_refused_by_name(ds_dir, tmp_path):
+    """32x32 blocks, T=2: a rank's 112 kv_b_proj rows (2 heads of nope 32 + v 24) end inside
+    a block whose scale the other rank needs too: refused, naming the tensor and the size."""
+    from specdec.distributed import TPContext
+    fp8, _ = fp8_folders(ds_dir("deepseek_v3"), tmp_path, [32, 32])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d\.[a-z_.]+weight'.* cuts a "
+                                         r"32x32 FP8 scale block.*multiples of 32"):
+        load_model(fp8, tp=TPContext(0, 2))
 
 
 # ---- refusals ----------------------------------------------------------------------------

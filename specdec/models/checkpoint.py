@@ -328,6 +328,22 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
+def scale_slice(part: tuple[int, int, int], block: tuple[int, int], name: str
+                ) -> tuple[int, int, int]:
+    """The slice of ``name``'s ``weight_scale_inv`` that scales the weight slice ``part`` =
+    (dim, start, stop): its blocks along dim. ValueError naming the tensor when the slice cuts
+    a block (a rank would need another rank's scale). Example (block 128x128): rows
+    (0, 1536, 3072) -> scale rows (0, 12, 24); rows (0, 64, 128) -> refused."""
+    dim, start, stop = part
+    size = block[dim]
+    if start % size or stop % size:
+        raise ValueError(f"tensor {name!r}: its tensor-parallel / expert-parallel slice "
+                         f"[{start}:{stop}] along dim {dim} cuts a {block[0]}x{block[1]} FP8 "
+                         "scale block (quantization_config.weight_block_size); allowed: slices "
+                         f"on multiples of {size}")
+    return dim, start // size, stop // size
+
+
 def _dequantized(tensors, block: tuple[int, int] | None, file_of: str):
     """(name, tensor) pairs with each fp8 ``X.weight`` and its ``X.weight_scale_inv`` (in any
     order, any shard) replaced by one float32 ``X.weight``; at most the pairs still waiting
@@ -423,20 +439,22 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     wrongly shaped tensor; ``iter_tensors``' errors on the way. ``weight_block_size``: the
     checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
     with its ``weight_scale_inv`` before it is copied (``dequantize_blocks``). ``shard(name)``,
-    on the renamed name: read only that slice of the tensor (``iter_tensors``).
+    on the renamed name: read only that slice of the tensor (``iter_tensors``); of an fp8
+    weight, its scale blocks' slice too (``scale_slice``: a slice that cuts a block is
+    refused).
     ``convert(pairs, folder)``: a family's rewrite of the (stored name, tensor) stream before renaming
     (gpt-oss: MXFP4 pairs dequantized, stacked experts split into each expert's tensors).
     """
-    if shard is not None and weight_block_size is not None:
-        raise ValueError(f"checkpoint {str(path)!r}: a block-quantized FP8 checkpoint "
-                         "(quantization_config.weight_block_size) cannot be loaded sharded yet; "
-                         "allowed: tensor_parallel_size=1")
     seen, unexpected, bad = set(), set(), []
     by_stored = None
     if shard is not None:
         def by_stored(name: str):
-            renamed = rename(name) if rename is not None else name
-            return None if renamed is None else shard(renamed)
+            scale = weight_block_size is not None and name.endswith(SCALE_SUFFIX)
+            weight = name.removesuffix(SCALE_SUFFIX) + ".weight" if scale else name
+            renamed = rename(weight) if rename is not None else weight
+            part = None if renamed is None else shard(renamed)
+            # an fp8 weight's scale: the blocks of its weight's slice
+            return scale_slice(part, weight_block_size, weight) if scale and part else part
     with torch.no_grad():
         tensors = _dequantized(iter_tensors(path, shard=by_stored), weight_block_size,
                                str(path))
