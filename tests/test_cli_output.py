@@ -16,6 +16,7 @@ from specdec.commands import cli, generate as generate_command
 from specdec.bench import itl
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import RequestOutput
+from specdec.engine.outputs import CompletionOutput
 from specdec.flags import speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +126,9 @@ def test_bench_hint_only_when_speculation_was_slower():
 
 
 def out(n_tokens: int) -> RequestOutput:
-    return RequestOutput("0", [1], [5] * n_tokens, None, "length", [3], [2], 3)
+    return RequestOutput("0", None, [1], None,
+                         [CompletionOutput(0, None, [5] * n_tokens, None, None, "length")],
+                         num_drafted=[3], num_accepted=[2], num_decode_steps=3)
 
 
 def test_generate_hint_needs_both_measured():

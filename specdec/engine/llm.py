@@ -10,11 +10,12 @@ import torch
 from specdec.checks import check_bool
 from specdec.distributed import TPContext
 from specdec.dp import DPContext
+from specdec.engine import chat_template
 from specdec.engine.config import EngineConfig
 from specdec.engine.core import EngineCore
 from specdec.engine.dp_engine import (exit_if_a_rank_reran_the_script,
                                       generate_across_ranks, parallel_role)
-from specdec.engine.inputs import DEFAULT_MODEL  # noqa: F401 (re-exported)
+from specdec.engine.inputs import DEFAULT_MODEL  # re-exported too
 from specdec.engine.inputs import (as_prompt_list, checkpoint_dtype, encode_prompt,
                                    load_target, main_dtype, parse_speculative_config)
 from specdec.engine.outputs import RequestOutput, StepRecord
@@ -100,6 +101,7 @@ class LLM:
         self.async_scheduling = check_bool("async_scheduling", async_scheduling)
         if self.async_scheduling:
             self._check_async(tensor_parallel_size, dp_size, drafter)
+        self._chat_render = None  # chat(): the folder's chat template, loaded once
         self._next_id = 0  # the next request id the engine gives
         self._ids_given = False  # add_request had a number as a caller's request_id
         self.core = None
@@ -283,12 +285,22 @@ class LLM:
         per_prompt = [self._check_params(params, f"sampling_params[{i}]")
                       for i, params in enumerate(per_prompt)]
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        return self._generate(ids, per_prompt, [p if isinstance(p, str) else None
+                                                for p in prompts])
+
+    def _generate(self, ids: list[list[int]], per_prompt: list[SamplingParams],
+                  texts: list[str | None]) -> list[RequestOutput]:
+        """Run checked prompts (token ids) to the end; ``texts``: each one's prompt text for
+        ``RequestOutput.prompt`` (None: given as ids)."""
         if self.launcher or self.role.torchrun:
             # the ids one rank would give (its running count): an unseeded sampled request's
             # random numbers are keyed by its id, so the ranks draw the numbers one rank would
             first, self._next_id = self._next_id, self._next_id + len(ids)
-            return generate_across_ranks(self, ids, per_prompt,
+            outs = generate_across_ranks(self, ids, per_prompt,
                                          [str(first + i) for i in range(len(ids))])
+            for out, text in zip(outs, texts):
+                out.prompt = text
+            return outs
         reqs = [self._queue(x, params, None) for x, params in zip(ids, per_prompt)]
         try:
             while self.step() is not None:
@@ -297,7 +309,40 @@ class LLM:
             for r in reqs:
                 self.scheduler.abort(r, "abort")
             raise
-        return [RequestOutput.of(r, self.tokenizer) for r in reqs]
+        return [RequestOutput.of(r, self.tokenizer, text) for r, text in zip(reqs, texts)]
+
+    def chat(self, messages, sampling_params: "SamplingParams | list | None" = None, *,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or
+        a list of them -> one RequestOutput per conversation, in order. Each is rendered with
+        the model folder's chat template exactly as ``specdec serve`` renders it
+        (``engine/chat_template.py``; "developer" as "system"), tokenized without adding
+        special tokens (the template writes them), then generated as ``generate`` does
+        (``sampling_params``: one SamplingParams, one per conversation, or None: the
+        defaults). ``out.prompt`` is the rendered text."""
+        if self.tokenizer is None:
+            raise TypeError("chat() needs the model's tokenizer.json; pass token ids to "
+                            "generate()")
+        check_bool("add_generation_prompt", add_generation_prompt)
+        one = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, dict) for m in messages)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise TypeError(f"messages={messages!r}: must be a conversation (a list of "
+                            "{'role', 'content'} dicts) or a non-empty list of them")
+        if self._chat_render is None:  # the folder the server's template comes from
+            self._chat_render = chat_template.load_chat_template(
+                self.init_kwargs.get("model") or DEFAULT_MODEL)
+        names = ["messages"] if one else [f"messages[{i}]" for i in range(len(conversations))]
+        texts = [self._chat_render(chat_template.template_messages(name, conv),
+                                   add_generation_prompt=add_generation_prompt)
+                 for name, conv in zip(names, conversations)]
+        per_prompt = self._sampling_params(len(texts), sampling_params, {})
+        per_prompt = [self._check_params(params, f"sampling_params[{i}]")
+                      for i, params in enumerate(per_prompt)]
+        ids = [self._prompt_ids(self.tokenizer.encode(text, add_special_tokens=False).ids,
+                                name) for name, text in zip(names, texts)]
+        return self._generate(ids, per_prompt, texts)
 
     @staticmethod
     def _sampling_params(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:

@@ -7,21 +7,65 @@ from specdec.engine.sequence import Request
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's ``CompletionOutput`` (one per request here: n = 1)."""
+
+    index: int  # the sample's index among the request's outputs (0)
+    text: str | None  # the generated text (None: the model has no tokenizer)
+    token_ids: list[int]  # the generated tokens
+    # the sum of the chosen tokens' log-probabilities (natural log, the target's raw
+    # logits) when SamplingParams.logprobs asked for them, else None (as vLLM)
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None  # one per generated token, when asked
+    # "eos", "stop" (a stop_token_ids token, or a caller's stop string: abort_request),
+    # "length", "abort" or "error"
+    finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop token id that ended it; None otherwise
+
+
+@dataclass
 class RequestOutput:
+    """A finished request, in vLLM's shape (``outputs[0].text``, ``prompt_token_ids``, ...)
+    plus the speculation figures; ``text``, ``token_ids``, ``finish_reason``, ``logprobs``,
+    ``cumulative_logprob`` and ``stop_reason`` are read from ``outputs[0]``."""
+
     request_id: str
+    prompt: str | None  # the prompt's text (None: it was given as token ids)
     prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens
-    text: str | None
-    finish_reason: str
+    # per prompt token (the first: None), when SamplingParams.prompt_logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
     # per draft position, as far as any step of the request drafted (K for the trained heads;
     # ngram / suffix: their longest match, [] for none): [at position 1, 2, ...]
-    num_drafted: list[int]
-    num_accepted: list[int]
-    num_decode_steps: int  # target steps that verified drafts
+    num_drafted: list[int] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    num_decode_steps: int = 0  # target steps that verified drafts
     error: str | None = None  # what failed, when finish_reason is "error"
-    # per generated token / per prompt token (the first: None), when SamplingParams asked
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
 
     @property
     def acceptance_length(self) -> float:
@@ -29,13 +73,18 @@ class RequestOutput:
         return 1.0 + sum(self.num_accepted) / max(self.num_decode_steps, 1)
 
     @classmethod
-    def of(cls, r: Request, tokenizer) -> "RequestOutput":
+    def of(cls, r: Request, tokenizer, prompt: str | None = None) -> "RequestOutput":
         """The output of request ``r`` (its text decoded when there is a tokenizer)."""
         out = r.output_token_ids
         text = tokenizer.decode(out) if tokenizer is not None else None
-        return cls(r.request_id, r.token_ids[:r.num_prompt_tokens], out, text,
-                   r.finish_reason, r.num_drafted, r.num_accepted, r.num_steps_decoding,
-                   r.error, r.logprobs, r.prompt_logprobs)
+        cumulative = (sum(t.logprob for t in r.logprobs) if r.logprobs is not None
+                      else None)
+        stop = (out[-1] if r.finish_reason == "stop" and out
+                and out[-1] in r.params.stop_token_ids else None)
+        sample = CompletionOutput(0, text, out, cumulative, r.logprobs, r.finish_reason, stop)
+        return cls(r.request_id, prompt, r.token_ids[:r.num_prompt_tokens], r.prompt_logprobs,
+                   [sample], True, r.num_drafted, r.num_accepted, r.num_steps_decoding,
+                   r.error)
 
 
 STEP_GRAPHS = ("target", "draft")  # the step graphs of a StepRecord's new_graphs
