@@ -156,7 +156,8 @@ def add_speculation_arguments(
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --graph-backend (generate and serve)."""
+    """--device, --dtype, --graph-backend, --compile-backend, --async-scheduling,
+    --enforce-eager, --gpu-memory-utilization (generate, serve, bench serve --launch)."""
     from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
@@ -175,12 +176,28 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="launch each decode step before the host has read the one before "
                         "(padded heads, draft models or none; one rank; default: off)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM's name for --graph-backend eager: no captured or compiled steps "
+                        "(default: off)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="accelerators: the share (0, 1] of the device's memory the weights and "
+                        "KV cache may take; without --max-num-seqs the KV cache gets the most "
+                        "request rows that fits (at most 256); refused on cpu (default: none: "
+                        "max_num_seqs rows)")
 
 
 def engine_kwargs(args) -> dict:
     """LLM keyword arguments from add_engine_arguments' flags."""
     kw = dict(device=args.device or default_device(), dtype=args.dtype or "auto",
               graph_backend=args.graph_backend, async_scheduling=args.async_scheduling)
+    if args.enforce_eager:
+        if args.graph_backend not in (None, "eager"):
+            raise UsageError(f"--enforce-eager conflicts with --graph-backend "
+                             f"{args.graph_backend}: --enforce-eager is --graph-backend eager; "
+                             "give one")
+        kw["graph_backend"] = "eager"
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 

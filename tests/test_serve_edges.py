@@ -438,7 +438,8 @@ def test_engine_threads_sets_the_engine_process_torch_threads():
                             text=True)
     try:
         line = proc.stdout.readline()
-        assert "(engine process" in line and ", 1 torch threads)" in line, line
+        assert "(engine process" in line and ", 1 torch threads; device cpu" in line, line
+        assert "dtype float32 (auto: float32 on CPU" in line  # what was chosen, once
         url = bench_serve.wait_healthy(proc, f"http://127.0.0.1:{port}", "serve", 120)
         assert metrics(url)["specdec:engine_gc_frozen_objects"] > 10_000  # torch's alone
     finally:

@@ -126,3 +126,174 @@ def test_request_output_is_vllms_shape():
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.prompt_logprobs,
             out.outputs, out.finished) == ("0", "p", [1], None, [c], True)
     assert c.stop_reason is None and out.num_drafted == [] and out.acceptance_length == 1.0
+
+
+# ---- item 4: inputs and flags -------------------------------------------------------------
+def test_tokenizer_may_be_a_folder_or_its_file(chat_folder, llm, tmp_path):
+    for given in (chat_folder, str(chat_folder), chat_folder / "tokenizer.json"):
+        other = LLM(target=llm.target, tokenizer=given, max_model_len=64, max_num_seqs=1)
+        assert other.tokenizer.encode(PROMPTS[0]).ids == llm.tokenizer.encode(PROMPTS[0]).ids
+    with pytest.raises(ValueError, match=r"tokenizer='.*empty': no tokenizer.json there"):
+        LLM(target=llm.target, tokenizer=tmp_path / "empty", max_model_len=64)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a readable tokenizer"):
+        LLM(target=llm.target, tokenizer=tmp_path / "bad.json", max_model_len=64)
+
+
+def test_prompt_dicts_are_vllms_text_and_tokens_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPTS[1]).ids
+    plain = llm.generate([PROMPTS[0], ids], max_tokens=5)
+    dicts = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], max_tokens=5)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert [o.prompt for o in dicts] == [PROMPTS[0], None]
+    assert llm.generate({"prompt": PROMPTS[0]}, max_tokens=5)[0].token_ids == plain[0].token_ids
+    with pytest.raises(ValueError, match=r"prompts\[0\]: a prompt dict holds one key, 'prompt'"
+                                         r".*got keys \['multi_modal_data', 'prompt'\]"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}])
+    with pytest.raises(TypeError, match=r"prompts\[0\]\['prompt'\]=\[1\]: must be a str"):
+        llm.generate([{"prompt": [1]}])
+
+
+def test_serve_takes_model_positionally(folder, capsys):
+    from specdec.commands.cli import build_parser, main
+    from specdec.entrypoints.serve import model_from_args
+    target = str(folder / "target")
+    for argv in (["serve", target], ["serve", "--model", target],
+                 ["serve", target, "--model", target + "/"]):
+        assert model_from_args(build_parser().parse_args(argv)) == target
+    assert model_from_args(build_parser().parse_args(["serve"])) is None
+    code = main(["serve", target, "--model", str(folder / "mtp")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "name different folders" in err
+
+
+def test_gpu_memory_utilization_is_refused_on_cpu_and_sizes_the_kv_cache(llm, monkeypatch,
+                                                                          capsys):
+    import torch
+
+    from specdec.commands.cli import main
+    from specdec.engine import config
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 sizes the KV cache on an "
+                                         r"accelerator.*allowed here: None"):
+        LLM(gpu_memory_utilization=0.9, device="cpu")
+    code = main(["generate", "--prompt", "x", "--gpu-memory-utilization", "0.9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "gpu_memory_utilization=0.9" in err
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5: must be finite, in"):
+        config.EngineConfig(device="cpu", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_num_seqs=None: give an int >= 1, or "
+                                         "gpu_memory_utilization"):
+        config.EngineConfig(max_num_seqs=None, device="cpu")
+    # on an accelerator (the device and its memory faked): the most rows the share holds
+    specs = llm.target.kv_cache_spec()
+    cfg = config.EngineConfig(max_num_seqs=1, max_model_len=64, device="cpu")
+    cfg.device, cfg.gpu_memory_utilization, cfg.max_num_seqs = torch.device("cuda"), 0.5, None
+    row = cfg.kv_cache_bytes(specs, rows=1) - cfg.kv_cache_bytes(specs, rows=0)
+    total, used = 100 * row, 10 * row
+    monkeypatch.setattr(config, "total_memory", lambda device: total)
+    monkeypatch.setattr(config, "free_memory", lambda device: total - used)
+    cfg.size_kv_cache(specs)
+    fixed = cfg.kv_cache_bytes(specs, rows=0)  # the state's trash row: 0 without linear layers
+    assert cfg.max_num_seqs == (50 * row - used - fixed) // row == 40
+    assert cfg.num_kv_blocks == 40 * 4  # 64 tokens = 4 blocks of 16 per row
+    cfg.max_num_seqs = 41  # given: checked against the share
+    with pytest.raises(ValueError, match=r"max_num_seqs=41, max_model_len=64 needs"):
+        cfg.size_kv_cache(specs)
+    cfg.max_num_seqs, cfg.gpu_memory_utilization = None, 0.1
+    with pytest.raises(ValueError, match="one request row of max_model_len=64 needs"):
+        cfg.size_kv_cache(specs)
+
+
+def test_enforce_eager_and_the_batch_flags(llm, monkeypatch, capsys):
+    from specdec.bench import serve as bench_serve
+    from specdec.commands import generate as generate_command
+    from specdec.commands.cli import build_parser, main
+    from specdec.flags import UsageError, engine_kwargs
+    for argv in (["generate", "--prompt", "x"], ["serve"]):
+        kw = engine_kwargs(build_parser().parse_args([*argv, "--enforce-eager"]))
+        assert kw["graph_backend"] == "eager"
+        with pytest.raises(UsageError, match="--enforce-eager conflicts with --graph-backend "
+                                             "replay"):
+            engine_kwargs(build_parser().parse_args([*argv, "--enforce-eager",
+                                                     "--graph-backend", "replay"]))
+    assert LLM(target=llm.target, tokenizer=llm.tokenizer, max_model_len=64, max_num_seqs=1,
+               enforce_eager=True, graph_backend="eager").graph_backend == "eager"
+    with pytest.raises(ValueError, match="enforce_eager=True conflicts with graph_backend="
+                                         "'replay'"):
+        LLM(target=llm.target, enforce_eager=True, graph_backend="replay")
+    seen = {}
+
+    def record(model, spec, **kw):
+        seen.update(kw)
+        raise UsageError("recorded")
+    monkeypatch.setattr(generate_command, "build_llm", record)
+    assert main(["generate", "--prompt", "x", "--max-num-seqs", "3",
+                 "--max-num-batched-tokens", "64", "--enforce-eager"]) == 2
+    assert (seen["max_num_seqs"], seen["max_num_batched_tokens"], seen["graph_backend"]) == (
+        3, 64, "eager")
+    capsys.readouterr()
+    args = build_parser().parse_args(["bench", "serve", "--launch", "--max-num-seqs", "8",
+                                      "--max-num-batched-tokens", "512", "--enforce-eager",
+                                      "--gpu-memory-utilization", "0.8"])
+    assert bench_serve.engine_flags(args) == [
+        "--enforce-eager", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "512"]
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://x",
+                                      "--max-num-seqs", "8"])
+    with pytest.raises(UsageError, match="--max-num-seqs: the launched server's engine flags"):
+        bench_serve.engine_flags(args)
+
+
+def test_developer_and_tool_roles(chat_folder, tmp_path):
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from specdec.entrypoints.api_server import encode_chat
+    from specdec.entrypoints.protocol import ApiError, ChatMessage
+    from specdec.entrypoints.serve import served_model
+
+    def ids(folder, messages):
+        model = served_model("tiny", Tokenizer.from_file(str(chat_folder / "tokenizer.json")),
+                             folder, max_model_len=128, vocab_size=300)
+        return asyncio.run(encode_chat(model, [ChatMessage(**m) for m in messages]))
+    system = ids(chat_folder, CONVERSATION)
+    assert ids(chat_folder, [{**CONVERSATION[0], "role": "developer"}, CONVERSATION[1]]) == system
+    tool = [*CONVERSATION, {"role": "tool", "content": "4", "tool_call_id": "c1"}]
+    assert len(ids(chat_folder, tool)) > len(system)  # ChatML renders any role
+    refusing = tmp_path / "refusing"
+    shutil.copytree(chat_folder, refusing)
+    (refusing / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role')"
+        " }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ApiError) as e:
+        ids(refusing, tool)
+    assert e.value.status == 400 and "no tool role" in str(e.value)
+    with pytest.raises(ApiError) as e:
+        ids(chat_folder, [{"role": "user", "content": "x", "tool_call_id": "c1"}])
+    assert e.value.status == 400 and "tool_call_id" in str(e.value)
+
+
+def test_metrics_under_vllms_names(llm):
+    from helpers import metrics
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        for prompt in PROMPTS:
+            httpx.post(f"{server.url}/v1/completions", json=dict(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0.0), timeout=60)
+        m = metrics(server.url)
+    finally:
+        server.close()
+    lab = '{"engine": "0", "model_name": "tiny"}'
+    for name in ("prompt_tokens_total", "generation_tokens_total",
+                 "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total"):
+        assert m["vllm:" + name + lab] == m["specdec:" + name] > 0, name
+    for j in range(2):
+        pos = f'{{"engine": "0", "model_name": "tiny", "position": "{j}"}}'
+        assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total" + pos] == m[
+            f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{"position": "{j}"}}']
+    assert m["vllm:num_requests_running" + lab] == m["vllm:num_requests_waiting" + lab] == 0
+    assert m["vllm:kv_cache_usage_perc" + lab] == 0.0  # every block free again
+    success = '{"engine": "0", "finished_reason": "length", "model_name": "tiny"}'
+    assert m["vllm:request_success_total" + success] == 2

@@ -358,6 +358,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "refused with --base-url)")
     add_speculation_arguments(g)
     add_engine_arguments(g)  # --graph-backend replay counts the steps a CUDA graph would capture
+    g.add_argument("--max-num-seqs", type=int, metavar="N",
+                   help="the server's batch (default: the largest --concurrency)")
+    g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="the server's tokens per step (default: max(256, the largest "
+                        "--concurrency x (K + 1)))")
 
 
 # the flags of the launched server's engine (add_speculation_arguments, add_engine_arguments)
@@ -366,7 +371,11 @@ SPECULATION_FLAGS = {"method": "--method", "num_speculative_tokens": "-k",
                      "speculative_config": "--speculative-config",
                      "draft_model": "--draft-model", "no_padded": "--no-padded"}
 ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--graph-backend",
-                "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling"}
+                "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling",
+                "enforce_eager": "--enforce-eager",
+                "gpu_memory_utilization": "--gpu-memory-utilization",
+                "max_num_seqs": "--max-num-seqs",
+                "max_num_batched_tokens": "--max-num-batched-tokens"}
 
 
 def engine_flags(args) -> list[str]:

@@ -159,9 +159,11 @@ def cmd_generate(args) -> int:
     budget = args.max_num_batched_tokens
     if budget is None:  # one step verifies 1 + K tokens: the default budget grows to fit
         budget = max(DEFAULT_BATCHED_TOKENS, 1 + k)
-    # one prompt, one request slot: a capturing or compiling backend warms up the graphs of
-    # one running request, not of LLM's default 16 (--compare-plain's engine: the same)
-    engine_args = dict(dp=args.dp, seed=args.seed, max_num_seqs=1,
+    # one prompt, one request slot by default: a capturing or compiling backend warms up the
+    # graphs of one running request, not of LLM's default 16 (--compare-plain's: the same)
+    if args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs={args.max_num_seqs}: allowed an int >= 1")
+    engine_args = dict(dp=args.dp, seed=args.seed, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=budget, **engine_kwargs(args))
     llm = build_llm(args.model, spec, **engine_args)
     console = Console()
@@ -241,6 +243,9 @@ def add_generate_parser(sub) -> None:
                         "with a hint when speculation was slower (default: off)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="tokens per engine step (default: 256, or 1 + K when K is larger)")
+    p.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
+                   help="request rows of the engine (its KV cache and captured batch sizes; "
+                        "one prompt runs here: default 1)")
     p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     add_engine_arguments(p)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import platform
-from specdec.checks import check_bool, check_int
+from specdec.checks import check_bool, check_float, check_int
 from specdec.attention import KVCacheSpec
 from specdec.linear_state import LinearStateSpec
 from specdec.models.config import ModelConfig
@@ -29,12 +29,13 @@ SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 DEFAULT_MAX_MODEL_LEN = 512  # or the model's max_position_embeddings when smaller
+MAX_SIZED_SEQS = 256  # the most request rows gpu_memory_utilization sizes
 
 
 @dataclass(slots=True)
 class EngineConfig:
     max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, bounded by the model
-    max_num_seqs: int = 16
+    max_num_seqs: int | None = 16  # None: sized from gpu_memory_utilization (size_kv_cache)
     max_num_batched_tokens: int = 256
     block_size: int = 16
     # normalised to a torch.dtype; "auto": auto_dtype(checkpoint_dtype, device)
@@ -49,6 +50,9 @@ class EngineConfig:
     data_parallel_timeout: float = 600.0  # seconds a DP run may take before it is failed
     # the checkpoint's config.json torch_dtype (or dtype), read only for dtype "auto"
     checkpoint_dtype: str | None = None
+    # accelerators: the share of the device's memory the weights and the KV cache may take;
+    # max_num_seqs None: the most request rows that share holds (size_kv_cache)
+    gpu_memory_utilization: float | None = None
     dtype_auto: bool = field(init=False, default=False)  # dtype was "auto"
     device_auto: bool = field(init=False, default=False)  # device was None
 
@@ -57,7 +61,8 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len, lo=1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "data_parallel_size"):
-            check_int(name, getattr(self, name), lo=1)
+            if name != "max_num_seqs" or self.max_num_seqs is not None:
+                check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0, hi=SEED_MAX)
         check_bool("sequence_parallel", self.sequence_parallel)
         if self.capture_sizes is not None:
@@ -73,9 +78,30 @@ class EngineConfig:
         self.device_auto = self.device is None
         self.device = platform.torch_device(platform.default_device() if self.device_auto
                                             else self.device)
+        self._check_gpu_memory_utilization()
         self.dtype_auto = isinstance(self.dtype, str) and self.dtype == "auto"
         self.dtype = (auto_dtype(self.checkpoint_dtype, self.device) if self.dtype_auto
                       else _dtype(self.dtype))
+
+    def _check_gpu_memory_utilization(self) -> None:
+        util = self.gpu_memory_utilization
+        if util is None:
+            if self.max_num_seqs is None:
+                raise ValueError("max_num_seqs=None: give an int >= 1, or "
+                                 "gpu_memory_utilization (an accelerator) to size it")
+            return
+        check_float("gpu_memory_utilization", util, lo=0.0, hi=1.0, lo_open=True)
+        if self.device.type == "cpu":
+            raise ValueError(
+                f"gpu_memory_utilization={util} sizes the KV cache on an accelerator (cuda, "
+                "npu); on cpu the KV cache holds max_num_seqs x max_model_len tokens: set "
+                "those (allowed here: None)")
+        parallel = max(self.data_parallel_size, self.tensor_parallel_size)
+        if self.max_num_seqs is None and parallel > 1:
+            raise ValueError(
+                f"gpu_memory_utilization={util} without max_num_seqs: sizing the KV cache "
+                "of data / tensor parallel ranks is not supported yet; give max_num_seqs "
+                "(the fraction is then checked on each rank)")
 
     def describe(self, device_default: bool | None = None) -> str:
         """What was chosen, for the commands' start-up line, e.g. ``"device cpu (default: no
@@ -113,17 +139,54 @@ class EngineConfig:
     def num_kv_blocks(self) -> int:
         return self.max_num_seqs * -(-self.max_model_len // self.block_size)
 
-    def kv_cache_bytes(self, specs: list[KVCacheSpec | LinearStateSpec], state_slots: int = 1) -> int:
+    def kv_cache_bytes(self, specs: list[KVCacheSpec | LinearStateSpec], state_slots: int = 1,
+                       rows: int | None = None) -> int:
         """The KV caches of these layers (target + draft), the linear-attention state slots
         (``state_slots`` per request row, plus a trash row) and the token table this config
-        allocates."""
-        slots = self.num_kv_blocks * self.block_size
-        table = self.max_num_seqs * (self.max_model_len + 1) * 4
-        state = (self.max_num_seqs + 1) * state_slots * sum(
+        allocates for ``rows`` request rows (None: max_num_seqs), each of max_model_len
+        tokens."""
+        rows = self.max_num_seqs if rows is None else rows
+        slots = rows * -(-self.max_model_len // self.block_size) * self.block_size
+        table = rows * (self.max_model_len + 1) * 4
+        state = (rows + 1) * state_slots * sum(
             s.bytes_per_slot() for s in specs if isinstance(s, LinearStateSpec))
         return slots * sum(s.bytes_per_token(self.dtype) for s in specs) + state + table
 
-    def check_memory(self, specs: list[KVCacheSpec | LinearStateSpec], state_slots: int = 1) -> None:
+    def size_kv_cache(self, specs: list[KVCacheSpec | LinearStateSpec],
+                      state_slots: int = 1) -> None:
+        """``gpu_memory_utilization`` F (after the weights are loaded): the KV cache may take
+        F x the device's total memory less what is in use now (weights, other processes).
+        The cache holds max_num_seqs rows of max_model_len tokens, so with max_num_seqs None
+        it is the most rows that fits (at most MAX_SIZED_SEQS); a given max_num_seqs must
+        fit. The step's activations and captured graphs come on top. ValueError when it
+        cannot fit."""
+        util = self.gpu_memory_utilization
+        if util is None:
+            return
+        total = total_memory(self.device)
+        used = total - free_memory(self.device)
+        budget = util * total - used
+        fixed = self.kv_cache_bytes(specs, state_slots, rows=0)
+        per_row = self.kv_cache_bytes(specs, state_slots, rows=1) - fixed
+        where = (f"gpu_memory_utilization={util} of {self.device}'s {total / 2**30:.2f} GiB, "
+                 f"{used / 2**30:.2f} GiB in use (weights, other processes)")
+        if self.max_num_seqs is None:
+            rows = min(int((budget - fixed) // per_row), MAX_SIZED_SEQS)
+            if rows < 1:
+                raise ValueError(f"{where}: one request row of max_model_len="
+                                 f"{self.max_model_len} needs {per_row / 2**30:.3f} GiB of KV "
+                                 "cache, and none fits; raise gpu_memory_utilization or lower "
+                                 "max_model_len")
+            self.max_num_seqs = rows
+        need = self.kv_cache_bytes(specs, state_slots)
+        if need > budget:
+            raise ValueError(f"{where}: the KV cache of max_num_seqs={self.max_num_seqs}, "
+                             f"max_model_len={self.max_model_len} needs {need / 2**30:.2f} "
+                             f"GiB, {max(budget, 0) / 2**30:.2f} GiB are left; lower "
+                             "max_num_seqs or max_model_len, or raise gpu_memory_utilization")
+
+    def check_memory(self, specs: list[KVCacheSpec | LinearStateSpec],
+                     state_slots: int = 1) -> None:
         """The caches of every rank on this host must fit the device's free memory."""
         need = self.kv_cache_bytes(specs, state_slots)
         ranks = self.data_parallel_size if self.device.type == "cpu" else 1
@@ -161,6 +224,11 @@ def _dtype(value) -> torch.dtype:
     if value not in DTYPES.values():
         raise ValueError(f"dtype={value}: allowed {list(DTYPE_CHOICES)}")
     return value
+
+
+def total_memory(device: torch.device) -> int:
+    """Bytes of an accelerator's memory."""
+    return getattr(torch, device.type).mem_get_info(device)[1]
 
 
 def free_memory(device: torch.device) -> int:

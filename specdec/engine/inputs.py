@@ -2,8 +2,8 @@
 
 Each function raises TypeError/ValueError naming the argument, e.g.
 ``as_prompt_list("def f(x):") == ["def f(x):"]`` (one prompt, as in vLLM) and
-``as_prompt_list(5)`` -> ``TypeError: prompts=5: must be a str, a list of token ids, or a
-list of those``.
+``as_prompt_list(5)`` -> ``TypeError: prompts=5: must be a str, a list of token ids, a
+{'prompt': str} / {'prompt_token_ids': [...]} dict, or a list of those``.
 """
 
 import copy
@@ -61,11 +61,30 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
         target = load_model(model, dtype=dtype, device=device, tp=tp if sharded else None)
         if tokenizer is None:
             tokenizer = checkpoint.load_tokenizer(model)
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
     if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
                                       and callable(getattr(tokenizer, "decode", None))):
-        raise TypeError(f"tokenizer={tokenizer!r}: must have encode() and decode() "
-                        "(e.g. a tokenizers.Tokenizer) or be None")
+        raise TypeError(f"tokenizer={tokenizer!r}: must be a folder holding tokenizer.json "
+                        "(str or Path), a tokenizer with encode() and decode() (e.g. a "
+                        "tokenizers.Tokenizer), or None")
     return target, tokenizer, (Path(model) if model is not None else None)
+
+
+def load_tokenizer(path: str | Path):
+    """``tokenizer=`` given as a path: a folder holding ``tokenizer.json`` (as vLLM's
+    ``tokenizer=`` names a tokenizer folder), or that file itself."""
+    file = Path(path)
+    file = file / checkpoint.TOKENIZER_NAME if file.is_dir() else file
+    if not file.is_file():
+        raise ValueError(f"tokenizer={str(path)!r}: no {checkpoint.TOKENIZER_NAME} there; give "
+                         "a folder holding one, the file, or a tokenizer object")
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for every parse error
+        raise ValueError(f"tokenizer={str(path)!r}: {file} is not a readable tokenizer "
+                         f"({e})") from None
 
 
 def checkpoint_dtype(model) -> str | None:
@@ -99,20 +118,42 @@ def check_target_dtype(target, dtype: torch.dtype) -> None:
 
 
 def as_prompt_list(prompts) -> list:
-    """A str or a list of int token ids is one prompt; a list/tuple of those is many."""
-    if isinstance(prompts, str):
+    """A str, a list of int token ids or a prompt dict is one prompt; a list/tuple of those
+    is many."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts={prompts!r}: must be a str, a list of token ids, or a list "
-                        "of those")
+        raise TypeError(f"prompts={prompts!r}: must be a str, a list of token ids, a "
+                        "{'prompt': str} / {'prompt_token_ids': [...]} dict, or a list of those")
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [list(prompts)]
     return list(prompts)
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
+
+
+def unpack_prompt(name: str, prompt):
+    """vLLM's prompt dicts -> what they hold: ``{"prompt": "x"}`` -> ``"x"``,
+    ``{"prompt_token_ids": [1, 2]}`` -> ``[1, 2]``; anything else is returned as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+        raise ValueError(f"{name}: a prompt dict holds one key, 'prompt' (a str, vLLM's "
+                         "TextPrompt) or 'prompt_token_ids' (a list of ints, TokensPrompt); "
+                         f"got keys {sorted(map(str, prompt))}")
+    (key, value), = prompt.items()
+    if key == "prompt" and not isinstance(value, str):
+        raise TypeError(f"{name}['prompt']={value!r}: must be a str")
+    if key == "prompt_token_ids" and isinstance(value, str):
+        raise TypeError(f"{name}['prompt_token_ids']={value!r}: must be a list of ints")
+    return value
+
+
 def encode_prompt(name: str, prompt, tokenizer, vocab_size: int) -> list[int]:
-    """One prompt -> its token ids, each in ``[0, vocab_size)``, at least one."""
-    ids = prompt
+    """One prompt (a str, token ids, or a dict: ``unpack_prompt``) -> its token ids, each in
+    ``[0, vocab_size)``, at least one."""
+    prompt = ids = unpack_prompt(name, prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise TypeError(f"{name} is a str but the model has no tokenizer.json; pass token "

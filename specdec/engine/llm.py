@@ -30,7 +30,7 @@ from specdec.proposers.registry import PROPOSERS, get_proposer_class
 
 class LLM:
     def __init__(self, model: str | Path | None = None, speculative_config=None, *,
-                 max_model_len: int | None = None, max_num_seqs: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = 256, block_size: int = 16,
                  dtype: str | torch.dtype = "auto", device: str | None = None, seed: int = 0,
                  capture_sizes: list[int] | None = None, tensor_parallel_size: int = 1,
@@ -39,23 +39,34 @@ class LLM:
                  tp: TPContext | None = None,
                  target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str | None = None,
-                 check_host_syncs: bool | None = None, async_scheduling: bool = False):
+                 check_host_syncs: bool | None = None, async_scheduling: bool = False,
+                 enforce_eager: bool = False, gpu_memory_utilization: float | None = None):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
         dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``).
         ``device`` None: the accelerator when one is present, else cpu; ``dtype`` "auto": the
         checkpoint's torch_dtype, float32 on a CPU (``EngineConfig``), a given ``target``'s
-        own dtype."""
+        own dtype. ``max_num_seqs`` None: 16, or with ``gpu_memory_utilization`` (an
+        accelerator's memory share for weights + KV cache) the most rows that share holds.
+        ``enforce_eager=True``: ``graph_backend="eager"`` (vLLM's name)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
+        if check_bool("enforce_eager", enforce_eager):
+            if graph_backend not in (None, "eager"):
+                raise ValueError(f"enforce_eager=True conflicts with graph_backend="
+                                 f"{graph_backend!r}; allowed with it: None or 'eager'")
+            graph_backend = "eager"
+        if max_num_seqs is None and gpu_memory_utilization is None:
+            max_num_seqs = 16
         if (isinstance(dtype, str) and dtype == "auto"
                 and callable(getattr(target, "parameters", None))):
             dtype = main_dtype(target)  # nothing is converted: the object's own dtype
         cfg = self.config = EngineConfig(
             max_model_len, max_num_seqs, max_num_batched_tokens, block_size, dtype, device,
             seed, capture_sizes, tensor_parallel_size, sequence_parallel, data_parallel_size,
-            data_parallel_timeout, checkpoint_dtype(model) if target is None else None)
+            data_parallel_timeout, checkpoint_dtype(model) if target is None else None,
+            gpu_memory_utilization)
         # the ranks take what was chosen here
         self.init_kwargs.update(device=str(cfg.device), dtype=cfg.dtype)
         self.role = parallel_role(cfg, dp, tp)
@@ -87,8 +98,9 @@ class LLM:
                 draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=load_on, tokenizer=self.tokenizer)
-        cfg.check_memory(target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec()),
-                         state_slots=1 + k)
+        kv_specs = target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec())
+        cfg.size_kv_cache(kv_specs, state_slots=1 + k)
+        cfg.check_memory(kv_specs, state_slots=1 + k)
         dp_size = self.role.dp.size if self.role.dp is not None else data_parallel_size
         self.backend = resolve_backend(
             self.spec.graph_mode if self.spec else None, graph_backend, self.device,
@@ -270,8 +282,9 @@ class LLM:
                  top_p: float | None = None, ignore_eos: bool | None = None,
                  stop_token_ids: list[int] | None = None, seed: int | None = None
                  ) -> list[RequestOutput]:
-        """One output per prompt, in order. ``prompts``: a str or a list of token ids (one
-        prompt), or a list of those. ``sampling_params`` (as vLLM's ``LLM.generate``): one
+        """One output per prompt, in order. ``prompts``: a str, a list of token ids or a
+        vLLM prompt dict (``{"prompt": str}``, ``{"prompt_token_ids": [...]}``) is one
+        prompt; or a list of those. ``sampling_params`` (as vLLM's ``LLM.generate``): one
         SamplingParams for every prompt, or a list with one per prompt; or give the keyword
         arguments instead (unset ones take SamplingParams' defaults: max_tokens 64, greedy).
         An int in its place is read as ``max_tokens`` (the older positional form). Every prompt
@@ -285,8 +298,9 @@ class LLM:
         per_prompt = [self._check_params(params, f"sampling_params[{i}]")
                       for i, params in enumerate(per_prompt)]
         ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._generate(ids, per_prompt, [p if isinstance(p, str) else None
-                                                for p in prompts])
+        texts = [p.get("prompt") if isinstance(p, dict) else p if isinstance(p, str) else None
+                 for p in prompts]
+        return self._generate(ids, per_prompt, texts)
 
     def _generate(self, ids: list[list[int]], per_prompt: list[SamplingParams],
                   texts: list[str | None]) -> list[RequestOutput]:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
                                              RequestHandle)
-from specdec.entrypoints.chat import ChatTemplateError
+from specdec.entrypoints.chat import ChatTemplateError, template_messages
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     HugeInt, SamplingRequest, TokenizeRequest, chat_logprobs, check_prompt_ids,
@@ -318,7 +318,10 @@ async def encode_chat(model: ServedModel, messages, add_generation_prompt: bool 
     if model.tokenizer is None:
         raise ApiError(400, "messages: the model has no tokenizer; use /v1/completions "
                             "with token ids", "messages")
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        plain = template_messages("messages", [m.as_dict() for m in messages])
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e), "messages") from None
     if sum(len(m["content"]) for m in plain) > 4 * model.max_token_chars * model.max_model_len:
         raise ApiError(400, f"messages: more characters than max_model_len={model.max_model_len}"
                             f" tokens can hold", "messages")

@@ -190,6 +190,12 @@ class AsyncEngine(_Frontend):
     def free_blocks(self) -> int:
         return len(self.llm.allocator.free)
 
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The engine's KV blocks (None: a stub without a config)."""
+        config = getattr(self.llm, "config", None)
+        return config.num_kv_blocks if config is not None else None
+
     def _send_add(self, handle: RequestHandle) -> None:
         self._to_add.append(handle)
         self._wake.set()
@@ -311,6 +317,12 @@ class ProcessEngine(_Frontend):
 
     def free_blocks(self) -> int:
         return self._gauges[2]
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        """The engine process's KV blocks (None: a stub, or not started)."""
+        config = self.info.config if self.info is not None else None
+        return config.num_kv_blocks if config is not None else None
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         if self.exitcode is not None:

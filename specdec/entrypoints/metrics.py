@@ -1,4 +1,11 @@
-"""Prometheus metrics of the server (``GET /metrics``), named like vLLM's with a ``specdec:`` prefix.
+"""Prometheus metrics of the server (``GET /metrics``), named like vLLM's with a ``specdec:``
+prefix, and the counters vLLM has under vLLM's own names too (``vllm:``, labels ``model_name`` and
+``engine``), so a vLLM dashboard reads them: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (1 = every KV block in use),
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total``
+(finished_reason "eos" counted as vLLM's "stop"), ``vllm:spec_decode_num_drafts_total``,
+``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total`` and
+``vllm:spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``, 0 = the first draft).
 
 Per-step figures (tokens, step time, drafter time, host syncs, step graphs compiled or captured
 after start-up) update after every step; the speculative counters per draft position update
@@ -20,7 +27,9 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_gauges, frozen_objects: int = 0):
+    def __init__(self, engine_gauges, frozen_objects: int = 0, model_name: str = "",
+                 num_kv_blocks: int | None = None):
+        """``num_kv_blocks``: the engine's KV blocks (None: unknown, no usage gauge)."""
         r = self.registry = CollectorRegistry()
         Gauge("specdec:engine_gc_frozen_objects", "start-up objects the engine process moved "
               "out of Python's collections (gc.freeze: a full collection then scans only what "
@@ -74,6 +83,34 @@ class ServerMetrics:
               "tokens / spec_decode_num_drafts, read from those two counters (requests that "
               "finished or were aborted since start; 1.0 before any draft)",
               registry=r).set_function(self.mean_acceptance_length)
+        self._vllm_names(r, dict(model_name=model_name, engine="0"), running, waiting,
+                         free_blocks, num_kv_blocks)
+
+    def _vllm_names(self, r, labels: dict, running, waiting, free_blocks, num_kv_blocks):
+        """The counters vLLM has, under its names (see the module docstring)."""
+        def gauge(name, doc, fn):
+            Gauge(name, doc, list(labels), registry=r).labels(**labels).set_function(fn)
+
+        def counter(name, doc, extra=()):
+            c = Counter(name, doc, [*labels, *extra], registry=r)
+            return c if extra else c.labels(**labels)
+        gauge("vllm:num_requests_running", "requests in the running batch", running)
+        gauge("vllm:num_requests_waiting", "requests queued for admission", waiting)
+        if num_kv_blocks:
+            gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent",
+                  lambda: 1.0 - free_blocks() / num_kv_blocks)
+        self.vllm = dict(
+            prompt_tokens=counter("vllm:prompt_tokens", "prompt tokens of finished requests"),
+            generation_tokens=counter("vllm:generation_tokens", "output tokens emitted"),
+            success=counter("vllm:request_success", "finished requests by reason",
+                            ["finished_reason"]),
+            drafts=counter("vllm:spec_decode_num_drafts", "verifying steps (request x step)"),
+            draft_tokens=counter("vllm:spec_decode_num_draft_tokens", "draft tokens verified"),
+            accepted_tokens=counter("vllm:spec_decode_num_accepted_tokens",
+                                    "draft tokens accepted"),
+            accepted_per_pos=counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "accepted tokens per draft position", ["position"]))
+        self._vllm_labels = labels
 
     def mean_acceptance_length(self) -> float:
         """From the two counters themselves, so the gauge always agrees with them."""
@@ -92,6 +129,7 @@ class ServerMetrics:
         if rec.host_syncs is not None:  # counted only when the engine checks them
             self.host_syncs.inc(rec.host_syncs)
         self.generation_tokens.inc(sum(rec.new_tokens.values()))
+        self.vllm["generation_tokens"].inc(sum(rec.new_tokens.values()))
 
     def on_finish(self, req) -> None:
         """A request left the engine (finished or aborted): its prompt and draft counts."""
@@ -103,6 +141,15 @@ class ServerMetrics:
         for j, (d, a) in enumerate(zip(req.num_drafted, req.num_accepted)):
             self.draft_per_pos.labels(str(j)).inc(d)
             self.accepted_per_pos.labels(str(j)).inc(a)
+        v, labels = self.vllm, self._vllm_labels
+        v["prompt_tokens"].inc(req.num_prompt_tokens)
+        reason = {"eos": "stop"}.get(req.finish_reason, req.finish_reason or "unknown")
+        v["success"].labels(**labels, finished_reason=reason).inc()
+        v["drafts"].inc(req.num_steps_decoding)
+        v["draft_tokens"].inc(sum(req.num_drafted))
+        v["accepted_tokens"].inc(sum(req.num_accepted))
+        for j, a in enumerate(req.num_accepted):
+            v["accepted_per_pos"].labels(**labels, position=str(j)).inc(a)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -184,8 +184,15 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    # chat.ROLES: "developer" is rendered as "system"; "tool" reaches the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart]  # OpenAI's content parts: text only here
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    def as_dict(self) -> dict:
+        """What the template renders (``chat.template_messages`` maps the roles)."""
+        out = {"role": self.role, "content": self.text()}
+        return out if self.tool_call_id is None else {**out, "tool_call_id": self.tool_call_id}
 
     def text(self) -> str:
         """Content parts joined with newlines, as vLLM joins text parts."""

@@ -19,6 +19,9 @@ UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end st
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="target folder, as in vllm serve MODEL (or --model; default: the "
+                        "embedded model)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="target folder; heads in its sibling mtp/, eagle/, eagle3/ "
                         "(default: the embedded model)")
@@ -28,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000,
                    help="0..65535; 0: any free port, the start-up line says which")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests per batch")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests per batch (default 16; with --gpu-memory-utilization: the "
+                        "most the KV cache share holds, at most 256)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens (default: min(512, the model's "
                         "max_position_embeddings))")
@@ -97,7 +102,8 @@ def app_over(engine, model, shutdown_timeout_s: float, max_request_bytes: int):
     from specdec.entrypoints.api_server import build_app
     from specdec.entrypoints.metrics import ServerMetrics
     engine.metrics = ServerMetrics((lambda: engine.num_running, lambda: engine.num_waiting,
-                                    engine.free_blocks), engine.frozen_objects)
+                                    engine.free_blocks), engine.frozen_objects, model.name,
+                                   engine.num_kv_blocks)
     return build_app(engine, model, engine.metrics, shutdown_timeout_s, max_request_bytes)
 
 
@@ -124,6 +130,7 @@ def run_from_args(args) -> int:
             from None
     from specdec.entrypoints.async_engine import ProcessEngine
     from specdec.entrypoints.engine_loop import default_engine_threads
+    args.model = model_from_args(args)
     for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_request_bytes"):
         value = getattr(args, name)  # max_model_len None: the engine's default
         if value is not None and value < (0 if name == "max_waiting" else 1):
@@ -172,6 +179,16 @@ def run_from_args(args) -> int:
               "its requests got 500", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def model_from_args(args) -> str | None:
+    """The target folder: ``serve MODEL`` (vLLM's positional) or ``--model``; both given and
+    different is a UsageError."""
+    tag, flag = args.model_tag, args.model
+    if tag is not None and flag is not None and Path(tag).resolve() != Path(flag).resolve():
+        raise UsageError(f"MODEL={tag!r} and --model={flag!r} name different folders; give "
+                         "one of them")
+    return tag if tag is not None else flag
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
