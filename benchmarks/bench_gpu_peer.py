@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.bench_gpu import build, device_name, prompts_for
 from specdec import SamplingParams
-from specdec.models.synthetic import SHAPES, head_methods, synthetic_config
+from specdec.models.synthetic import FAMILIES, SHAPES, head_methods, synthetic_config
 
 PROMPT_LEN = 16  # prompts_for's
 
@@ -43,7 +43,8 @@ def hf_model(name: str, dtype: torch.dtype, device: torch.device):
     """transformers' model of synthetic ``name``'s config, every parameter zero (buffers, e.g.
     the rotary frequencies, as transformers builds them), eval mode, greedy to the last token
     (no EOS)."""
-    d = synthetic_config(name).to_hf_dict()
+    config = synthetic_config(name)
+    d = config.to_hf_dict(FAMILIES[config.architectures[0]])
     del d["head_dim"]  # the family default (Llama's H / heads; DeepSeek's is the rope dim)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device(device):
