@@ -30,9 +30,25 @@ class UsageError(Exception):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (no usage block), exit status 2."""
+    """argparse, but a usage error is one line on stderr (no usage block), exit status 2.
+    A flag this parser does not know, followed by a value, is reported as that flag: argparse
+    would read the value as a subcommand (``specdec bench --dataset-name random`` -> "invalid
+    choice: 'random' (choose from 'serve')")."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(args) if args is not None else None
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
+        given = getattr(self, "_given", None) or []
+        if "invalid choice" in message and self._subparsers is not None:
+            known = self._option_string_actions
+            unknown = [a for a in given if a.startswith("-") and a.split("=")[0] not in known]
+            if unknown:
+                choices = next(a.choices for a in self._subparsers._group_actions)
+                message = (f"unrecognized arguments: {' '.join(unknown)} (not a flag of "
+                           f"{self.prog}; see {self.prog} --help; its subcommands: "
+                           f"{', '.join(choices)})")
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -54,9 +70,10 @@ def document_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(method: str, k: int, padded: bool, override: str | None = None,
-                       draft_model: str | None = None) -> dict | None:
+                       draft_model: str | None = None, k_given: bool = True) -> dict | None:
     """The vLLM-style dict for ``--method/-k/--no-padded/--draft-model``, updated by the
-    ``override`` JSON (K from ``k`` when the JSON gives none, whatever the model).
+    ``override`` JSON (K from ``k`` when the JSON gives none, whatever the model). ``k_given``
+    False (no -k): method suffix takes K = its max tree depth, as vLLM and ``LLM`` do.
 
     ``speculative_config("torchair-mtp", 2, True)`` ->
     ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
@@ -79,6 +96,10 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
             raise UsageError(f"--speculative-config must be a JSON object, got {override!r}")
         spec = {**(spec or {}), **extra}
         spec.setdefault("num_speculative_tokens", k)  # the JSON's K, else -k (or its default)
+        k_given = k_given or "num_speculative_tokens" in extra
+    if spec is not None and spec.get("method") == "suffix" and not k_given:
+        depth = "suffix_decoding_max_tree_depth"  # K = the depth, as vLLM
+        spec["num_speculative_tokens"] = spec.get(depth, config.SUFFIX_KEYS[depth][0])
     if draft_model is not None:
         if spec is None or spec.get("method") != "draft_model":
             raise UsageError(f"--draft-model={draft_model!r} is method draft_model's folder; "
@@ -113,7 +134,7 @@ def speculation_from_args(args) -> dict | None:
     method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
-                              args.draft_model)
+                              args.draft_model, args.num_speculative_tokens is not None)
     refuse_drafter_flags_without_a_drafter(args, spec)
     return spec
 
@@ -142,7 +163,8 @@ def add_speculation_arguments(
                    help="drafter; torchair-mtp = mtp with graph_mode torchair; "
                         f"default: {method_default}")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                   help=f"K, draft tokens per step (default {DEFAULT_K})")
+                   help=f"K, draft tokens per step (default {DEFAULT_K}; method suffix: its "
+                        "max tree depth, 24 unless the speculative config gives one, as vLLM)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM-style dict, e.g. "
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'; '

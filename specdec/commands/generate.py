@@ -134,7 +134,7 @@ def cmd_generate(args) -> int:
         k = 1  # the only K it runs with
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
-                              args.draft_model)
+                              args.draft_model, args.num_speculative_tokens is not None)
     refuse_drafter_flags_without_a_drafter(args, spec)
     extracting = spec is not None and spec.get("method") == "extract_hidden_states"
     for flag, given in (("--output-dir", args.output_dir is not None),

@@ -24,6 +24,7 @@ from specdec.graphs import resolve_backend
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.moe import has_cross_rank_layers
 from specdec.models.layers.parallel import check_shardable
+from specdec.proposers.base import HeadProposer
 from specdec.proposers.factory import load_checked_head
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
 
@@ -96,6 +97,8 @@ class LLM:
             if draft_head is not None and self.tp.size > 1:  # heads are replicated; they
                 # share the target's sharded embedding and lm_head
                 draft_head.shared = SharedWeights(target.model.embed_tokens, target.lm_head)
+            if draft_head is None:
+                self._check_default_head(drafter, model)
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=load_on, tokenizer=self.tokenizer)
         kv_specs = target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec())
@@ -124,6 +127,28 @@ class LLM:
                                dp=self.role.dp or DPContext(), tp=self.tp,
                                check_host_syncs=check_host_syncs,
                                async_scheduling=self.async_scheduling)
+
+    def _check_default_head(self, drafter, model_dir: Path | None) -> None:
+        """A head method given no ``speculative_config.model`` looks beside the target (the
+        sibling ``<method>/`` folder; mtp: also the target folder itself): when none is
+        there, say which folder was looked for and how to give one (not a path the caller
+        never typed as ``speculative_config.model``)."""
+        sibling_rule = HeadProposer.head_folder.__func__  # find_head_dir: mtp, eagle, eagle3
+        if (self.spec.model is not None or model_dir is None
+                or getattr(drafter.head_folder, "__func__", None) is not sibling_rule):
+            return
+        try:
+            drafter.head_folder(self.spec, model_dir)
+        except ValueError as e:
+            method = self.spec.method
+            sibling = Path(model_dir).resolve().parent / method
+            why = str(e).partition("head is needed")[2].rstrip(")")  # mtp: the target's layer
+            raise ValueError(
+                f"method={method!r} needs its head's folder: no speculative_config.model was "
+                f"given, and the default, the target folder's sibling {str(sibling)!r}, has no "
+                f"config.json{why}; give the head's folder as speculative_config={{'model': "
+                f"DIR}} (command line: --speculative-config '{{\"model\": \"DIR\"}}')"
+            ) from None
 
     def _check_async(self, tensor_parallel_size: int, dp_size: int, drafter) -> None:
         """async_scheduling overlaps a single rank's padded steps: refuse what it cannot."""
