@@ -64,9 +64,54 @@ def test_experts_split_across_dp_ranks():
     assert sorted(moe.experts) == ["2", "3"]
     assert "experts.2.up_proj.weight" in moe.state_dict()  # global names are kept
     with pytest.raises(ValueError, match=r"needs experts \[0, 1\]"):
-        moe.set_parallel(DPContext(rank=0, size=3))
+        moe.keep_experts(moe.local_experts(0, 3))
+    moe.set_parallel(DPContext(rank=0, size=3))  # placed already: attached, nothing dropped
+    assert sorted(moe.experts) == ["2", "3"]
     with pytest.raises(ValueError, match="num_experts=6 .*data_parallel_size=4"):
         MoEMLP(moe_config(), DPContext(rank=0, size=4))
+
+
+@pytest.mark.parametrize("dp_rank,tp_rank,ep,held,width", [
+    (1, 0, False, [2, 3], 16), (1, 1, False, [2, 3], 16), (0, 1, True, [1], 32),
+    (1, 1, True, [3], 32)])
+def test_routed_experts_placed_over_the_grid_load_only_their_tensors(
+        tmp_path, dp_rank, tp_rank, ep, held, width):
+    """DeepSeek-V3 (4 routed experts of width 32, a shared expert), D=2 x T=2: DP rank d keeps
+    experts 2d, 2d+1 split in half over its TP ranks; with expert parallelism rank 2d+t keeps
+    expert 2d+t whole. Each rank holds 1/4 of the routed experts' bytes, reads none of the
+    others' tensors (a checkpoint without them loads), and its shared expert is split over TP."""
+    import hf_deepseek
+    from specdec.distributed import TPContext
+    from specdec.models.layers.parallel import ExpertPlacement
+    from specdec.models.registry import load_model
+    path = hf_deepseek.build_deepseek_v3(tmp_path / "ds")
+    placement = ExpertPlacement.of(TPContext(tp_rank, 2), dp_rank, 2, ep)
+    full = load_model(path)
+    part = load_model(path, tp=TPContext(tp_rank, 2), experts=placement)
+    for moe, whole in ((m.mlp, f.mlp) for m, f in zip(part.model.layers[1:],
+                                                       full.model.layers[1:])):
+        assert sorted(map(int, moe.experts)) == held
+        routed = sum(p.numel() for p in moe.experts.parameters())
+        assert routed * 4 == sum(p.numel() for p in whole.experts.parameters())
+        assert moe.experts[str(held[0])].down_proj.weight.shape == (64, width)
+        assert moe.shared_experts.down_proj.weight.shape == (64, 16)
+    # the dropped experts' tensors are never read: a folder without them loads the same
+    import json
+
+    from safetensors.torch import load_file, save_file
+    keep = {f"mlp.experts.{e}." for e in held}
+
+    def kept(name: str) -> bool:
+        return ".mlp.experts." not in name or any(s in name for s in keep)
+    for shard in path.glob("model-*.safetensors"):
+        save_file({k: v for k, v in load_file(shard).items() if kept(k)}, shard)
+    index = path / "model.safetensors.index.json"
+    d = json.loads(index.read_text())
+    d["weight_map"] = {k: v for k, v in d["weight_map"].items() if kept(k)}
+    index.write_text(json.dumps(d))
+    again = load_model(path, tp=TPContext(tp_rank, 2), experts=placement)
+    a, b = again.state_dict(), part.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_moe_target_checkpoint_round_trip(tmp_path):

@@ -434,7 +434,8 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     memory is about one weight file on top of ``dest``.
 
     ``rename(name)`` maps a checkpoint name to a ``dest`` name (None skips the tensor);
-    ``ignore(name)``, on the renamed name, skips it when true. After all files, one ValueError
+    ``ignore(name)``, on the renamed name, skips it when true (a safetensors file then reads
+    none of its bytes, unless ``convert`` rewrites the names first). After all files, one ValueError
     naming every missing (in ``dest``, not in the checkpoint), unexpected (not in ``dest``) and
     wrongly shaped tensor; ``iter_tensors``' errors on the way. ``weight_block_size``: the
     checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
@@ -442,11 +443,18 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     on the renamed name: read only that slice of the tensor (``iter_tensors``); of an fp8
     weight, its scale blocks' slice too (``scale_slice``: a slice that cuts a block is
     refused).
-    ``convert(pairs, folder)``: a family's rewrite of the (stored name, tensor) stream before renaming
-    (gpt-oss: MXFP4 pairs dequantized, stacked experts split into each expert's tensors).
+    ``convert(pairs, folder)``: a family's rewrite of the (stored name, tensor) stream before
+    renaming (gpt-oss: MXFP4 pairs dequantized, stacked experts split into each expert's
+    tensors).
     """
     seen, unexpected, bad = set(), set(), []
-    by_stored = None
+    by_stored = skip = None
+    if ignore is not None and convert is None:
+        def skip(name: str) -> bool:
+            weight = name.removesuffix(SCALE_SUFFIX) + ".weight" \
+                if name.endswith(SCALE_SUFFIX) else name  # an fp8 scale goes with its weight
+            renamed = rename(weight) if rename is not None else weight
+            return renamed is not None and ignore(renamed)
     if shard is not None:
         def by_stored(name: str):
             scale = weight_block_size is not None and name.endswith(SCALE_SUFFIX)
@@ -456,8 +464,8 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
             # an fp8 weight's scale: the blocks of its weight's slice
             return scale_slice(part, weight_block_size, weight) if scale and part else part
     with torch.no_grad():
-        tensors = _dequantized(iter_tensors(path, shard=by_stored), weight_block_size,
-                               str(path))
+        tensors = _dequantized(iter_tensors(path, skip=skip, shard=by_stored),
+                               weight_block_size, str(path))
         for name, t in (tensors if convert is None else convert(tensors, str(path))):
             name = rename(name) if rename is not None else name
             if name is not None and not (ignore is not None and ignore(name)):

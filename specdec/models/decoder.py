@@ -30,7 +30,7 @@ from specdec.models import checkpoint
 from specdec.models.config import Family, ModelConfig
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
 from specdec.models.layers.norm import RMSNorm
-from specdec.models.layers.parallel import shard_model
+from specdec.models.layers.parallel import ExpertPlacement, experts_not_held, shard_model
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -234,20 +234,23 @@ class DecoderForCausalLM(nn.Module, Family):
     def load_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu",
                         config: ModelConfig | None = None,
-                        tp: TPContext | None = None) -> DecoderForCausalLM:
+                        tp: TPContext | None = None,
+                        experts: ExpertPlacement = ExpertPlacement()) -> DecoderForCausalLM:
         """Load an HF folder (one file, shards with an index, or ``pytorch_model.bin``) shard
         by shard into the model's parameters, cast to ``dtype``; every parameter must be
-        found, and every tensor used or known to be skipped. ``tp`` (size > 1): the model is
-        built on the meta device, sharded (``layers.parallel.shard_model``) and only this
-        rank's slice of each tensor is read."""
+        found, and every tensor used or known to be skipped. ``tp`` (size > 1) or ``experts``
+        (this rank's routed experts, ``layers.parallel.ExpertPlacement``): the model is built
+        on the meta device, sharded (``layers.parallel.shard_model``) and only this rank's
+        slice of each tensor, and its experts' tensors, are read."""
         if config is None:
             config = checkpoint.naming_folder(
                 path, lambda: ModelConfig.from_folder(path, cls))
         slices = None
-        if tp is not None and tp.size > 1:
+        tp = tp or TPContext()
+        if tp.size > 1 or experts.size > 1:
             with torch.device("meta"):
                 model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
-            slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp))
+            slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp, experts))
             model = model.to_empty(device=device)
             if config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
@@ -255,7 +258,7 @@ class DecoderForCausalLM(nn.Module, Family):
             model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
         state = model.state_dict()  # views of the parameters (merged ones as their parts)
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
-                             rename=model.checkpoint_name,
+                             rename=model.checkpoint_name, ignore=experts_not_held(model),
                              weight_block_size=config.weight_block_size,
                              shard=None if slices is None else slices.get,
                              convert=model.convert_tensors)

@@ -17,6 +17,7 @@ import torch
 from specdec.distributed import TPContext
 from specdec.models import checkpoint
 from specdec.models.decoder import DecoderForCausalLM
+from specdec.models.layers.parallel import ExpertPlacement
 from specdec.models.deepseek import DeepseekV3ForCausalLM
 from specdec.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from specdec.models.glm4_moe import Glm4MoeForCausalLM
@@ -73,14 +74,14 @@ def model_class(architectures: list[str] | None) -> type[DecoderForCausalLM]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", tp: TPContext | None = None
-               ) -> DecoderForCausalLM:
+               device: str | torch.device = "cpu", tp: TPContext | None = None,
+               experts: ExpertPlacement = ExpertPlacement()) -> DecoderForCausalLM:
     """The target model of an HF folder, its class picked by ``architectures[0]``; with
-    ``tp`` (size > 1) this rank's shard of it."""
+    ``tp`` (size > 1) this rank's shard of it, with ``experts`` its routed experts."""
     archs = checkpoint.naming_folder(
         path, lambda: checkpoint.load_config(path, ARCHITECTURE_OF_MODEL_TYPE).get("architectures"))
     cls = checkpoint.naming_folder(path, lambda: model_class(archs))
-    return cls.load_pretrained(path, dtype, device, tp=tp)
+    return cls.load_pretrained(path, dtype, device, tp=tp, experts=experts)
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,

@@ -8,7 +8,8 @@ Config keys (kept in ``ModelConfig.extra``): ``num_experts`` (Qwen3-MoE) or
 (``is_moe_layer``). Parameters: ``mlp.gate.weight [E, H]`` (the router, on every rank),
 ``mlp.e_score_correction_bias [E]`` (float32, with ``use_routing_bias``) and
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (SwiGLU experts; DP rank r of D keeps experts
-``r*E/D .. (r+1)*E/D - 1`` once the engine attaches its DPContext).
+``r*E/D .. (r+1)*E/D - 1``, or with expert parallelism rank r of the D x T grid keeps
+``r*E/(D*T) ..`` whole: ``place_experts`` in ``layers.parallel``).
 
 Routing per token t, softmax (Qwen3-MoE): ``p = softmax(gate(x_t))``; keep the k largest;
 with ``norm_topk_prob`` rescale them to sum to 1. Sigmoid (MiniMax-M2): ``p = sigmoid(gate(x_t))``;
@@ -156,24 +157,30 @@ class MoEMLP(nn.Module):
             raise ValueError(f"routed_scaling_factor={scale!r}: must be a positive number")
         self.n_group, self.topk_group, self.routed_scaling_factor = groups, keep, float(scale)
 
-    def local_experts(self, dp: DPContext) -> range:
-        """The global ids of the experts DP rank ``dp.rank`` runs."""
-        if self.num_experts % dp.size:
-            raise ValueError(f"num_experts={self.num_experts} must be a multiple of "
-                             f"data_parallel_size={dp.size} (experts are split across DP ranks)")
-        per = self.num_experts // dp.size
-        return range(dp.rank * per, (dp.rank + 1) * per)
+    def local_experts(self, rank: int, size: int, what: str = "data_parallel_size") -> range:
+        """The global ids of the experts rank ``rank`` of ``size`` holds (whole experts)."""
+        if self.num_experts % size:
+            raise ValueError(f"num_experts={self.num_experts} must be a multiple of {what}="
+                             f"{size} (the routed experts are split across those ranks)")
+        per = self.num_experts // size
+        return range(rank * per, (rank + 1) * per)
 
-    def set_parallel(self, dp: DPContext) -> None:
-        """Attach the DP group (dropping the other ranks' experts)."""
-        local = self.local_experts(dp)
+    def keep_experts(self, local: range) -> None:
+        """Drop every routed expert but ``local`` (ValueError if one of those is gone)."""
         missing = [i for i in local if str(i) not in self.experts]
         if missing:
-            raise ValueError(f"DP rank {dp.rank} of {dp.size} needs experts {list(local)}, but "
-                             f"this layer holds only {sorted(map(int, self.experts))}")
+            raise ValueError(f"this rank needs experts {list(local)}, but the layer holds only "
+                             f"{sorted(map(int, self.experts))}")
         for name in list(self.experts):
             if int(name) not in local:
                 del self.experts[name]
+
+    def set_parallel(self, dp: DPContext) -> None:
+        """Attach the DP group the tokens are exchanged over. A layer that still holds every
+        expert (a draft head, an in-memory model) keeps DP rank r's share, whole; one placed
+        at load (``layers.parallel.place_experts``) keeps what it holds."""
+        if len(self.experts) == self.num_experts:
+            self.keep_experts(self.local_experts(dp.rank, dp.size))
         self.dp = dp
 
     def route(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,14 @@ Layers (T = tensor_parallel_size, r = this rank):
 Attention: Hq/T query heads per rank; KV heads split when Hkv >= T, else each rank keeps KV
 head ``r // (T / Hkv)`` (replicated). MLA (``layers.mla``): H/T heads per rank (``q_proj`` or
 ``q_b_proj`` and ``kv_b_proj`` rows, ``o_proj`` columns), the latent projection and cache
-replicated. MoE: every expert (and shared expert) split like an MLP,
-its partial outputs summed by ONE reduction after the experts; the router is replicated.
+replicated. MoE: every expert (and shared expert) split like an MLP, its partial outputs
+summed by ONE reduction after the experts; the router is replicated.
+
+Routed experts over the D x T grid (``ExpertPlacement``, also without TP): DP rank d keeps
+experts ``d*E/D ..`` and splits each like an MLP over its TP ranks; with expert parallelism
+(vLLM's ``enable_expert_parallel``) rank ``d*T + t`` keeps ``E/(D*T)`` whole experts. Either
+way a rank reads only its experts' tensors, and the MoE layer's two DP collectives (tokens
+gathered, partial outputs reduce-scattered) and its TP reduction stay what they were.
 
 ``shard_model(model, tp)`` swaps those modules in place (the new ones are empty, on the old
 ones' device and dtype) and returns ``{state-dict name: (dim, start, stop)}``: the slice of
@@ -30,6 +36,8 @@ Example (T=2, rank 1, Hq=4, Hkv=2, D=8, H=32): ``q_proj.weight`` -> (0, 16, 32),
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -191,19 +199,49 @@ def _shard_mlp(mlp: MLP, tp: TPContext, prefix: str, out: Slices, *, reduce: boo
     out[f"{prefix}down_proj.weight"] = (1, i0, i0 + n)
 
 
-def _shard_moe(moe: MoEMLP, tp: TPContext, prefix: str, out: Slices) -> None:
-    for name, expert in moe.experts.items():
-        _shard_mlp(expert, tp, f"{prefix}experts.{name}.", out, reduce=False)
-    if hasattr(moe, "shared_experts"):
-        _shard_mlp(moe.shared_experts, tp, f"{prefix}shared_experts.", out, reduce=False)
+def _shard_moe(moe: MoEMLP, tp: TPContext, prefix: str, out: Slices,
+               experts: "ExpertPlacement") -> None:
+    """The routed experts of this rank (``experts``), split over the TP ranks unless whole;
+    the shared experts split over the TP ranks."""
+    moe.keep_experts(moe.local_experts(experts.rank, experts.size, experts.what))
+    if tp.size > 1:
+        if not experts.whole:
+            for name, expert in moe.experts.items():
+                _shard_mlp(expert, tp, f"{prefix}experts.{name}.", out, reduce=False)
+        if hasattr(moe, "shared_experts"):
+            _shard_mlp(moe.shared_experts, tp, f"{prefix}shared_experts.", out, reduce=False)
     moe.tp = tp
 
 
-def shard_model(model: nn.Module, tp: TPContext) -> Slices:
-    """Swap the target's layers for this rank's TP layers (see the module docstring); ->
-    the slice of every sharded tensor. ``model``: a DecoderForCausalLM target."""
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which routed experts a rank holds: ``rank`` of ``size`` ranks share them by expert
+    (``what``: the size's name in errors), ``whole`` experts or each split over the TP ranks.
+    Example (E=8, D=2, T=2, rank dp 1 / tp 0): DP -> experts 4..7, each half width; EP ->
+    rank 2 of 4 -> experts 4, 5 whole."""
+
+    rank: int = 0
+    size: int = 1
+    whole: bool = False
+    what: str = "data_parallel_size"
+
+    @classmethod
+    def of(cls, tp: TPContext, dp_rank: int = 0, dp_size: int = 1,
+           expert_parallel: bool = False) -> "ExpertPlacement":
+        if expert_parallel:
+            return cls(dp_rank * tp.size + tp.rank, dp_size * tp.size, True,
+                       "data_parallel_size x tensor_parallel_size")
+        return cls(dp_rank, dp_size)
+
+
+def shard_model(model: nn.Module, tp: TPContext,
+                experts: ExpertPlacement = ExpertPlacement()) -> Slices:
+    """Swap the target's layers for this rank's TP layers and keep its routed experts
+    (``experts``; see the module docstring); -> the slice of every sharded tensor.
+    ``model``: a DecoderForCausalLM target."""
     out: Slices = {}
     if tp.size == 1:
+        place_experts(model, tp, experts)
         return out
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise ValueError(f"tensor_parallel_size={tp.size}: {type(model).__name__} is not a "
@@ -239,17 +277,34 @@ def shard_model(model: nn.Module, tp: TPContext) -> Slices:
         shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
         shard_attn(attn, tp, prefix + "self_attn.", out)
         if isinstance(layer.mlp, MoEMLP):
-            _shard_moe(layer.mlp, tp, prefix + "mlp.", out)
+            _shard_moe(layer.mlp, tp, prefix + "mlp.", out, experts)
         else:
             _shard_mlp(layer.mlp, tp, prefix + "mlp.", out, reduce=True)
     model.tp = tp
     return out
 
 
-def shard_from(model: nn.Module, tp: TPContext) -> nn.Module:
+def place_experts(model: nn.Module, tp: TPContext, experts: ExpertPlacement) -> None:
+    """Without TP: keep this rank's routed experts in every MoE layer of ``model``."""
+    for name, moe in model.named_modules():
+        if isinstance(moe, MoEMLP):
+            _shard_moe(moe, tp, f"{name}.", {}, experts)
+
+
+def experts_not_held(model: nn.Module):
+    """-> name -> whether a checkpoint tensor belongs to a routed expert this rank dropped
+    (``place_experts``); the loader never reads those."""
+    dropped = tuple(f"{name}.experts.{e}." for name, moe in model.named_modules()
+                    if isinstance(moe, MoEMLP)
+                    for e in range(moe.num_experts) if str(e) not in moe.experts)
+    return lambda tensor: tensor.startswith(dropped) if dropped else False
+
+
+def shard_from(model: nn.Module, tp: TPContext,
+               experts: ExpertPlacement = ExpertPlacement()) -> nn.Module:
     """Shard an in-memory (full) model: each new tensor is its slice of the old one."""
     full = dict(model.state_dict())
-    slices = shard_model(model, tp)
+    slices = shard_model(model, tp, experts)
     with torch.no_grad():
         for name, dest in model.state_dict().items():
             src = full[name]
@@ -260,10 +315,11 @@ def shard_from(model: nn.Module, tp: TPContext) -> nn.Module:
     return model
 
 
-def check_shardable(model: nn.Module, tp_size: int) -> None:
-    """Raise what ``shard_model`` would for ``tp_size`` ranks, on a meta-device copy of
-    ``model``'s family (nothing allocated, ``model`` untouched)."""
-    if tp_size == 1:
+def check_shardable(model: nn.Module, tp_size: int, dp_size: int = 1,
+                    expert_parallel: bool = False) -> None:
+    """Raise what ``shard_model`` would for ``tp_size`` x ``dp_size`` ranks, on a meta-device
+    copy of ``model``'s family (nothing allocated, ``model`` untouched)."""
+    if tp_size * dp_size == 1:
         return
     with torch.device("meta"):
         try:
@@ -272,4 +328,5 @@ def check_shardable(model: nn.Module, tp_size: int) -> None:
             raise ValueError(f"tensor_parallel_size={tp_size}: {type(model).__name__} is not a "
                              "decoder family that can be sharded; allowed: "
                              "tensor_parallel_size=1") from None
-        shard_model(copy, TPContext(0, tp_size))
+        shard_model(copy, TPContext(0, tp_size),
+                    ExpertPlacement.of(TPContext(0, tp_size), 0, dp_size, expert_parallel))
