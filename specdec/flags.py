@@ -179,7 +179,8 @@ def add_speculation_arguments(
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --graph-backend, --compile-backend, --async-scheduling,
-    --enforce-eager, --gpu-memory-utilization (generate, serve, bench serve --launch)."""
+    --enforce-eager, --gpu-memory-utilization, --enable-expert-parallel (generate, serve,
+    bench serve --launch)."""
     from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
@@ -206,6 +207,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "KV cache may take; without --max-num-seqs the KV cache gets the most "
                         "request rows that fits (at most 256); refused on cpu (default: none: "
                         "max_num_seqs rows)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's routed experts split whole over the data x tensor "
+                        "parallel ranks (vLLM's flag; default: by expert over the DP ranks, by "
+                        "width over the TP ranks); refused for a dense model")
 
 
 def engine_kwargs(args) -> dict:
@@ -220,6 +225,8 @@ def engine_kwargs(args) -> dict:
         kw["graph_backend"] = "eager"
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 

@@ -398,3 +398,41 @@ def test_deepseek_mtp_under_tensor_parallelism_equals_one_rank(tp, ds_dir):
             [(o.token_ids, o.num_drafted, o.num_accepted) for o in one]
         assert spec is None or sum(sum(o.num_drafted) for o in one) > 0
     assert all(o.num_accepted == o.num_drafted for o in runs[-1].outputs)
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (4, 1)])
+def test_deepseek_mtp_with_expert_parallelism_equals_one_rank(dp, tp, ds_dir):
+    """The seed's layouts at test size, with expert parallelism: DP=2 x TP=2 (each of the 4
+    ranks one whole routed expert of 4, MLA split by heads within a DP rank) and DP=4 with
+    data-parallel attention (each rank its own requests and one expert; 3 prompts, so one
+    rank is idle for the whole run and the others for their last steps, running every MoE
+    exchange of the target and the MTP layer in its dummy steps). Padded MTP at K=1 and K=3:
+    one rank's tokens and counters; every DP rank issues the same DP-group collectives each
+    step (the plan's all-reduce, each MoE layer's gather and reduce-scatter; the TP ones carry
+    each DP rank's own batch)."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    kw = [dict(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
+               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": k})
+          for k in (1, 3)]
+    runs = run_data_parallel([DPJob(dict(job, tensor_parallel_size=tp,
+                                         enable_expert_parallel=True), PROMPTS, params)
+                              for job in kw], dp, engine=LLM, tp_size=tp, timeout=300)
+    for job, run in zip(kw, runs):
+        one = LLM(**job).generate(PROMPTS, params)
+        assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in run.outputs] == \
+            [(o.token_ids, o.num_drafted, o.num_accepted) for o in one]
+        assert len({tuple(tuple(c for c in step if not c[0].startswith("tp_"))
+                          for step in r.collectives) for r in run.ranks}) == 1
+        assert any(op == "moe_all_gather" for step in run.ranks[0].collectives
+                   for op, _ in step)
+    if dp == 4:
+        assert all(s.num_reqs == 0 for s in runs[0].ranks[3].steps)
+
+
+def test_expert_parallelism_is_refused_for_a_dense_target(ds_dir):
+    with pytest.raises(ValueError, match="enable_expert_parallel=True: LlamaForCausalLM has no "
+                                         "MoE layers; allowed: False"):
+        LLM(enable_expert_parallel=True, max_model_len=64)

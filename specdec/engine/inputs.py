@@ -16,7 +16,7 @@ from specdec.checks import check_token_ids
 from specdec.config import SpeculativeConfig
 from specdec.distributed import TPContext
 from specdec.models import checkpoint
-from specdec.models.layers.parallel import shard_from
+from specdec.models.layers.parallel import ExpertPlacement, shard_from
 from specdec.models.registry import load_model
 
 TARGET_METHODS = ("forward", "compute_logits", "kv_cache_spec")
@@ -42,11 +42,13 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
 
 
 def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.device,
-                tp: TPContext | None = None):
+                tp: TPContext | None = None, experts: ExpertPlacement = ExpertPlacement()):
     """-> (target, tokenizer, model folder or None): ``target`` if given, else loaded from
     ``model`` (default: the embedded model) with the folder's tokenizer.json. ``tp`` (size >
-    1): this rank's shard (a folder: only its slices are read; ``target``: sliced from it)."""
-    sharded = tp is not None and tp.size > 1
+    1) or ``experts`` (this rank's routed experts): this rank's shard (a folder: only its
+    slices and experts are read; ``target``: sliced from it)."""
+    tp = tp or TPContext()
+    sharded = tp.size > 1 or experts.size > 1
     if model is not None and not isinstance(model, (str, Path)):
         raise TypeError(f"model={model!r}: must be a folder path (str or Path) or None")
     if target is not None:
@@ -55,10 +57,10 @@ def load_target(model, target, tokenizer, dtype: torch.dtype, device: torch.devi
                             f"{', '.join(TARGET_METHODS)}; see specdec.models) or None")
         check_target_dtype(target, dtype)
         if sharded:
-            target = shard_from(target, tp)
+            target = shard_from(target, tp, experts)
     else:
         model = Path(model) if model is not None else DEFAULT_MODEL
-        target = load_model(model, dtype=dtype, device=device, tp=tp if sharded else None)
+        target = load_model(model, dtype=dtype, device=device, tp=tp, experts=experts)
         if tokenizer is None:
             tokenizer = checkpoint.load_tokenizer(model)
     if isinstance(tokenizer, (str, Path)):

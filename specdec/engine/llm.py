@@ -23,7 +23,7 @@ from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.moe import has_cross_rank_layers
-from specdec.models.layers.parallel import check_shardable
+from specdec.models.layers.parallel import ExpertPlacement, check_shardable
 from specdec.proposers.base import HeadProposer
 from specdec.proposers.factory import load_checked_head
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
@@ -41,7 +41,8 @@ class LLM:
                  target=None, draft_head=None, tokenizer=None,
                  graph_backend: str | None = None, compile_backend: str | None = None,
                  check_host_syncs: bool | None = None, async_scheduling: bool = False,
-                 enforce_eager: bool = False, gpu_memory_utilization: float | None = None):
+                 enforce_eager: bool = False, gpu_memory_utilization: float | None = None,
+                 enable_expert_parallel: bool = False):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
         dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``).
@@ -49,7 +50,10 @@ class LLM:
         checkpoint's torch_dtype, float32 on a CPU (``EngineConfig``), a given ``target``'s
         own dtype. ``max_num_seqs`` None: 16, or with ``gpu_memory_utilization`` (an
         accelerator's memory share for weights + KV cache) the most rows that share holds.
-        ``enforce_eager=True``: ``graph_backend="eager"`` (vLLM's name)."""
+        ``enforce_eager=True``: ``graph_backend="eager"`` (vLLM's name).
+        ``enable_expert_parallel`` (vLLM's name): a MoE target's routed experts are split whole
+        over the data x tensor parallel ranks (else by expert over the DP ranks, by width over
+        the TP ranks; ``models.layers.parallel.ExpertPlacement``)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -78,8 +82,15 @@ class LLM:
         self.spec = parse_speculative_config(speculative_config)
         # a launcher checks on a host copy; only the ranks put weights on the accelerator
         load_on = torch.device("cpu") if self.launcher else cfg.device
+        check_bool("enable_expert_parallel", enable_expert_parallel)
+        experts = ExpertPlacement() if self.launcher else ExpertPlacement.of(
+            self.tp, *((self.role.dp.rank, self.role.dp.size) if self.role.dp else (0, 1)),
+            enable_expert_parallel)
         target, self.tokenizer, model = load_target(model, target, tokenizer, cfg.dtype,
-                                                    load_on, tp=self.tp)
+                                                    load_on, tp=self.tp, experts=experts)
+        if enable_expert_parallel and not has_cross_rank_layers(target):
+            raise ValueError(f"enable_expert_parallel=True: {type(target).__name__} has no "
+                             "MoE layers; allowed: False")
         cfg.check_model(target.config)
         k = self.spec.num_speculative_tokens if self.spec else 0
         cfg.check_num_speculative_tokens(k)
@@ -121,7 +132,8 @@ class LLM:
         self._ids_given = False  # add_request had a number as a caller's request_id
         self.core = None
         if self.launcher:  # refused here, before any rank starts
-            check_shardable(target, tensor_parallel_size)
+            check_shardable(target, tensor_parallel_size, data_parallel_size,
+                            enable_expert_parallel)
             return
         self.core = EngineCore(cfg, self.spec, self.target, head, backend=self.backend,
                                dp=self.role.dp or DPContext(), tp=self.tp,
