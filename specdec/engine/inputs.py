@@ -15,6 +15,7 @@ import torch
 from specdec.checks import check_token_ids
 from specdec.config import SpeculativeConfig
 from specdec.distributed import TPContext
+from specdec.engine.sequence import SamplingParams
 from specdec.models import checkpoint
 from specdec.models.layers.parallel import ExpertPlacement, shard_from
 from specdec.models.registry import load_model
@@ -165,3 +166,31 @@ def encode_prompt(name: str, prompt, tokenizer, vocab_size: int) -> list[int]:
     if not ids:
         raise ValueError(f"{name}={prompt!r} is empty: give at least one token")
     return ids
+
+
+def sampling_params_per_prompt(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:
+    """One SamplingParams per prompt from ``LLM.generate``'s arguments (see there): one for
+    all, one per prompt, or built from the keyword arguments ``kwargs`` (None: not given)."""
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    if isinstance(sampling_params, int):  # generate(prompts, 8): the older max_tokens form
+        if "max_tokens" in given:
+            raise TypeError("max_tokens given twice: positionally and as a keyword")
+        given["max_tokens"] = sampling_params
+        sampling_params = None
+    if sampling_params is None:
+        return [SamplingParams(**given)] * n
+    if given:
+        raise TypeError(f"give sampling_params or the keyword arguments "
+                        f"{sorted(given)}, not both")
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (list, tuple)):
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}]={p!r}: must be a SamplingParams")
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} "
+                             "prompts: give one per prompt, or a single SamplingParams")
+        return list(sampling_params)
+    raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
+                    "of them (one per prompt), or None")

@@ -17,7 +17,8 @@ from specdec.engine.dp_engine import (exit_if_a_rank_reran_the_script,
                                       generate_across_ranks, parallel_role)
 from specdec.engine.inputs import DEFAULT_MODEL  # re-exported too
 from specdec.engine.inputs import (as_prompt_list, checkpoint_dtype, encode_prompt,
-                                   load_target, main_dtype, parse_speculative_config)
+                                   load_target, main_dtype, parse_speculative_config,
+                                   sampling_params_per_prompt)
 from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
@@ -329,7 +330,7 @@ class LLM:
         requests stays queued. ``seed``: every prompt's random numbers are keyed by it (see
         SamplingParams.seed and engine/counter_rng.py)."""
         prompts = as_prompt_list(prompts)
-        per_prompt = self._sampling_params(len(prompts), sampling_params, dict(
+        per_prompt = sampling_params_per_prompt(len(prompts), sampling_params, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids, seed=seed))
         per_prompt = [self._check_params(params, f"sampling_params[{i}]")
@@ -388,37 +389,9 @@ class LLM:
         texts = [self._chat_render(chat_template.template_messages(name, conv),
                                    add_generation_prompt=add_generation_prompt)
                  for name, conv in zip(names, conversations)]
-        per_prompt = self._sampling_params(len(texts), sampling_params, {})
+        per_prompt = sampling_params_per_prompt(len(texts), sampling_params, {})
         per_prompt = [self._check_params(params, f"sampling_params[{i}]")
                       for i, params in enumerate(per_prompt)]
         ids = [self._prompt_ids(self.tokenizer.encode(text, add_special_tokens=False).ids,
                                 name) for name, text in zip(names, texts)]
         return self._generate(ids, per_prompt, texts)
-
-    @staticmethod
-    def _sampling_params(n: int, sampling_params, kwargs: dict) -> list[SamplingParams]:
-        """One SamplingParams per prompt from generate's arguments (see generate)."""
-        given = {k: v for k, v in kwargs.items() if v is not None}
-        if isinstance(sampling_params, int):  # generate(prompts, 8): the older max_tokens form
-            if "max_tokens" in given:
-                raise TypeError("max_tokens given twice: positionally and as a keyword")
-            given["max_tokens"] = sampling_params
-            sampling_params = None
-        if sampling_params is None:
-            return [SamplingParams(**given)] * n
-        if given:
-            raise TypeError(f"give sampling_params or the keyword arguments "
-                            f"{sorted(given)}, not both")
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if isinstance(sampling_params, (list, tuple)):
-            for i, p in enumerate(sampling_params):
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"sampling_params[{i}]={p!r}: must be a SamplingParams")
-            if len(sampling_params) != n:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} "
-                                 "prompts: give one per prompt, or a single SamplingParams")
-            return list(sampling_params)
-        raise TypeError(f"sampling_params={sampling_params!r}: must be a SamplingParams, a list "
-                        "of them (one per prompt), or None")
-
