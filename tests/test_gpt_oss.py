@@ -185,6 +185,19 @@ def test_mxfp4_is_refused_for_other_families():
                                "quantization_config": {"quant_method": "mxfp4"}})
 
 
-def test_tensor_parallel_is_refused(folders):
-    with pytest.raises(ValueError, match="GptOssForCausalLM.*attention sinks"):
-        check_shardable(load_model(folders["bf16"]), 2)
+def test_tensor_parallel_and_expert_parallel_equal_transformers(folders, reference):
+    """The MXFP4 checkpoint on 2 TP ranks (sinks split with their heads, o_proj's bias added
+    once, experts split by width with their down bias on rank 0), and with expert
+    parallelism (2 whole experts a rank) under ngram speculation: transformers' tokens."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    check_shardable(load_model(folders["mxfp4"]), 2, 1, True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    kw = dict(model=str(folders["mxfp4"]), max_num_seqs=4, max_model_len=256,
+              tensor_parallel_size=2)
+    jobs = [DPJob(dict(kw, enable_expert_parallel=ep, speculative_config=spec), PROMPTS,
+                  SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for ep in (False, True)]
+    for run in run_data_parallel(jobs, 1, engine=LLM, tp_size=2, timeout=240):
+        assert [o.token_ids for o in run.outputs] == reference("mxfp4")["tokens"]

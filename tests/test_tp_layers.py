@@ -9,6 +9,7 @@ from pathlib import Path
 
 import hf_deepseek
 import hf_glm4_moe
+import hf_gpt_oss
 import hf_models
 import pytest
 import torch
@@ -51,7 +52,9 @@ BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
             "llama_tied_mqa": build_llama_tied_mqa, "minimax_mqa": build_minimax_mqa,
             "glm4_moe": hf_glm4_moe.build_glm, "gemma2": hf_models.build_gemma2,
             "gemma3": hf_models.build_gemma3, "deepseek_v3": hf_deepseek.build_deepseek_v3,
-            "deepseek_v3_noq": hf_deepseek.build_deepseek_v3_noq}
+            "deepseek_v3_noq": hf_deepseek.build_deepseek_v3_noq, "gpt_oss": hf_gpt_oss.build,
+            "gpt_oss_mxfp4": lambda path: hf_gpt_oss.to_mxfp4(
+                hf_gpt_oss.build(path.with_name("gpt_oss_bf16")), path)}
 N = 10  # tokens: two requests of 6 and 4
 
 
@@ -152,9 +155,8 @@ def test_kv_heads_that_do_not_divide_the_tp_size_are_refused():
 
 
 def test_a_family_not_sharded_yet_is_refused_by_name(tmp_path):
-    import hf_gpt_oss
-    model = load_model(hf_gpt_oss.build(tmp_path / "oss"), torch.float32)
-    with pytest.raises(ValueError, match="GptOssForCausalLM .attention sinks.*not sharded yet"):
+    model = load_model(hf_models.build_phi3(tmp_path / "phi3"), torch.float32)
+    with pytest.raises(ValueError, match="Phi3ForCausalLM stores fused qkv_proj"):
         shard_model(model, TPContext(0, 2))
 
 

@@ -470,6 +470,9 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
             name = rename(name) if rename is not None else name
             if name is not None and not (ignore is not None and ignore(name)):
                 seen.add(name)
+                if shard is not None and name in dest and t.shape != dest[name].shape \
+                        and (part := shard(name)) is not None:  # whole until ``convert``
+                    t = t[_slice_key(t.shape, part, path, name)]
                 if name not in dest:
                     unexpected.add(name)
                 elif t.shape != dest[name].shape:

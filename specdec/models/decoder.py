@@ -30,7 +30,7 @@ from specdec.models import checkpoint
 from specdec.models.config import Family, ModelConfig
 from specdec.models.layers.moe import MOE_CONFIG_KEYS
 from specdec.models.layers.norm import RMSNorm
-from specdec.models.layers.parallel import ExpertPlacement, experts_not_held, shard_model
+from specdec.models.layers.parallel import ExpertPlacement, shard_model
 from specdec.models.layers.rotary import Rope, RotaryEmbedding
 
 
@@ -245,12 +245,15 @@ class DecoderForCausalLM(nn.Module, Family):
         if config is None:
             config = checkpoint.naming_folder(
                 path, lambda: ModelConfig.from_folder(path, cls))
-        slices = None
+        slices = not_held = None
         tp = tp or TPContext()
         if tp.size > 1 or experts.size > 1:
             with torch.device("meta"):
                 model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
+            whole = set(model.expected_tensors())
             slices = checkpoint.naming_folder(path, lambda: shard_model(model, tp, experts))
+            # the other ranks' experts (and biases added once, on TP rank 0): never read
+            not_held = (whole - set(model.expected_tensors())).__contains__
             model = model.to_empty(device=device)
             if config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
@@ -258,7 +261,7 @@ class DecoderForCausalLM(nn.Module, Family):
             model = checkpoint.naming_folder(path, lambda: cls(config)).to(dtype)
         state = model.state_dict()  # views of the parameters (merged ones as their parts)
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
-                             rename=model.checkpoint_name, ignore=experts_not_held(model),
+                             rename=model.checkpoint_name, ignore=not_held,
                              weight_block_size=config.weight_block_size,
                              shard=None if slices is None else slices.get,
                              convert=model.convert_tensors)

@@ -18,8 +18,10 @@ and up interleaved: columns 0, 2, 4, ... gate, 1, 3, 5, ... up), ``gate_up_proj_
 for down_proj), dequantized at load to ``[E, H, 2I]`` (``checkpoint.dequantized_mxfp4``) and
 cast to the model dtype. ``convert_tensors`` splits them into each expert's
 ``experts.{e}.{gate,up,down}_proj.{weight,bias}``; ``mlp.router`` loads as ``mlp.gate``.
-Tensor parallelism is refused (``layers.parallel.shard_model``: sinks and expert biases are
-not sharded yet).
+Tensor parallelism (``layers.parallel.shard_model``): the sinks split with their query heads,
+q/k/v biases with their rows, o_proj's bias added once after the sum; each expert's gate/up
+biases split with their rows and its down bias kept on TP rank 0 (the experts' partial sums
+add it once); MXFP4 experts are dequantized whole, then sliced.
 """
 
 from __future__ import annotations

@@ -65,14 +65,16 @@ class ColumnParallelLinear(MergedLinear):
 
 
 class RowParallelLinear(nn.Linear):
-    """``x [N, in/T] -> [N, out]`` summed over ranks (SP: this rank's [N/T, out])."""
+    """``x [N, in/T] -> [N, out]`` summed over ranks (SP: this rank's [N/T, out]); a bias
+    (every rank's whole copy) is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.reduce(F.linear(x, self.weight))
+        y = self.tp.reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -148,13 +150,17 @@ def _shard_attention(attn: Attention, tp: TPContext, prefix: str, out: Slices) -
     bias = old.bias is not None
     attn.qkv_proj = _like(ColumnParallelLinear(
         old.in_features, {"q_proj": nq * d, "k_proj": nk * d, "v_proj": nk * d}, bias, tp), old)
-    attn.o_proj = _like(RowParallelLinear(nq * d, attn.o_proj.out_features, tp), attn.o_proj)
+    attn.o_proj = _like(RowParallelLinear(nq * d, attn.o_proj.out_features, tp,
+                                          bias=attn.o_proj.bias is not None), attn.o_proj)
     rows = {"q_proj": (q0 * d, (q0 + nq) * d), "k_proj": (k0 * d, (k0 + nk) * d),
             "v_proj": (k0 * d, (k0 + nk) * d)}
     for name, (a, b) in rows.items():
         for kind in ("weight",) + (("bias",) if bias else ()):
             out[f"{prefix}{name}.{kind}"] = (0, a, b)
     out[f"{prefix}o_proj.weight"] = (1, q0 * d, (q0 + nq) * d)
+    if attn.sinks is not None:  # one logit per query head (gpt-oss)
+        attn.sinks = nn.Parameter(attn.sinks.new_zeros(nq))
+        out[f"{prefix}sinks"] = (0, q0, q0 + nq)
     if attn.qk_norm == "full":
         for norm, name, heads, reps in (("q_norm", "q_proj", hq, 1), ("k_norm", "k_proj", hkv,
                                                                         replicas)):
@@ -181,21 +187,25 @@ def _shard_mla(attn: MLAttention, tp: TPContext, prefix: str, out: Slices) -> No
 
 
 def _shard_mlp(mlp: MLP, tp: TPContext, prefix: str, out: Slices, *, reduce: bool) -> None:
-    """gate/up rows and down columns of this rank; ``reduce=False`` (MoE experts): plain
-    layers whose partial outputs the MoE sums once."""
+    """gate/up rows (and biases) and down columns of this rank; ``reduce=False`` (MoE
+    experts): plain layers whose partial outputs the MoE sums once, so a down bias (gpt-oss's
+    experts) stays on TP rank 0 alone (the sum then adds it once)."""
     inter = mlp.down_proj.in_features
     i0, n = _split(inter, tp, "intermediate_size (or moe_intermediate_size)")
     old_gu, old_down = mlp.gate_up_proj, mlp.down_proj
     parts = {"gate_proj": n, "up_proj": n}
+    bias = old_gu.bias is not None
     if reduce:
-        mlp.gate_up_proj = _like(ColumnParallelLinear(old_gu.in_features, parts, False, tp),
+        mlp.gate_up_proj = _like(ColumnParallelLinear(old_gu.in_features, parts, bias, tp),
                                  old_gu)
-        mlp.down_proj = _like(RowParallelLinear(n, old_down.out_features, tp), old_down)
+        mlp.down_proj = _like(RowParallelLinear(n, old_down.out_features, tp, bias), old_down)
     else:
-        mlp.gate_up_proj = _like(MergedLinear(old_gu.in_features, parts, False), old_gu)
-        mlp.down_proj = _like(nn.Linear(n, old_down.out_features, bias=False), old_down)
+        mlp.gate_up_proj = _like(MergedLinear(old_gu.in_features, parts, bias), old_gu)
+        mlp.down_proj = _like(nn.Linear(n, old_down.out_features, bias=bias and tp.rank == 0),
+                              old_down)
     for name in ("gate_proj", "up_proj"):
-        out[f"{prefix}{name}.weight"] = (0, i0, i0 + n)
+        for kind in ("weight",) + (("bias",) if bias else ()):
+            out[f"{prefix}{name}.{kind}"] = (0, i0, i0 + n)
     out[f"{prefix}down_proj.weight"] = (1, i0, i0 + n)
 
 
@@ -269,10 +279,6 @@ def shard_model(model: nn.Module, tp: TPContext,
                 f"tensor_parallel_size={tp.size}: {type(model).__name__} stores fused "
                 "qkv_proj / gate_up_proj tensors, whose per-rank rows are not one slice (not "
                 "sharded yet); allowed: tensor_parallel_size=1")
-        if getattr(attn, "sinks", None) is not None:
-            raise ValueError(
-                f"tensor_parallel_size={tp.size}: {type(model).__name__} (attention sinks, "
-                "biased experts) is not sharded yet; allowed: tensor_parallel_size=1")
         prefix = f"model.layers.{i}."
         shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
         shard_attn(attn, tp, prefix + "self_attn.", out)
@@ -289,15 +295,6 @@ def place_experts(model: nn.Module, tp: TPContext, experts: ExpertPlacement) -> 
     for name, moe in model.named_modules():
         if isinstance(moe, MoEMLP):
             _shard_moe(moe, tp, f"{name}.", {}, experts)
-
-
-def experts_not_held(model: nn.Module):
-    """-> name -> whether a checkpoint tensor belongs to a routed expert this rank dropped
-    (``place_experts``); the loader never reads those."""
-    dropped = tuple(f"{name}.experts.{e}." for name, moe in model.named_modules()
-                    if isinstance(moe, MoEMLP)
-                    for e in range(moe.num_experts) if str(e) not in moe.experts)
-    return lambda tensor: tensor.startswith(dropped) if dropped else False
 
 
 def shard_from(model: nn.Module, tp: TPContext,
