@@ -20,7 +20,6 @@ from specdec.attention import AttentionMetadata, KVCache
 from specdec.kernels import paged_attention_torch as ref
 from specdec.models import load_model
 from specdec.models.config import ModelConfig
-from specdec.models.layers.parallel import check_shardable
 from specdec.models.layers.rotary import RotaryEmbedding
 from specdec.models.registry import model_class
 
@@ -263,6 +262,19 @@ def test_ngram_speculation_equals_plain_greedy(folder, reference):
     assert sum(sum(o.num_accepted) for o in outs) > 0
 
 
+def test_phi3_on_two_tensor_parallel_ranks_equals_transformers(folder, reference):
+    """Phi-3's fused qkv_proj / gate_up_proj read as each rank's rows of their parts (longrope
+    tables, the sliding window): transformers' greedy tokens on TP=2."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    from specdec.engine.sequence import SamplingParams
+
+    job = DPJob(dict(model=str(folder("phi3")), max_num_seqs=4, max_model_len=256,
+                     tensor_parallel_size=2), PROMPTS,
+                SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    run, = run_data_parallel([job], 1, engine=LLM, tp_size=2, timeout=240)
+    assert [o.token_ids for o in run.outputs] == reference("phi3")["tokens"]
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,edit,key", [
     ("gemma2", _set(hidden_activation="gelu"), "hidden_activation"),
@@ -296,7 +308,3 @@ def test_phi3_without_original_max_position_embeddings_takes_transformers_defaul
     H.write_config(path, cfg)
     assert load_model(path).config.rope["original_max_position_embeddings"] == 4096
 
-
-def test_phi3_tensor_parallel_is_refused(folder):
-    with pytest.raises(ValueError, match="fused qkv_proj"):
-        check_shardable(load_model(folder("phi3")), 2)

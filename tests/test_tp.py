@@ -318,9 +318,9 @@ def test_a_killed_tp_peer_fails_the_call_naming_it():
 
 
 def test_a_family_not_sharded_yet_is_refused_before_any_rank_starts(tmp_path):
-    import hf_models
-    path = hf_models.build_phi3(tmp_path / "phi3")
-    with pytest.raises(ValueError, match="Phi3ForCausalLM stores fused qkv_proj"):
+    import hf_qwen3_5
+    path = hf_qwen3_5.build_qwen3_5(tmp_path / "q35")
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM family is not sharded yet"):
         LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
 
 

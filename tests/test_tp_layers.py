@@ -54,7 +54,8 @@ BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
             "gemma3": hf_models.build_gemma3, "deepseek_v3": hf_deepseek.build_deepseek_v3,
             "deepseek_v3_noq": hf_deepseek.build_deepseek_v3_noq, "gpt_oss": hf_gpt_oss.build,
             "gpt_oss_mxfp4": lambda path: hf_gpt_oss.to_mxfp4(
-                hf_gpt_oss.build(path.with_name("gpt_oss_bf16")), path)}
+                hf_gpt_oss.build(path.with_name("gpt_oss_bf16")), path),
+            "phi3": hf_models.build_phi3}
 N = 10  # tokens: two requests of 6 and 4
 
 
@@ -155,9 +156,30 @@ def test_kv_heads_that_do_not_divide_the_tp_size_are_refused():
 
 
 def test_a_family_not_sharded_yet_is_refused_by_name(tmp_path):
-    model = load_model(hf_models.build_phi3(tmp_path / "phi3"), torch.float32)
-    with pytest.raises(ValueError, match="Phi3ForCausalLM stores fused qkv_proj"):
+    import hf_qwen3_5
+    model = load_model(hf_qwen3_5.build_qwen3_5(tmp_path / "q35"), torch.float32)
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM family is not sharded yet"):
         shard_model(model, TPContext(0, 2))
+
+
+def test_a_fused_tensor_is_read_as_its_parts_rows():
+    """Phi-3's fused qkv_proj at T=2, rank 1 (Hq=Hkv=4, D=16): q rows 32..64, k rows
+    64+32..64+64, v rows 128+32..128+64, one tensor; gate_up_proj: gate then up rows."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.phi3 import Phi3ForCausalLM
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                         architectures=["Phi3ForCausalLM"])
+    full = Phi3ForCausalLM(config)
+    twin = Phi3ForCausalLM(config)
+    twin.load_state_dict(full.state_dict())
+    part = shard_from(twin, TPContext(1, 2))
+    w, got = full.model.layers[0].self_attn.qkv_proj.weight, \
+        part.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(got, torch.cat([w[32:64], w[96:128], w[160:192]]))
+    gu, got = full.model.layers[0].mlp.gate_up_proj.weight, \
+        part.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(got, torch.cat([gu[16:32], gu[48:64]]))
 
 
 @pytest.mark.parametrize("build", ["deepseek_v3", "deepseek_v3_noq"])

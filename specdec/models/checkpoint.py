@@ -166,7 +166,10 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-Shard = Callable[[str], "tuple[int, int, int] | None"]  # name -> (dim, start, stop) or None
+# name -> (dim, start, stop), or a list of them (their pieces concatenated along dim: a fused
+# tensor's rows of several parts), or None (the whole tensor)
+Part = "tuple[int, int, int] | list[tuple[int, int, int]]"
+Shard = Callable[[str], "Part | None"]
 
 
 def iter_tensors(path: str | Path, *, skip: Callable[[str], bool] | None = None,
@@ -199,6 +202,15 @@ def _never(name: str) -> bool:
 
 def _whole(name: str) -> None:
     return None
+
+
+def take(t, part, file, name: str) -> torch.Tensor:
+    """``part`` of ``t`` (a tensor or a safetensors slice): one (dim, start, stop), or the
+    concatenation of a list of them along their dim (``Shard``)."""
+    shape = t.shape if isinstance(t, torch.Tensor) else t.get_shape()
+    if isinstance(part, list):
+        return torch.cat([t[_slice_key(shape, p, file, name)] for p in part], dim=part[0][0])
+    return t[_slice_key(shape, part, file, name)]
 
 
 def _slice_key(shape, part: tuple[int, int, int], file: Path, name: str) -> tuple:
@@ -235,9 +247,7 @@ def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], s
                 if part is None:
                     yield name, _finite(file, name, f.get_tensor(name))
                     continue
-                piece = f.get_slice(name)
-                key = _slice_key(piece.get_shape(), part, file, name)
-                yield name, _finite(file, name, piece[key])
+                yield name, _finite(file, name, take(f.get_slice(name), part, file, name))
     else:
         tensors = _load_bin(file)
         names = list(tensors)
@@ -248,7 +258,7 @@ def _file_tensors(file: Path, index: Path | None, weight_map: dict[str, Path], s
                 continue
             part = shard(name)
             if part is not None:
-                t = t[_slice_key(t.shape, part, file, name)]
+                t = take(t, part, file, name)
             yield name, (t.to("meta") if shape_only(name) else _finite(file, name, t))
     held = set(names)
     return [k for k, v in weight_map.items() if v == file and k not in held]
@@ -328,12 +338,13 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
-def scale_slice(part: tuple[int, int, int], block: tuple[int, int], name: str
-                ) -> tuple[int, int, int]:
+def scale_slice(part, block: tuple[int, int], name: str):
     """The slice of ``name``'s ``weight_scale_inv`` that scales the weight slice ``part`` =
     (dim, start, stop): its blocks along dim. ValueError naming the tensor when the slice cuts
     a block (a rank would need another rank's scale). Example (block 128x128): rows
     (0, 1536, 3072) -> scale rows (0, 12, 24); rows (0, 64, 128) -> refused."""
+    if isinstance(part, list):
+        return [scale_slice(p, block, name) for p in part]
     dim, start, stop = part
     size = block[dim]
     if start % size or stop % size:
@@ -472,7 +483,7 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
                 seen.add(name)
                 if shard is not None and name in dest and t.shape != dest[name].shape \
                         and (part := shard(name)) is not None:  # whole until ``convert``
-                    t = t[_slice_key(t.shape, part, path, name)]
+                    t = take(t, part, path, name)
                 if name not in dest:
                     unexpected.add(name)
                 elif t.shape != dest[name].shape:

@@ -30,6 +30,9 @@ ones' device and dtype) and returns ``{state-dict name: (dim, start, stop)}``: t
 each full tensor this rank holds. The loader reads exactly that slice from the safetensors
 files (``checkpoint.load_into(shard=...)``); an in-memory model is sliced from its old state.
 
+A fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) gets a list of such slices: this
+rank's rows of each part, read and concatenated in the parts' order.
+
 Example (T=2, rank 1, Hq=4, Hkv=2, D=8, H=32): ``q_proj.weight`` -> (0, 16, 32),
 ``k_proj.weight`` -> (0, 8, 16), ``o_proj.weight`` -> (1, 16, 32); with Hkv=1, ``k_proj``
 -> (0, 0, 8) on both ranks.
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.distributed import TPContext
+from specdec.models import checkpoint
 from specdec.models.layers.attention import Attention
 from specdec.models.layers.linear import MergedLinear
 from specdec.models.layers.mla import MLAttention
@@ -154,9 +158,16 @@ def _shard_attention(attn: Attention, tp: TPContext, prefix: str, out: Slices) -
                                           bias=attn.o_proj.bias is not None), attn.o_proj)
     rows = {"q_proj": (q0 * d, (q0 + nq) * d), "k_proj": (k0 * d, (k0 + nk) * d),
             "v_proj": (k0 * d, (k0 + nk) * d)}
-    for name, (a, b) in rows.items():
-        for kind in ("weight",) + (("bias",) if bias else ()):
-            out[f"{prefix}{name}.{kind}"] = (0, a, b)
+    kinds = ("weight",) + (("bias",) if bias else ())
+    if attn.fused_checkpoint:  # Phi-3's qkv_proj: this rank's q, k and v rows, one tensor
+        starts = {"q_proj": 0, "k_proj": hq * d, "v_proj": (hq + hkv) * d}
+        for kind in kinds:
+            out[f"{prefix}qkv_proj.{kind}"] = [(0, starts[n] + a, starts[n] + b)
+                                               for n, (a, b) in rows.items()]
+    else:
+        for name, (a, b) in rows.items():
+            for kind in kinds:
+                out[f"{prefix}{name}.{kind}"] = (0, a, b)
     out[f"{prefix}o_proj.weight"] = (1, q0 * d, (q0 + nq) * d)
     if attn.sinks is not None:  # one logit per query head (gpt-oss)
         attn.sinks = nn.Parameter(attn.sinks.new_zeros(nq))
@@ -203,9 +214,15 @@ def _shard_mlp(mlp: MLP, tp: TPContext, prefix: str, out: Slices, *, reduce: boo
         mlp.gate_up_proj = _like(MergedLinear(old_gu.in_features, parts, bias), old_gu)
         mlp.down_proj = _like(nn.Linear(n, old_down.out_features, bias=bias and tp.rank == 0),
                               old_down)
-    for name in ("gate_proj", "up_proj"):
-        for kind in ("weight",) + (("bias",) if bias else ()):
-            out[f"{prefix}{name}.{kind}"] = (0, i0, i0 + n)
+    kinds = ("weight",) + (("bias",) if bias else ())
+    if mlp.fused_checkpoint:  # Phi-3's gate_up_proj: this rank's gate, then up rows
+        for kind in kinds:
+            out[f"{prefix}gate_up_proj.{kind}"] = [(0, i0, i0 + n),
+                                                   (0, inter + i0, inter + i0 + n)]
+    else:
+        for name in ("gate_proj", "up_proj"):
+            for kind in kinds:
+                out[f"{prefix}{name}.{kind}"] = (0, i0, i0 + n)
     out[f"{prefix}down_proj.weight"] = (1, i0, i0 + n)
 
 
@@ -274,11 +291,6 @@ def shard_model(model: nn.Module, tp: TPContext,
                 f"tensor_parallel_size={tp.size}: the {type(model).__name__} family is not "
                 f"sharded yet (layer {i}: {type(attn).__name__}, {type(mlp).__name__}); "
                 "allowed: tensor_parallel_size=1")
-        if getattr(attn, "fused_checkpoint", False) or getattr(mlp, "fused_checkpoint", False):
-            raise ValueError(
-                f"tensor_parallel_size={tp.size}: {type(model).__name__} stores fused "
-                "qkv_proj / gate_up_proj tensors, whose per-rank rows are not one slice (not "
-                "sharded yet); allowed: tensor_parallel_size=1")
         prefix = f"model.layers.{i}."
         shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
         shard_attn(attn, tp, prefix + "self_attn.", out)
@@ -306,8 +318,7 @@ def shard_from(model: nn.Module, tp: TPContext,
         for name, dest in model.state_dict().items():
             src = full[name]
             if name in slices:
-                dim, a, b = slices[name]
-                src = src.narrow(dim, a, b - a)
+                src = checkpoint.take(src, slices[name], "an in-memory model", name)
             dest.copy_(src)
     return model
 
