@@ -103,7 +103,6 @@ class LLM:
         self.target = target.eval()
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
-        self.eos_token_ids = frozenset(target.config.eos_token_ids)
         head = None
         if self.spec is not None:
             if draft_head is not None and self.tp.size > 1:  # heads are replicated; they
