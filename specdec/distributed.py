@@ -183,11 +183,12 @@ def init_grid(dp_size: int, tp_size: int, rank: int, *, device_type: str = "cpu"
         raise ValueError(f"world size {dist.get_world_size()} != data_parallel_size={dp_size} x "
                          f"tensor_parallel_size={tp_size}")
     dp_rank, tp_rank = divmod(rank, tp_size)
-    tp_groups = [dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)))
+    limit = timedelta(seconds=timeout)  # (a new group's own default is 30 minutes)
+    tp_groups = [dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)), timeout=limit)
                  for d in range(dp_size)] if tp_size > 1 else [None] * dp_size
-    dp_groups = [dist.new_group([d * tp_size + t for d in range(dp_size)])
+    dp_groups = [dist.new_group([d * tp_size + t for d in range(dp_size)], timeout=limit)
                  for t in range(tp_size)] if dp_size > 1 else [None] * tp_size
-    world_group = dist.new_group(list(range(world)))
+    world_group = dist.new_group(list(range(world)), timeout=limit)
     dp = DPContext(dp_rank, dp_size, dp_groups[tp_rank])
     tp = TPContext(tp_rank, tp_size, tp_groups[dp_rank], sequence_parallel, dp.record)
     grid = Grid(dp, tp, world_group, owns_default)

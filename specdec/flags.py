@@ -179,8 +179,8 @@ def add_speculation_arguments(
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --graph-backend, --compile-backend, --async-scheduling,
-    --enforce-eager, --gpu-memory-utilization, --enable-expert-parallel (generate, serve,
-    bench serve --launch)."""
+    --enforce-eager, --gpu-memory-utilization, --tensor-parallel-size, --data-parallel-size,
+    --enable-expert-parallel (generate, serve, bench serve --launch)."""
     from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
@@ -207,6 +207,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "KV cache may take; without --max-num-seqs the KV cache gets the most "
                         "request rows that fits (at most 256); refused on cpu (default: none: "
                         "max_num_seqs rows)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="T",
+                   help="tensor-parallel ranks of each data-parallel replica (vLLM's flag; "
+                        "default 1)")
+    p.add_argument("--data-parallel-size", "-dp", "--dp", type=int, default=None, metavar="D",
+                   dest="data_parallel_size",
+                   help="data-parallel ranks, each scheduling its own requests (vLLM's flag; "
+                        "default 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="a MoE model's routed experts split whole over the data x tensor "
                         "parallel ranks (vLLM's flag; default: by expert over the DP ranks, by "
@@ -225,18 +232,22 @@ def engine_kwargs(args) -> dict:
         kw["graph_backend"] = "eager"
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    for dest, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
+                       ("data_parallel_size", "--data-parallel-size / --dp")):
+        size = getattr(args, dest)
+        if size is not None and size < 1:
+            raise UsageError(f"{flag}={size}: allowed an int >= 1")
+        if size is not None and size > 1:
+            kw[dest] = size
     if args.enable_expert_parallel:
         kw["enable_expert_parallel"] = True
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 
-def build_llm(model: str | None, spec: dict | None, *, dp: int = 1, seed: int = 0, **kw):
-    """``LLM(...)``; a config or engine construction error becomes a UsageError (one line)."""
+def build_llm(model: str | None, spec: dict | None, *, seed: int = 0, **kw):
+    """``LLM(...)``; a config or engine construction error becomes a UsageError (one line).
+    ``data_parallel_size`` / ``tensor_parallel_size`` > 1: a launcher of the rank processes."""
     from specdec.engine.llm import LLM
-    if dp < 1:
-        raise UsageError(f"--dp={dp} must be >= 1")
-    if dp > 1:  # the data-parallel engine launches the rank processes
-        kw["data_parallel_size"] = dp
     if model is not None and not Path(model).exists():
         raise UsageError(f"--model={model!r} does not exist (an HF-style target folder is "
                          "needed)")

@@ -17,7 +17,7 @@ from specdec.bench import itl
 from specdec.bench import serve as bench_serve
 from specdec.engine.llm import RequestOutput
 from specdec.engine.outputs import CompletionOutput
-from specdec.flags import speculative_config
+from specdec.flags import add_engine_arguments, speculative_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"
@@ -256,6 +256,12 @@ def test_bench_serve_launch_passes_serves_engine_flags_and_base_url_refuses_them
     args = parse(["--launch", "--dtype", "bfloat16", "--device", "cpu", "--async-scheduling",
                   "--graph-backend", "replay", "--compile-backend", "eager"])
     assert set(bench_serve.ENGINE_FLAGS) <= serve_flags
+    engine_parser = argparse.ArgumentParser()
+    add_engine_arguments(engine_parser)  # every engine flag reaches the launched server
+    assert {a.dest for a in flags(engine_parser)} <= set(bench_serve.ENGINE_FLAGS)
+    assert bench_serve.engine_flags(parse(["--launch", "-tp", "2", "--dp", "2",
+                                           "--enable-expert-parallel"])) == [
+        "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel"]
     assert bench_serve.engine_flags(args) == [
         "--device", "cpu", "--dtype", "bfloat16", "--graph-backend", "replay",
         "--compile-backend", "eager", "--async-scheduling"]

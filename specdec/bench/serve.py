@@ -374,6 +374,9 @@ ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--gr
                 "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling",
                 "enforce_eager": "--enforce-eager",
                 "gpu_memory_utilization": "--gpu-memory-utilization",
+                "tensor_parallel_size": "--tensor-parallel-size",
+                "data_parallel_size": "--data-parallel-size",
+                "enable_expert_parallel": "--enable-expert-parallel",
                 "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
 

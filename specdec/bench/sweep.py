@@ -355,7 +355,7 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
                       max_num_batched_tokens=sweep["max_num_batched_tokens"]
                       or max(256, conc * (k + 1)))
         try:
-            llm = build_llm(sweep["model"], spec, dp=1, **kwargs, **synthetic_model(sweep, spec))
+            llm = build_llm(sweep["model"], spec, **kwargs, **synthetic_model(sweep, spec))
         except UsageError as e:
             skipped[key] = str(e)
             continue

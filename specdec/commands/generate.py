@@ -163,7 +163,7 @@ def cmd_generate(args) -> int:
     # graphs of one running request, not of LLM's default 16 (--compare-plain's: the same)
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs={args.max_num_seqs}: allowed an int >= 1")
-    engine_args = dict(dp=args.dp, seed=args.seed, max_num_seqs=args.max_num_seqs,
+    engine_args = dict(seed=args.seed, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=budget, **engine_kwargs(args))
     llm = build_llm(args.model, spec, **engine_args)
     console = Console()
@@ -247,6 +247,5 @@ def add_generate_parser(sub) -> None:
                    help="request rows of the engine (its KV cache and captured batch sizes; "
                         "one prompt runs here: default 1)")
     p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     add_engine_arguments(p)
     p.set_defaults(func=cmd_generate)

@@ -296,7 +296,7 @@ def _kill(procs) -> None:
             p.kill()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """A rank whose parent died (the rank was re-parented, or the parent's pid is gone)
     exits at once instead of finishing its job and blocking forever on a result nobody
     reads."""
@@ -322,29 +322,37 @@ def _rank_main(rank: int, dp_size: int, tp_size: int, store: str, engine: type,
                environ: dict) -> None:
     os.environ.clear()  # the launcher's environment now, not the fork server's at its start
     os.environ.update(environ)
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     try:
         torch.set_num_threads(1)
         device = torch.device(jobs[0].llm_kwargs.get("device", "cpu")).type
         grid = init_grid(dp_size, tp_size, rank, device_type=device,
                          init_method=f"file://{store}", timeout=timeout)
         for j, job in enumerate(jobs):
-            results.put(("ok", j, rank, _run_job(engine, job, rank, grid, device)))
+            results.put(("ok", j, rank, _run_job(engine, job, rank, grid)))
         grid.close()
     except BaseException as e:
         user_error = e if type(e) in (ValueError, TypeError) else None
         results.put(("error", rank, user_error, traceback.format_exc()))
 
 
-def _run_job(engine: type, job: DPJob, rank: int, grid: Grid, device: str) -> RankResult:
-    kwargs = dict(job.llm_kwargs)
-    if device != "cpu":  # one accelerator per rank
-        count = getattr(torch, device).device_count()
-        kwargs["device"] = f"{device}:{rank % count}"
-    dp = DPContext(grid.dp.rank, grid.dp.size, grid.dp.group)  # a fresh log per job
+def rank_kwargs(llm_kwargs: dict, rank: int, grid: Grid) -> dict:
+    """One rank's engine arguments: ``llm_kwargs`` (without data_parallel_size) with this
+    rank's accelerator (one per rank) and fresh DP / TP contexts of ``grid`` (a fresh log of
+    collectives)."""
+    kwargs = dict(llm_kwargs)
+    device = torch.device(kwargs.get("device", "cpu")).type
+    if device != "cpu":
+        kwargs["device"] = f"{device}:{rank % getattr(torch, device).device_count()}"
+    dp = DPContext(grid.dp.rank, grid.dp.size, grid.dp.group)
     tp = TPContext(grid.tp.rank, grid.tp.size, grid.tp.group,
                    kwargs.get("sequence_parallel", False), dp.record)
-    llm = engine(**kwargs, dp=dp, tp=tp if tp.size > 1 else None)
+    return kwargs | dict(dp=dp, tp=tp if tp.size > 1 else None)
+
+
+def _run_job(engine: type, job: DPJob, rank: int, grid: Grid) -> RankResult:
+    kwargs = rank_kwargs(job.llm_kwargs, rank, grid)
+    llm, dp, tp = engine(**kwargs), kwargs["dp"], grid.tp
     if tp.rank > 0:
         return RankResult(rank, {}, [], llm.serve())
     params = job.params if isinstance(job.params, list) else [job.params] * len(job.prompts)

@@ -75,7 +75,7 @@ class RequestHandle:
         return chunk
 
 
-class _Frontend:
+class EngineFrontend:
     """Admission and dispatch shared by both engines. Admission: at most ``max_num_seqs +
     max_waiting`` requests are in the server at once (submitted and not finished), so a burst
     gets exactly the batch plus ``max_waiting`` admitted whatever the timing of the engine
@@ -165,7 +165,7 @@ class _Frontend:
         self._handles.clear()
 
 
-class AsyncEngine(_Frontend):
+class AsyncEngine(EngineFrontend):
     """An in-process single-rank ``LLM`` stepped by one worker thread; ``metrics`` (optional)
     sees each step. The LLM is touched only by the loop task (between steps) and the worker."""
 
@@ -257,7 +257,7 @@ def _run_forked(api_end, *args) -> None:
     run_engine_process(*args)
 
 
-class ProcessEngine(_Frontend):
+class ProcessEngine(EngineFrontend):
     """The engine in its own process (``run_engine_process``, ``num_threads`` torch threads),
     built from ``llm_kwargs`` (``specdec.flags.build_llm``'s arguments); ``info`` once
     ``start_process`` returned."""
@@ -273,6 +273,15 @@ class ProcessEngine(_Frontend):
         self.exitcode: int | None = None  # set when the engine process died
         self.on_engine_death = None  # called (no arguments) once the engine process died
         self._gauges = (0, 0, 0)  # running, waiting, free blocks: from the last output
+
+    @property
+    def where(self) -> str:
+        return f"engine process {self.process.pid}"
+
+    def discard(self) -> None:
+        """End the engine before it served: its process exits when its pipe closes."""
+        self.conn.close()
+        self.process.join(30)
 
     @property
     def frozen_objects(self) -> int:

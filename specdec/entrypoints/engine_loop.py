@@ -59,6 +59,7 @@ class CoreOutput:
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
+    idle: int | None = None  # parallel ranks: every DP rank went idle, the idle period's number
 
 
 @dataclass
@@ -75,6 +76,17 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # the model's (for /tokenizer_info)
     frozen_objects: int = 0  # start-up's objects out of the collections (gc.freeze)
     config: object = None  # the engine's EngineConfig (device, dtype chosen); None: a stub
+
+    @classmethod
+    def of(cls, llm) -> "EngineInfo":
+        """A built engine's (this process's torch threads and frozen objects)."""
+        import torch
+
+        from specdec.engine.llm import DEFAULT_MODEL
+        return cls(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
+                   llm.max_model_len, llm.target.config.vocab_size, llm.scheduler.max_num_seqs,
+                   torch.get_num_threads(), llm.startup, tuple(llm.target.config.eos_token_ids),
+                   gc.get_freeze_count(), getattr(llm, "config", None))
 
 
 class EngineLoop:
@@ -125,20 +137,27 @@ class EngineLoop:
                     updates.append(RequestUpdate(rid, [], error=message,
                                                  stats=FinishStats.of(req)))
         else:
-            for rid, n in (rec.new_tokens.items() if rec is not None else ()):
-                req = self.requests.get(rid)
-                if not n or req is None:
-                    continue
-                done = req.status is Status.FINISHED
-                first = len(req.token_ids) - n == req.num_prompt_tokens
-                updates.append(RequestUpdate(
-                    rid, req.output_token_ids[-n:], req.finish_reason if done else None,
-                    stats=FinishStats.of(req) if done else None,
-                    logprobs=req.logprobs[-n:] if req.logprobs is not None else None,
-                    prompt_logprobs=req.prompt_logprobs if first else None))
-                if done:
-                    del self.requests[rid]
+            updates = self.updates(rec)
         return CoreOutput(rec, updates, *self.gauges())
+
+    def updates(self, rec) -> list[RequestUpdate]:
+        """One update per request a step (``rec``, a StepRecord or None) gave tokens; the
+        finished ones leave ``requests``."""
+        updates = []
+        for rid, n in (rec.new_tokens.items() if rec is not None else ()):
+            req = self.requests.get(rid)
+            if not n or req is None:
+                continue
+            done = req.status is Status.FINISHED
+            first = len(req.token_ids) - n == req.num_prompt_tokens
+            updates.append(RequestUpdate(
+                rid, req.output_token_ids[-n:], req.finish_reason if done else None,
+                stats=FinishStats.of(req) if done else None,
+                logprobs=req.logprobs[-n:] if req.logprobs is not None else None,
+                prompt_logprobs=req.prompt_logprobs if first else None))
+            if done:
+                del self.requests[rid]
+        return updates
 
 
 def default_engine_threads() -> int:
@@ -157,7 +176,6 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the API drains
     import torch
     torch.set_num_threads(num_threads)
-    from specdec.engine.llm import DEFAULT_MODEL
     from specdec.flags import UsageError, build_llm
     stub = llm_kwargs.pop("stub_tokens_per_step", None)  # a benchmark tool: stub_engine.py
     try:
@@ -175,11 +193,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     # only what serving made (a full collection of it all: ~120 ms here, a stalled step)
     gc.collect()
     gc.freeze()
-    conn.send(EngineInfo(llm.tokenizer, str(llm.init_kwargs.get("model") or DEFAULT_MODEL),
-                         llm.max_model_len, llm.target.config.vocab_size,
-                         llm.scheduler.max_num_seqs, torch.get_num_threads(), llm.startup,
-                         tuple(llm.target.config.eos_token_ids), gc.get_freeze_count(),
-                         getattr(llm, "config", None)))
+    conn.send(EngineInfo.of(llm))
     try:
         while True:
             messages = [] if core.has_work() else [conn.recv()]  # idle: block until asked

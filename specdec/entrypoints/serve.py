@@ -145,11 +145,19 @@ def run_from_args(args) -> int:
     listen_socket(args.host, args.port).close()  # a taken port fails now, not after the engine
     threads = args.engine_threads or default_engine_threads()
     stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
-    engine = ProcessEngine(dict(model=args.model, spec=spec, seed=args.seed,
-                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                max_num_batched_tokens=args.max_num_batched_tokens,
-                                **engine_kwargs(args), **stub), num_threads=threads,
-                           max_waiting=args.max_waiting)
+    kwargs = dict(model=args.model, spec=spec, seed=args.seed, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
+    ranks = kwargs.get("data_parallel_size", 1) * kwargs.get("tensor_parallel_size", 1)
+    if ranks > 1:  # one engine per rank, their leaders behind this process
+        if stub:
+            raise UsageError("--stub-engine has no ranks: give it without "
+                             "--tensor-parallel-size / --data-parallel-size")
+        from specdec.entrypoints.parallel_engine import ParallelEngine
+        engine = ParallelEngine(kwargs, num_threads=max(1, threads // ranks),
+                                max_waiting=args.max_waiting)
+    else:
+        engine = ProcessEngine(kwargs | stub, num_threads=threads, max_waiting=args.max_waiting)
     try:
         info = engine.start_process()
     except RuntimeError as e:
@@ -157,8 +165,7 @@ def run_from_args(args) -> int:
     try:  # bound after the engine process started: a forked engine would hold it open
         sock = listen_socket(args.host, args.port)
     except UsageError:  # taken since the check above
-        engine.conn.close()  # the engine process exits when its pipe closes
-        engine.process.join(30)
+        engine.discard()
         raise
     name = args.served_model_name or args.model or "specdec-default"
     k = spec["num_speculative_tokens"] if spec else 0
@@ -170,12 +177,13 @@ def run_from_args(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     chosen = "" if info.config is None else f"; {info.config.describe(args.device is None)}"
     print(f"specdec serve: {name} on http://{host}:{sock.getsockname()[1]} "
-          f"speculative_config={json.dumps(spec)} (engine process {engine.process.pid}, "
-          f"{info.num_threads} torch threads{chosen}"
+          f"speculative_config={json.dumps(spec)} ({engine.where}, "
+          f"{info.num_threads} torch threads{' each' if ranks > 1 else ''}{chosen}"
           + (f"; start-up: {info.startup})" if info.startup else ")"), flush=True)
     serve_until_signal(app, sock, args.log_level, args.shutdown_timeout)
     if engine.exitcode is not None:
-        print(f"specdec serve: the engine process exited with code {engine.exitcode}; "
+        who = "a rank process" if ranks > 1 else "the engine process"
+        print(f"specdec serve: {who} exited with code {engine.exitcode}; "
               "its requests got 500", file=sys.stderr, flush=True)
         return 1
     return 0
