@@ -103,9 +103,9 @@ async def _generate(engine, prompt, params, delay: float):
 
 
 def test_random_arrivals_sleeps_and_an_idle_spell_past_the_group_timeout_equal_one_rank():
-    """DP=2 x TP=2 on the embedded model, groups timing out after 2 s: requests arrive at
+    """DP=2 x TP=2 on the embedded model, groups timing out after 5 s (their start-up skew stays under it): requests arrive at
     random times in three bursts (each burst wakes the sleeping ranks; the gaps put them to
-    sleep again), then the server idles 3 s -- longer than the timeout a TP peer waits in
+    sleep again), then the server idles 6 s -- longer than the timeout a TP peer waits in
     the step broadcast, which the keep-alive steps renew -- and serves again: every request
     equals one rank's tokens, greedy and seeded sampled alike. Then a TP peer is killed: the
     server says its engine died and refuses new requests."""
@@ -119,7 +119,7 @@ def test_random_arrivals_sleeps_and_an_idle_spell_past_the_group_timeout_equal_o
     async def run():
         engine = ParallelEngine(dict(model=None, spec=None, seed=0, max_model_len=64,
                                      device="cpu", data_parallel_size=2,
-                                     tensor_parallel_size=2, data_parallel_timeout=2.0),
+                                     tensor_parallel_size=2, data_parallel_timeout=5.0),
                                 num_threads=1)
         engine.start_process()
         engine.on_engine_death = lambda: died.append(True)
@@ -127,7 +127,7 @@ def test_random_arrivals_sleeps_and_an_idle_spell_past_the_group_timeout_equal_o
         try:
             first = await asyncio.gather(*(_generate(engine, p, s, d) for p, s, d in
                                            zip(prompts, params, delays)))
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(6.0)
             last = await _generate(engine, prompts[9], params[9], 0)
             engine.processes[1].kill()  # a TP peer: no pipe of its own
             for _ in range(500):
