@@ -201,24 +201,34 @@ def test_fp8_under_tensor_parallelism_each_rank_reads_its_weight_and_scale_block
                                                                                  tmp_path):
     """16x16 blocks, T=2: each rank's slices (MLA heads, expert and MLP halves) start and end
     on block edges; a rank reads its slice of each fp8 weight and of its weight_scale_inv and
-    holds exactly its slice of the dequantized model."""
+    holds exactly its slice of the dequantized model -- its MTP layer too (loaded over the
+    rank's target; unsharded as well)."""
     from specdec.distributed import TPContext
-    fp8, dequant = fp8_folders(ds_dir("deepseek_v3"), tmp_path, [16, 16])
-    for rank in (0, 1):
-        a = load_model(fp8, tp=TPContext(rank, 2)).state_dict()
-        b = load_model(dequant, tp=TPContext(rank, 2)).state_dict()
+    fp8, dequant = fp8_folders(ds_dir("deepseek_v3_mtp"), tmp_path, [16, 16])
+    for tp in (TPContext(0, 2), TPContext(1, 2), None):
+        target = load_model(fp8, tp=tp)
+        a, b = target.state_dict(), load_model(dequant, tp=tp).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in b)
-        assert a["model.layers.1.self_attn.kv_b_proj.weight"].shape == (112, 32)
+        rows = 112 if tp else 224
+        assert a["model.layers.1.self_attn.kv_b_proj.weight"].shape == (rows, 32)
+        a, b = _mtp_head(fp8, target).state_dict(), _mtp_head(dequant, target).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+        assert a["model.layers.3.self_attn.kv_b_proj.weight"].shape == (rows, 32)
 
 
 def test_fp8_slice_that_cuts_a_scale_block_is_refused_by_name(ds_dir, tmp_path):
     """32x32 blocks, T=2: a rank's 112 kv_b_proj rows (2 heads of nope 32 + v 24) end inside
-    a block whose scale the other rank needs too: refused, naming the tensor and the size."""
+    a block whose scale the other rank needs too: refused, naming the tensor and the size --
+    the target's, and the MTP layer's over a target that loaded (from the dequantized copy)."""
     from specdec.distributed import TPContext
-    fp8, _ = fp8_folders(ds_dir("deepseek_v3"), tmp_path, [32, 32])
+    fp8, dequant = fp8_folders(ds_dir("deepseek_v3_mtp"), tmp_path, [32, 32])
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d\.[a-z_.]+weight'.* cuts a "
                                          r"32x32 FP8 scale block.*multiples of 32"):
         load_model(fp8, tp=TPContext(0, 2))
+    target = load_model(dequant, tp=TPContext(0, 2))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.3\.[a-z0-9_.]+weight'.* cuts a "
+                                         r"32x32 FP8 scale block.*multiples of 32"):
+        _mtp_head(fp8, target)
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -262,6 +272,53 @@ def test_mtp_draft_logits_equal_transformers_layer_plus_mtp_math(case, ds_dir):
     want = D.hf_mtp_reference(path, nxt, hidden[0], pos)
     assert (got - want).abs().max().item() <= TOL
     assert head.kv_cache_spec() == [target.kv_cache_spec()[0]]
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(1, 2, False), (2, 2, True), (2, 2, False),
+                                      (4, 1, True)])
+def test_mtp_layer_is_placed_like_the_target(dp, tp, ep, ds_dir):
+    """Each rank's MTP layer, loaded over that rank's target as its engine loads it: MLA split
+    by heads (its q_b_proj / kv_b_proj rows and o_proj columns of heads t*4/T.., the latent
+    projection whole), the target's own routed experts (EP: one whole expert of 4 per rank;
+    else E/D, at width 1/T), the shared expert at width 1/T, its own embedding and lm_head
+    copies by vocabulary; every tensor this rank's slice of the full layer's, 1/(D x T) of
+    its routed-expert bytes."""
+    from specdec.distributed import TPContext
+    from specdec.models.layers.parallel import ExpertPlacement
+    path = ds_dir("deepseek_v3_mtp")
+    full = _mtp_head(path, load_model(path)).state_dict()
+    p, nh, v = "model.layers.3.", 4 // tp, 512 // tp
+
+    def routed(state):
+        return sum(t.numel() for k, t in state.items() if ".experts." in k)
+    for d in range(dp):
+        for t in range(tp):
+            ctx = TPContext(t, tp)
+            target = load_model(path, tp=ctx if tp > 1 else None,
+                                experts=ExpertPlacement.of(ctx, d, dp, ep))
+            head = _mtp_head(path, target)
+            got = head.state_dict()
+            rows = {"self_attn.q_b_proj.weight": (0, 48), "self_attn.kv_b_proj.weight": (0, 56),
+                    "self_attn.o_proj.weight": (1, 24)}  # per head
+            for name, (dim, per) in rows.items():
+                want = full[p + name].narrow(dim, t * nh * per, nh * per)
+                assert torch.equal(got[p + name], want), name
+            for name in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                         "eh_proj.weight", "mlp.gate.weight"):
+                assert torch.equal(got[p + name], full[p + name]), name
+            for name in ("embed_tokens.weight", "shared_head.head.weight"):
+                assert torch.equal(got[p + name], full[p + name][t * v:(t + 1) * v]), name
+            held = set(head.layer.mlp.experts)
+            assert held == set(target.model.layers[1].mlp.experts)
+            assert len(held) == (4 // (dp * tp) if ep else 4 // dp)
+            width = 32 if ep or tp == 1 else 32 // tp
+            i0 = 0 if width == 32 else t * width
+            for e in held:
+                w = f"mlp.experts.{e}.gate_proj.weight"
+                assert torch.equal(got[p + w], full[p + w][i0:i0 + width]), w
+            w = "mlp.shared_experts.down_proj.weight"
+            assert torch.equal(got[p + w], full[p + w][:, t * (32 // tp):(t + 1) * (32 // tp)])
+            assert routed(got) * dp * tp == routed(full)
 
 
 @pytest.fixture(scope="session")
@@ -374,13 +431,20 @@ def test_deepseek_mtp_k2_dp2_with_an_idle_rank_equals_dp1(ds_dir, ds_plain):
     assert any(op.startswith("moe_") for step in busy.collectives for op, _ in step)
 
 
+def tp_ops(step: list, op: str) -> int:
+    return sum(1 for name, _ in step if name == op)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_deepseek_mtp_under_tensor_parallelism_equals_one_rank(tp, ds_dir):
     """MLA split by heads (each rank 4 / tp of them; the latent projection and cache
-    replicated), the MoE experts and dense MLP split, the MTP layer replicated on every rank
-    over the sharded embedding and lm_head: plain and padded MTP at K=1 and K=3 give one
-    rank's tokens and acceptance counters (one launch of the tp ranks for the jobs); the
-    exact MTP layer over the cycle target accepts every draft, as on one rank."""
+    replicated), the MoE experts and dense MLP split, the MTP layer sharded the same way (its
+    own embedding and lm_head copies, or the target's, by vocabulary): plain and padded MTP
+    at K=1 and K=3 give one rank's tokens and acceptance counters (one launch of the tp ranks
+    for the jobs); the exact MTP layer over the cycle target accepts every draft, as on one
+    rank. Every step's TP collectives: the target's 1 (embedding) + 2 per layer all-reduces
+    and its logits' all-gather, and per MTP-layer forward (K a step) 3 all-reduces (its
+    embedding, attention and MoE: the layer is sharded) and its logits' all-gather."""
     from specdec.engine.dp_engine import DPJob, run_data_parallel
     from specdec.engine.sequence import SamplingParams
 
@@ -400,13 +464,18 @@ def test_deepseek_mtp_under_tensor_parallelism_equals_one_rank(tp, ds_dir):
         assert [(o.token_ids, o.num_drafted, o.num_accepted) for o in run.outputs] == \
             [(o.token_ids, o.num_drafted, o.num_accepted) for o in one]
         assert spec is None or sum(sum(o.num_drafted) for o in one) > 0
+        k = spec["num_speculative_tokens"] if spec else 0
+        steps = run.ranks[0].collectives[:-1]  # the final stop step runs no forward
+        assert {(tp_ops(s, "tp_all_reduce"), tp_ops(s, "tp_all_gather")) for s in steps} == \
+            {(1 + 2 * 3 + 3 * k, 1 + k)}
     assert all(o.num_accepted == o.num_drafted for o in runs[-1].outputs)
 
 
 @pytest.mark.parametrize("dp,tp", [(2, 2), (4, 1)])
 def test_deepseek_mtp_with_expert_parallelism_equals_one_rank(dp, tp, ds_dir):
     """The seed's layouts at test size, with expert parallelism: DP=2 x TP=2 (each of the 4
-    ranks one whole routed expert of 4, MLA split by heads within a DP rank) and DP=4 with
+    ranks one whole routed expert of 4, MLA split by heads within a DP rank, the MTP layer's
+    too: its attention, MoE and embedding reduce over the TP group) and DP=4 with
     data-parallel attention (each rank its own requests and one expert; 3 prompts, so one
     rank is idle for the whole run and the others for their last steps, running every MoE
     exchange of the target and the MTP layer in its dummy steps). Padded MTP at K=1 and K=3:
@@ -431,6 +500,9 @@ def test_deepseek_mtp_with_expert_parallelism_equals_one_rank(dp, tp, ds_dir):
                           for step in r.collectives) for r in run.ranks}) == 1
         assert any(op == "moe_all_gather" for step in run.ranks[0].collectives
                    for op, _ in step)
+        k = job["speculative_config"]["num_speculative_tokens"]
+        assert {tp_ops(step, "tp_all_reduce") for r in run.ranks
+                for step in r.collectives[:-1]} == {(1 + 2 * 3 + 3 * k) if tp > 1 else 0}
     if dp == 4:
         assert all(s.num_reqs == 0 for s in runs[0].ranks[3].steps)
 

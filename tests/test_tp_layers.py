@@ -1,7 +1,9 @@
 """Tensor-parallel layers with real processes (2 gloo ranks, one spawn for the module): each
 rank loads only its slice of tiny transformers checkpoints, and the sharded forward (paged
 path, sequence parallelism off and on) equals the full model's on the same rank; each rank
-holds about half the parameter bytes. Shape errors are checked in-process."""
+holds about half the parameter bytes. The same for the MTP layers those folders hold
+(DeepSeek-V3's, GLM-4.5's), loaded over the sharded target as the engine loads them. Shape
+errors are checked in-process."""
 
 import tempfile
 import traceback
@@ -20,6 +22,7 @@ from specdec.attention import AttentionMetadata, KVCache
 from specdec.distributed import TPContext, init_grid
 from specdec.models.config import ModelConfig
 from specdec.models.layers.parallel import shard_from, shard_model
+from specdec.models.heads import load_head
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.registry import load_model
 
@@ -56,19 +59,40 @@ BUILDERS = {"llama3": hf_models.build_llama3, "qwen25": hf_models.build_qwen25,
             "gpt_oss_mxfp4": lambda path: hf_gpt_oss.to_mxfp4(
                 hf_gpt_oss.build(path.with_name("gpt_oss_bf16")), path),
             "phi3": hf_models.build_phi3}
+# folders holding an MTP layer (model.layers.L.*, with its own embedding and lm_head copies):
+# DeepSeek-V3's (MLA + MoE) and GLM-4.5's (GQA + MoE, the "glm4_moe" folder above)
+MTP_BUILDERS = {"deepseek_v3_mtp": hf_deepseek.build_deepseek_v3_mtp}
+MTP_FOLDERS = ["deepseek_v3_mtp", "glm4_moe"]
 N = 10  # tokens: two requests of 6 and 4
 
 
-def paged_forward(model, ids, positions):
-    """logits [N, V] and aux [N, 2, H] of one paged forward over two fresh requests."""
+def _paged(model):
+    """A fresh cache for ``model`` and the metadata of two requests of 6 and 4 tokens."""
     kv = KVCache(model.kv_cache_spec(), 4, 16, torch.float32, torch.device("cpu"))
     attn = AttentionMetadata(torch.cat([torch.arange(6), 16 + torch.arange(4)]),
                              torch.tensor([0, 6, 10], dtype=torch.int32),
                              torch.tensor([6, 4], dtype=torch.int32),
                              torch.tensor([[0, 2], [1, 3]], dtype=torch.int32), 6)
+    return kv.bind(attn)
+
+
+def paged_forward(model, ids, positions):
+    """logits [N, V] and aux [N, 2, H] of one paged forward over two fresh requests."""
     with torch.inference_mode():
-        hidden, aux = model(ids, positions, kv=kv.bind(attn), aux_layer_ids=(0, 1))
+        hidden, aux = model(ids, positions, kv=_paged(model), aux_layer_ids=(0, 1))
         return model.compute_logits(hidden), aux
+
+
+def head_forward(head, ids, positions, hidden):
+    """An MTP layer's draft logits [N, V] and next hidden [N, H] of one paged step over two
+    fresh requests (its own cache)."""
+    with torch.inference_mode():
+        out, nxt = head(ids, positions, hidden, kv=_paged(head))
+        return head.compute_logits(out), nxt
+
+
+def _nbytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _rank(rank, store, paths, results):
@@ -90,6 +114,16 @@ def _rank(rank, store, paths, results):
                 # numpy: pickled by value (a torch tensor would be shared through this process)
                 out[name, sp] = ([t.numpy() for t in paged_forward(full, ids, positions)],
                                  [t.numpy() for t in got], nbytes, ops)
+            hidden = torch.randn(N, 64, generator=torch.Generator().manual_seed(5))
+            for name in MTP_FOLDERS:  # the MTP layer over the full / the sharded target
+                full = load_head(paths[name], load_model(paths[name], torch.float32))
+                part = load_head(paths[name], load_model(paths[name], torch.float32, tp=grid.tp))
+                start = len(grid.dp.collectives)
+                got = head_forward(part, ids, positions, hidden)
+                ops = sorted({op for op, _ in grid.dp.collectives[start:]})
+                out[f"{name} MTP", sp] = (
+                    [t.numpy() for t in head_forward(full, ids, positions, hidden)],
+                    [t.numpy() for t in got], [_nbytes(part), _nbytes(full)], ops)
         dist.destroy_process_group()
         results.put((rank, out))
     except BaseException:  # noqa: BLE001 (the parent reports it)
@@ -101,7 +135,8 @@ def ranks():
     """{rank: {(model, sp): ((logits, aux) full, (logits, aux) TP=2, [bytes TP, bytes full],
     TP ops)}}."""
     with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
-        paths = {name: build(Path(tmp) / name) for name, build in BUILDERS.items()}
+        paths = {name: build(Path(tmp) / name)
+                 for name, build in {**BUILDERS, **MTP_BUILDERS}.items()}
         got = run_ranks(_rank, (f"{tmp}/store", paths), 2, TIMEOUT)
     for rank, out in got.items():
         assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
@@ -123,6 +158,25 @@ def test_sharded_forward_equals_the_full_model(ranks, name, sp):
         assert set(ops) == expected
     # both ranks gathered the same logits, bit for bit
     assert torch.equal(ranks[0][name, sp][1][0], ranks[1][name, sp][1][0])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("name", MTP_FOLDERS)
+def test_sharded_mtp_layer_equals_the_full_one(ranks, name, sp):
+    """The MTP layer loaded over each rank's sharded target (MLA or GQA split by heads, MoE
+    experts and the shared expert by width, its own embedding / lm_head copies by vocabulary)
+    gives the full layer's draft logits and next hidden; it reduces over the TP group (its
+    attention, its MoE, its embedding) and gathers its logits, and never runs the sequence-
+    parallel collectives (its input is the target's gathered hidden, every token on every
+    rank); each rank holds about half its bytes."""
+    for rank in (0, 1):
+        (logits, nxt), (tp_logits, tp_nxt), (tp_bytes, full_bytes), ops = \
+            ranks[rank][f"{name} MTP", sp]
+        torch.testing.assert_close(tp_logits, logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(tp_nxt, nxt, rtol=0, atol=1e-4)
+        assert set(ops) == {"tp_all_reduce", "tp_all_gather"}
+        assert 0.5 <= tp_bytes / full_bytes < 0.56
+    assert torch.equal(ranks[0][f"{name} MTP", sp][1][0], ranks[1][f"{name} MTP", sp][1][0])
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

@@ -101,6 +101,7 @@ class DecoderForCausalLM(nn.Module, Family):
     """
 
     tp = TPContext()  # this rank's TP group once layers.parallel.shard_model sharded the model
+    expert_placement = ExpertPlacement()  # this rank's routed experts (shard_model's)
     CONFIG_KEYS: frozenset[str] = MOE_CONFIG_KEYS
     # rotary caches some exporters save; MiMo's MTP layers (the head loader reads them)
     IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|model\.mtp_layers\..*")

@@ -15,20 +15,38 @@ the same prefix. One step (vLLM's ``deepseek_mtp.py``):
 serves every step (K > 1 runs it K times). It attends through layer 0 of the draft's own
 latent cache. E.g. a 3-layer tiny target: tensors ``model.layers.3.*``; the target loader
 skips them, this head reads nothing else of the folder.
+
+Sharded like the target (``load`` of a target that ``layers.parallel.shard_model`` sharded or
+whose experts it placed): the layer goes through the target's ``shard_layer`` -- MLA split by
+heads (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj`` columns; the latent projection and its
+cache row replicated), the MoE's routed experts the target's ``ExpertPlacement`` (EP: E/(D*T)
+whole; else E/D at width 1/T), its shared expert split by width -- and its own
+``embed_tokens`` / ``shared_head.head`` copies are vocab-parallel like the target's. A rank
+reads only its slices and its experts' tensors (fp8 blocks too: ``checkpoint.load_into``).
+``eh_proj``, the norms and the router stay whole. The layer's TP collectives never run under
+sequence parallelism: the head's input is the target's gathered hidden, on every token.
+E.g. T=2 (4 heads, 2 a rank): ``q_b_proj`` [2*48, 48], ``o_proj`` [64, 2*24], ``embed_tokens``
+rows 256.. on rank 1 of a 512-token vocabulary.
 """
 
 from __future__ import annotations
 
-import re
+from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from specdec.distributed import TPContext
+from specdec.models import checkpoint
 from specdec.models.config import ModelConfig
 from specdec.models.decoder import DecoderForCausalLM, DecoderLayer
-from specdec.models.deepseek import DeepseekV3ForCausalLM, build_layer, rotary, softmax_scale
-from specdec.models.heads.base import DraftHead, read_tensors
+from specdec.models.deepseek import (DeepseekV3ForCausalLM, build_layer, correction_bias_name,
+                                     rotary, softmax_scale)
+from specdec.models.heads.base import SKIPPED, DraftHead
 from specdec.models.layers.norm import RMSNorm
+from specdec.models.layers.parallel import (ExpertPlacement, Slices, place_experts,
+                                            shard_layer, vocab_parallel)
 from specdec.models.layers.rotary import RotaryEmbedding
 
 OWN_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
@@ -65,8 +83,6 @@ class DeepseekMtpHead(DraftHead):
             layer.shared_head.head = nn.Linear(h, config.vocab_size, bias=False)
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({str(self.index): layer})
-        self._bias = re.compile(rf"(model\.layers\.{self.index}\.mlp)\.gate\."
-                                r"e_score_correction_bias")
 
     @staticmethod
     def build_block(config: ModelConfig, index: int) -> DecoderLayer:
@@ -92,13 +108,54 @@ class DeepseekMtpHead(DraftHead):
     @classmethod
     def load(cls, path, target, aux_layer_ids=None):
         """The MTP layer of a ``FAMILY`` folder (the target's, or a head folder with the same
-        names and config): only ``model.layers.L.*`` is read."""
+        names and config): only ``model.layers.L.*`` is read, fp8 blocks dequantized
+        (``quantization_config``). Placed like ``target`` (its ``tp`` and
+        ``expert_placement``): built on the meta device, sharded (``shard``), and only this
+        rank's slices and experts read."""
         config = ModelConfig.from_folder(path, cls.FAMILY)
         prefix = f"model.layers.{config.num_hidden_layers}."
-        tensors = read_tensors(path, lambda name: not name.startswith(prefix))
-        head = cls.from_checkpoint(config, target, tensors)
-        head.load_tensors(tensors, path)
+        names = dict(checkpoint.iter_tensors(path, skip=lambda name: not name.startswith(prefix),
+                                             shape_only=lambda _: True))  # headers only
+        tp = replace(getattr(target, "tp", TPContext()), sequence_parallel=False)
+        experts = getattr(target, "expert_placement", ExpertPlacement())
+        sharded = tp.size > 1 or experts.size > 1
+        with torch.device("meta") if sharded else nullcontext():
+            head = cls.from_checkpoint(config, target, names)
+        slices, not_held = None, set()
+        if sharded:
+            whole = set(head.state_dict())
+            slices = head.shard(tp, experts)
+            not_held = whole - set(head.state_dict())  # the other ranks' experts: never read
+            head = head.to_empty(device="cpu")
+
+        def ignore(name: str) -> bool:
+            return not name.startswith(prefix) or name in not_held or \
+                SKIPPED.fullmatch(name) is not None
+
+        state = head.state_dict()
+        checkpoint.load_into(state, path, rename=correction_bias_name, ignore=ignore,
+                             weight_block_size=config.weight_block_size,
+                             shard=None if slices is None else slices.get)
         return head
+
+    def shard(self, tp: TPContext, experts: ExpertPlacement) -> Slices:
+        """Swap the layer's modules for this rank's, as ``layers.parallel.shard_model`` does
+        the target's layers (module docstring); -> the slice of every sharded tensor."""
+        out: Slices = {}
+        if tp.size == 1:
+            place_experts(self, tp, experts)
+            return out
+        layer, prefix = self.layer, f"model.layers.{self.index}."
+        shard_layer(layer, tp, prefix, out, experts, f"{type(self).__name__}'s MTP layer",
+                    self.index)
+        vocab = self.config.vocab_size
+        if hasattr(layer, "embed_tokens"):
+            layer.embed_tokens = vocab_parallel(layer.embed_tokens, vocab, tp,
+                                                prefix + "embed_tokens.weight", out)
+        if hasattr(layer.shared_head, "head"):
+            layer.shared_head.head = vocab_parallel(layer.shared_head.head, vocab, tp,
+                                                    prefix + "shared_head.head.weight", out)
+        return out
 
     @classmethod
     def holds_layer(cls, config: dict, names: set[str]) -> bool:
@@ -107,14 +164,6 @@ class DeepseekMtpHead(DraftHead):
 
     def kv_cache_spec(self):
         return [self.layer.mixer.kv_cache_spec()]
-
-    def load_tensors(self, tensors, path):
-        """HF's ``mlp.gate.e_score_correction_bias`` loads into ``mlp.e_score_correction_bias``."""
-        renamed = {}
-        for name, t in tensors.items():
-            m = self._bias.fullmatch(name)
-            renamed[f"{m[1]}.e_score_correction_bias" if m else name] = t
-        super().load_tensors(renamed, path)
 
     def forward(self, input_ids, positions, hidden, kv=None):
         layer = self.layer

@@ -177,8 +177,9 @@ class MoEMLP(nn.Module):
 
     def set_parallel(self, dp: DPContext) -> None:
         """Attach the DP group the tokens are exchanged over. A layer that still holds every
-        expert (a draft head, an in-memory model) keeps DP rank r's share, whole; one placed
-        at load (``layers.parallel.place_experts``) keeps what it holds."""
+        expert (a draft head or a model given in memory) keeps DP rank r's share, whole; one
+        placed at load (``layers.parallel.place_experts``, a target's or the MTP layer loaded
+        over it) keeps what it holds."""
         if len(self.experts) == self.num_experts:
             self.keep_experts(self.local_experts(dp.rank, dp.size))
         self.dp = dp

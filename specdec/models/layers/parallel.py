@@ -29,6 +29,9 @@ gathered, partial outputs reduce-scattered) and its TP reduction stay what they 
 ones' device and dtype) and returns ``{state-dict name: (dim, start, stop)}``: the slice of
 each full tensor this rank holds. The loader reads exactly that slice from the safetensors
 files (``checkpoint.load_into(shard=...)``); an in-memory model is sliced from its old state.
+Its pieces, ``shard_layer`` (one decoder layer) and ``vocab_parallel`` (one vocabulary table),
+also place a draft head's MTP layer like the target's layers (``heads.deepseek_mtp``: the same
+slices, the same experts, its own embedding / lm_head copies vocab-parallel).
 
 A fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) gets a list of such slices: this
 rank's rows of each part, read and concatenated in the parts' order.
@@ -261,44 +264,66 @@ class ExpertPlacement:
         return cls(dp_rank, dp_size)
 
 
+def shard_layer(layer: nn.Module, tp: TPContext, prefix: str, out: Slices,
+                experts: ExpertPlacement, owner: str, index: int) -> None:
+    """Decoder layer ``layer`` (checkpoint names under ``prefix``) onto this rank's TP layers:
+    its attention (GQA or MLA, by heads) and its MLP (split by width) or MoE (``experts``'
+    routed experts, the shared ones by width); ValueError naming ``owner`` (e.g. "the
+    DeepseekV3ForCausalLM family") for a layer of another kind. The target's layers and a
+    draft head's MTP layer (``heads.deepseek_mtp``) go through here."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not (isinstance(attn, (Attention, MLAttention)) and isinstance(mlp, (MLP, MoEMLP))):
+        raise ValueError(
+            f"tensor_parallel_size={tp.size}: {owner} is not sharded yet (layer {index}: "
+            f"{type(attn).__name__}, {type(mlp).__name__}); allowed: tensor_parallel_size=1")
+    shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
+    shard_attn(attn, tp, prefix + "self_attn.", out)
+    if isinstance(mlp, MoEMLP):
+        _shard_moe(mlp, tp, prefix + "mlp.", out, experts)
+    else:
+        _shard_mlp(mlp, tp, prefix + "mlp.", out, reduce=True)
+
+
+def vocab_parallel(old: nn.Module, vocab: int, tp: TPContext, name: str,
+                   out: Slices) -> nn.Module:
+    """An embedding table (-> ``VocabParallelEmbedding``) or an lm_head (-> ``ParallelLMHead``)
+    of ``vocab`` rows, holding this rank's V/T of them; ``out[name]``: those rows of the
+    checkpoint's ``name``. The target's embedding and lm_head, and an MTP layer's own copies
+    of them."""
+    v0, nv = _split(vocab, tp, "vocab_size")
+    if isinstance(old, nn.Embedding):
+        new = VocabParallelEmbedding(nv, old.embedding_dim, v0, tp)
+    else:
+        new = ParallelLMHead(old.in_features, nv, tp)
+    out[name] = (0, v0, v0 + nv)
+    return _like(new, old)
+
+
 def shard_model(model: nn.Module, tp: TPContext,
                 experts: ExpertPlacement = ExpertPlacement()) -> Slices:
     """Swap the target's layers for this rank's TP layers and keep its routed experts
     (``experts``; see the module docstring); -> the slice of every sharded tensor.
-    ``model``: a DecoderForCausalLM target."""
+    ``model``: a DecoderForCausalLM target; it keeps ``tp`` and ``expert_placement``
+    (``experts``), which its MTP layer is placed by (``heads.deepseek_mtp``)."""
     out: Slices = {}
     if tp.size == 1:
         place_experts(model, tp, experts)
+        model.expert_placement = experts
         return out
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise ValueError(f"tensor_parallel_size={tp.size}: {type(model).__name__} is not a "
                          "decoder family that can be sharded; allowed: tensor_parallel_size=1")
-    vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    v0, nv = _split(vocab, tp, "vocab_size")
-    old_embed = model.model.embed_tokens
-    model.model.embed_tokens = _like(VocabParallelEmbedding(nv, hidden, v0, tp), old_embed)
-    out["model.embed_tokens.weight"] = (0, v0, v0 + nv)
-    head = _like(ParallelLMHead(hidden, nv, tp), model.lm_head)
+    vocab = model.config.vocab_size
+    model.model.embed_tokens = vocab_parallel(model.model.embed_tokens, vocab, tp,
+                                              "model.embed_tokens.weight", out)
+    head = vocab_parallel(model.lm_head, vocab, tp, "lm_head.weight", out)
     if model.config.tie_word_embeddings:
         head.weight = model.model.embed_tokens.weight
     model.lm_head = head
-    out["lm_head.weight"] = (0, v0, v0 + nv)
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        sharded = isinstance(attn, (Attention, MLAttention)) and isinstance(mlp, (MLP, MoEMLP))
-        if not sharded:
-            raise ValueError(
-                f"tensor_parallel_size={tp.size}: the {type(model).__name__} family is not "
-                f"sharded yet (layer {i}: {type(attn).__name__}, {type(mlp).__name__}); "
-                "allowed: tensor_parallel_size=1")
-        prefix = f"model.layers.{i}."
-        shard_attn = _shard_mla if isinstance(attn, MLAttention) else _shard_attention
-        shard_attn(attn, tp, prefix + "self_attn.", out)
-        if isinstance(layer.mlp, MoEMLP):
-            _shard_moe(layer.mlp, tp, prefix + "mlp.", out, experts)
-        else:
-            _shard_mlp(layer.mlp, tp, prefix + "mlp.", out, reduce=True)
-    model.tp = tp
+        shard_layer(layer, tp, f"model.layers.{i}.", out, experts,
+                    f"the {type(model).__name__} family", i)
+    model.tp, model.expert_placement = tp, experts
     return out
 
 
