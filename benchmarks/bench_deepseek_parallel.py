@@ -22,8 +22,9 @@ layer 0 dense, layers 1-2 MoE of 4 routed experts + 1 shared, 4 MLA heads, and o
 - ``MoE fwd``: MoE layer forwards per decode step, counted with forward hooks in the one-rank
   run (target MoE layers + one per MTP-layer forward); ``check``: at D > 1 plan AR == 1 and
   MoE AG == MoE RS == MoE fwd (2 DP collectives per MoE layer forward), and at T > 1 TP AR ==
-  1 (embedding) + one per attention layer + one per dense MLP + one per target MoE layer
-  (the MTP layer is replicated and has its own embedding and head: no TP collective).
+  1 (embedding) + one per attention layer + one per dense MLP + one per target MoE layer,
+  + 3 per MTP-layer forward (the layer is sharded like the target's: its embedding copy,
+  its attention's o_proj, its MoE), and TP AG == 1 + one per MTP-layer forward (logits).
 - bytes per step: the recorded shape's element count x the element size. Rule: the plan's
   all-reduce is int32 (4 B); a step's first TP broadcast is the step's host buffer (uint8, 1
   B), a second one (a step that brings new prompts) int32; every other collective carries
@@ -34,7 +35,8 @@ layer 0 dense, layers 1-2 MoE of 4 routed experts + 1 shared, 4 MLA heads, and o
   broadcast S.
 - weights: each rank's model built in this process as its engine builds it
   (``registry.load_model(path, tp=TPContext(t, T), experts=ExpertPlacement.of(...))`` and the
-  MTP layer with its MoE given the rank's DP context) -- parameters + routing biases, bytes.
+  MTP layer loaded over it, placed like it, its MoE given the rank's DP context) --
+  parameters + routing biases, bytes.
 - tokens/s: generated tokens of all DP ranks / the longest DP rank's summed step wall time
   (start-up and load excluded; one launch per layout, no repeats). Every rank runs one torch
   thread, and the ranks of a layout share this machine's cores (2 here): multi-rank figures
@@ -200,12 +202,13 @@ def from_run(run) -> Measured:
                     run.ranks[0].collectives[1:-1])
 
 
-def expected_tp_all_reduces(path: Path) -> int:
-    """1 (embedding) + one per attention layer (o_proj) + one per dense MLP (down_proj) + one
-    per MoE layer (its single reduction) of the target."""
+def expected_tp_all_reduces(path: Path) -> tuple[int, int]:
+    """(the target's TP all-reduces per forward: 1 (embedding) + one per attention layer
+    (o_proj) + one per dense MLP (down_proj) + one per MoE layer (its single reduction), its
+    MoE layers). An MTP-layer forward adds 3 (its embedding, o_proj and MoE)."""
     target = load_model(path)
     layers = target.model.layers
-    return 1 + len(layers) + len(layers)
+    return 1 + len(layers) + len(layers), sum(isinstance(m, MoEMLP) for m in target.modules())
 
 
 # ---- tables -----------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def collect(path: Path, layouts: list[Layout], prompts: list, max_tokens: int, k
         got = run_data_parallel(jobs, lay.dp, engine=LLM, tp_size=lay.tp, timeout=600)
         for m, run in zip(methods, got):
             runs[lay.name, m] = from_run(run)
-    tp_ar = expected_tp_all_reduces(path)
+    tp_ar, target_moe = expected_tp_all_reduces(path)
 
     rows = []
     for lay in [LAYOUTS["one"]] + layouts:
@@ -278,8 +281,10 @@ def collect(path: Path, layouts: list[Layout], prompts: list, max_tokens: int, k
             if lay.dp > 1:  # the plan's one all-reduce, 2 DP collectives per MoE forward
                 ok &= mean["all_reduce"] == 1
                 ok &= mean["moe_all_gather"] == mean["moe_reduce_scatter"] == ref.moe_fwd
-            if lay.tp > 1:  # + one TP reduction per MoE layer of the target
-                ok &= mean["tp_all_reduce"] == tp_ar
+            if lay.tp > 1:  # + one TP reduction per MoE layer; 3 + 1 per MTP-layer forward
+                mtp_fwd = ref.moe_fwd - target_moe
+                ok &= mean["tp_all_reduce"] == tp_ar + 3 * mtp_fwd
+                ok &= mean["tp_all_gather"] == 1 + mtp_fwd
             b = [step_bytes(step, 4, lay.dp, lay.tp) for step in r.decode]
             dp_b, tp_b, ring = (statistics.mean(x[i] for x in b) for i in range(3))
             equal = (r.tokens, r.drafted, r.accepted) == (ref.tokens, ref.drafted, ref.accepted)
@@ -359,8 +364,9 @@ def r1_parts(D: int, T: int, ep: bool, c=R1) -> dict[str, dict[str, float]]:
     ..}: MLA split by heads (q_b_proj, kv_b_proj, o_proj / T; q_a_proj, kv_a_proj_with_mqa
     and the norms replicated), dense MLP, shared expert, embedding and lm_head / T, routers
     replicated, routed experts E/(D*T) whole (EP) or E/D at width 1/T (the same count); the
-    MTP layer replicated on every TP rank, its MoE keeping the DP rank's E/D experts whole
-    (``MoEMLP.set_parallel``), with its own embedding and head copies (unsharded)."""
+    MTP layer placed the same way (``heads.deepseek_mtp``: MLA by heads, its experts E/(D*T),
+    shared expert / T, ``eh_proj``, norms and router replicated), its own embedding and head
+    copies / T (vocab-parallel, as the target's)."""
     h, E, L = c["hidden"], c["experts"], c["layers"]
     moe = L - c["dense"]
     q_b = c["heads"] * (c["nope"] + c["rope"]) * c["q_lora"]
@@ -377,10 +383,10 @@ def r1_parts(D: int, T: int, ep: bool, c=R1) -> dict[str, dict[str, float]]:
         "shared experts + routers": {"fp8": moe * shared / T, "bf16": moe * E * h},
         "embedding": {"fp8": 0, "bf16": c["vocab"] * h / T},
         "lm_head + norm": {"fp8": 0, "bf16": c["vocab"] * h / T + h},
-        "MTP layer": {"fp8": latent + q_b + kv_b + o + expert * E / D + shared,
+        "MTP layer": {"fp8": latent + (q_b + kv_b + o) / T + expert * E / (D * T) + shared / T,
                       "bf16": 2 * h * h + E * h + mla_norms + 5 * h},
-        "MTP embedding": {"fp8": 0, "bf16": c["vocab"] * h},
-        "MTP head": {"fp8": 0, "bf16": c["vocab"] * h},
+        "MTP embedding": {"fp8": 0, "bf16": c["vocab"] * h / T},
+        "MTP head": {"fp8": 0, "bf16": c["vocab"] * h / T},
     }
 
 
@@ -419,18 +425,20 @@ def plan_rows(K: int, reqs: int = 32, ctx: int = 4096, c=R1) -> tuple[list, list
         # FLOPs: 2 x params x tokens; the routed experts on the D x tokens gathered
         routed = parts["routed experts"]["fp8"]
         per_tok = t_w / 2 - routed
-        m_routed = c["experts"] / D * 3 * h * c["moe_inter"]
+        m_routed = c["experts"] / (D * T) * 3 * h * c["moe_inter"]
         flops = 2 * (per_tok * N + routed * D * N) + sum(
             2 * ((m_w / 2 - m_routed) * n + m_routed * D * n) for n in mtp_tokens)
         # collectives: DP per MoE forward an all-gather and a reduce-scatter (+ the plan's
-        # all-reduce); TP per target forward 1 + L + dense + MoE all-reduces, the logits'
-        # all-gather and the step's broadcast (the MTP layer: none, replicated with copies)
+        # all-reduce); TP per target forward 1 + L + dense + MoE all-reduces and the logits'
+        # all-gather, per MTP-layer forward 3 all-reduces (its embedding copy, attention,
+        # MoE) and its logits' all-gather, and the step's broadcast
         moe_fwd = [N] * moe + mtp_tokens
         dp_ops = 1 + 2 * len(moe_fwd) if D > 1 else 0
         tp_ar = 1 + L + c["dense"] + moe if T > 1 else 0
-        tp_ops = tp_ar + 2 if T > 1 else 0
+        tp_ops = tp_ar + 3 * K + (1 + K) + 1 if T > 1 else 0
         dp_bytes = sum(2 * (D - 1) * n * h * 2 for n in moe_fwd)
-        tp_bytes = (2 * (T - 1) / T * N * h * 2 * tp_ar + (T - 1) * N * V / T * 2) if T > 1 else 0
+        tp_bytes = sum(2 * (T - 1) / T * n * h * 2 * ar + (T - 1) * n * V / T * 2
+                       for n, ar in [(N, tp_ar)] + [(n, 3) for n in mtp_tokens]) if T > 1 else 0
         tp_bw = NVLINK if T <= 8 else IB  # TP16 spans the 2 nodes
         comm = dp_bytes / IB + tp_bytes / tp_bw + (dp_ops + tp_ops) * LATENCY
         g = GPUS["H200"]

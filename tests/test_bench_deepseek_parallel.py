@@ -1,8 +1,8 @@
 """benchmarks/bench_deepseek_parallel at test size: DP=2 x TP=2 + EP, 2 prompts x 4 tokens,
 plain and padded MTP K=1 -- every row's collective check holds (the plan's one all-reduce,
 2 DP collectives per MoE forward, the TP reductions), the tokens equal one rank's, a rank
-holds 1/4 of the target's routed experts; and the R1 paper plan's arithmetic (671B in the
-main model, the collective counts per step)."""
+holds 1/4 of the target's routed experts and of its MTP layer's; and the R1 paper plan's
+arithmetic (671B in the main model, the collective counts per step, the MTP layer per rank)."""
 
 import pytest
 
@@ -27,8 +27,9 @@ def test_a_reduced_run_checks_out(tmp_path):
     assert [r[col["MoE AG"]] for r in sharded] == ["2", "3"]
     wcol = {name: i for i, name in enumerate(B.WEIGHT_HEADER)}
     ep = next(r for r in wrows if r[0] == "DP=2 x TP=2 + EP")
+    # the MTP layer placed like the target: 1/(D x T) of its routed experts too
     assert (ep[wcol["target routed / all"]], ep[wcol["MTP routed / all"]],
-            ep[wcol["target experts held"]]) == ("0.250", "0.500", "1")
+            ep[wcol["target experts held"]]) == ("0.250", "0.250", "1")
 
 
 def test_r1_paper_plan_arithmetic():
@@ -37,7 +38,12 @@ def test_r1_paper_plan_arithmetic():
     assert round(main / 1e9, 1) == 671.0
     mem, step = B.plan_rows(3)
     counts = {r[0]: r[2] for r in step}
-    # TP16: 1 + 61 + 3 + 58 all-reduces, the logits' all-gather, the step broadcast;
+    # TP16: 1 + 61 + 3 + 58 all-reduces, + 3 per MTP-layer forward (K = 3), the logits'
+    # all-gathers (the target's + one per MTP-layer forward), the step broadcast;
     # DP16 + EP: the plan's all-reduce + 2 x (58 target + 3 MTP-layer MoE forwards)
-    assert counts == {"TP16 (the seed)": "0 + 125", "DP2 x TP8 + EP": "123 + 125",
+    assert counts == {"TP16 (the seed)": "0 + 137", "DP2 x TP8 + EP": "123 + 137",
                       "DP16 + EP": "123 + 0"}
+    # the MTP layer placed like the target: at TP16 1/16 of it (and of its embedding and
+    # head copies) but the replicated latent projections, eh_proj, router and norms
+    mtp = {r[0]: r[1].split(" + ")[1] for r in mem}
+    assert mtp == {"TP16 (the seed)": "1.0B", "DP2 x TP8 + EP": "1.1B", "DP16 + EP": "2.9B"}
