@@ -244,10 +244,19 @@ def engine_kwargs(args) -> dict:
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 
-def build_llm(model: str | None, spec: dict | None, *, seed: int = 0, **kw):
+def build_llm(model: str | None, spec: dict | None, *, seed: int = 0,
+              synthetic: str | None = None, synthetic_init: str = "zeros",
+              draft_acceptance: list[float] | None = None, **kw):
     """``LLM(...)``; a config or engine construction error becomes a UsageError (one line).
-    ``data_parallel_size`` / ``tensor_parallel_size`` > 1: a launcher of the rank processes."""
+    ``data_parallel_size`` / ``tensor_parallel_size`` > 1: a launcher of the rank processes.
+    ``synthetic``: the shape's target and head built here (``models.synthetic``; ``seed`` its
+    weights' with ``synthetic_init`` "random"), drafting at ``draft_acceptance`` if given."""
     from specdec.engine.llm import LLM
+    if synthetic is not None:
+        kw |= synthetic_parts(synthetic, spec, model, synthetic_init, draft_acceptance, seed,
+                              kw)
+    elif draft_acceptance is not None:
+        raise UsageError("--draft-acceptance sets a synthetic head's rates: give --synthetic")
     if model is not None and not Path(model).exists():
         raise UsageError(f"--model={model!r} does not exist (an HF-style target folder is "
                          "needed)")
@@ -260,12 +269,52 @@ def build_llm(model: str | None, spec: dict | None, *, seed: int = 0, **kw):
     return llm
 
 
+def synthetic_parts(name: str, spec: dict | None, model: str | None, init: str,
+                    acceptance: list[float] | None, seed: int, kw: dict) -> dict:
+    """``LLM`` arguments of ``--synthetic NAME``: target, draft head and dtype (auto: the
+    shapes' bfloat16 on an accelerator, float32 on a CPU); UsageError naming the flag."""
+    import torch
+
+    from specdec.engine.config import DTYPE_ALIASES, DTYPES, auto_dtype
+    from specdec.models.synthetic import SHAPES, SYNTHETIC_DTYPE, synthetic_engine
+    if name not in SHAPES:
+        raise UsageError(f"--synthetic={name!r}: allowed {', '.join(SHAPES)}")
+    if model is not None:
+        raise UsageError("--synthetic builds its own target: give no model folder")
+    if kw.get("tensor_parallel_size", 1) > 1 or kw.get("data_parallel_size", 1) > 1:
+        raise UsageError("--synthetic runs on one rank: give no --tensor-parallel-size / "
+                         "--data-parallel-size")
+    k = spec["num_speculative_tokens"] if spec else 0
+    if acceptance is not None and len(acceptance) != k:
+        raise UsageError(f"--draft-acceptance={','.join(map(str, acceptance))}: give one rate "
+                         f"per draft position, {k} (num_speculative_tokens)")
+    device = torch.device(kw.get("device") or default_device())
+    dtype = kw.get("dtype", "auto")
+    dtype = auto_dtype(SYNTHETIC_DTYPE, device) if dtype == "auto" else \
+        DTYPES[DTYPE_ALIASES.get(dtype, dtype)] if isinstance(dtype, str) else dtype
+    try:
+        parts = synthetic_engine(name, spec["method"] if spec else None, dtype=dtype,
+                                 device=device, seed=seed, init=init, acceptance=acceptance)
+    except ValueError as e:
+        raise UsageError(f"--synthetic {name}: {e}") from None
+    return parts | dict(dtype=dtype)
+
+
 def ints(s: str) -> list[int]:
     """argparse type: "1,4,16" -> [1, 4, 16]."""
     try:
         return [int(x) for x in s.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+
+
+def floats(s: str) -> list[float]:
+    """argparse type: "0.75,0.6" -> [0.75, 0.6]."""
+    try:
+        return [float(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") \
+            from None
 
 
 def words(s: str) -> list[str]:

@@ -372,6 +372,15 @@ def test_synthetic_target_with_captured_padded_steps(tmp_path):
         assert s["ms_per_step"] > 0
         if c["method"] == "eagle3":
             assert s["acceptance_length"] == 3.0  # K=2, every draft accepted
+    # --draft-acceptance 0,0: the same head's drafts are never accepted
+    never = itl.run_sweep(itl.check_sweep(dict(sweep, methods=["eagle3"], modes=["padded"],
+                                               draft_acceptance=[0.0, 0.0])), Console(quiet=True))
+    assert never["configs"][0]["summary"]["acceptance_length"] == 1.0
+    with pytest.raises(UsageError, match="draft_acceptance sets a synthetic draft head's"):
+        itl.check_sweep(dict(draft_acceptance=[0.5]))
+    with pytest.raises(UsageError, match=r"draft_acceptance=\[0.5\]: give a rate per draft "
+                                         "position, at least 2"):
+        itl.check_sweep(dict(synthetic="llama-tiny", k=[1, 2], draft_acceptance=[0.5]))
     with pytest.raises(UsageError, match="synthetic='llama-2t'"):
         itl.check_sweep(dict(synthetic="llama-2t"))
     with pytest.raises(UsageError, match="graph_backend='xla'"):

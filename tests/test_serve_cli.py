@@ -165,3 +165,47 @@ def test_no_op_values_of_vllm_fields_and_user_change_nothing(server):
         r = httpx.post(f"{server.url}/v1/completions", json={**seeded, **extra}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
+def test_a_synthetic_shape_is_served_as_built_in_process(monkeypatch, capsys):
+    """``serve --synthetic llama-tiny --synthetic-init random`` (seeded weights, no download)
+    with EAGLE-3 K=2 serves the tokens the same shape built in this process gives."""
+    import torch
+
+    from specdec.models.synthetic import synthetic_engine
+
+    served = {}
+    monkeypatch.setattr(serve, "serve_until_signal",
+                        lambda app, sock, *a: served.update(app=app, sock=sock))
+    assert main(["serve", "--synthetic", "llama-tiny", "--synthetic-init", "random", "--seed",
+                 "3", "--method", "eagle3", "-k", "2", "--port", "0", "--max-model-len",
+                 "64"]) == 0
+    assert "synthetic-llama-tiny on http" in capsys.readouterr().out
+    served["sock"].close()
+    server, prompts = ServerThread(served["app"]), [[5, 6, 7], [200, 1, 2, 3, 4]]
+    try:
+        got = [httpx.post(f"{server.url}/v1/completions", timeout=60, json=dict(
+            prompt=p, max_tokens=8, ignore_eos=True, temperature=0, return_token_ids=True))
+            .json()["choices"][0]["token_ids"] for p in prompts]
+    finally:
+        server.close()
+    parts = synthetic_engine("llama-tiny", "eagle3", dtype=torch.float32, device="cpu", seed=3,
+                             init="random")
+    one = LLM(**parts, speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
+              max_model_len=64).generate(prompts, max_tokens=8, ignore_eos=True)
+    assert got == [o.token_ids for o in one]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--draft-acceptance", "0.5"], "--draft-acceptance sets a synthetic head's rates: give "
+                                    "--synthetic"),
+    (["--synthetic", "llama-tiny", "--method", "mtp", "-k", "2", "--draft-acceptance", "0.5"],
+     "give one rate per draft position, 2"),
+    (["--synthetic", "llama-tiny", "--method", "ngram", "--draft-acceptance", "0.5,0.4,0.3"],
+     "method='ngram' has none on llama-tiny"),
+    (["--synthetic", "llama-9b"], "--synthetic='llama-9b': allowed"),
+])
+def test_synthetic_flags_that_cannot_do_what_they_say_are_refused(argv, says, capsys):
+    assert main(["serve", *argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err

@@ -149,3 +149,36 @@ def test_zero_weights_accept_every_draft(name, method):
         prompts, max_tokens=1 + 2 * (k + 1), ignore_eos=True)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert all(o.num_decode_steps == 2 and o.acceptance_length == k + 1 for o in out)
+
+
+def test_a_draft_profile_is_accepted_at_its_rates_per_position():
+    """EAGLE-3 on Llama-3.1-8B's profile (.75, .6, .45 per position) on the zero-weight tiny
+    Llama with its MTP head: the engine's acceptance counts per draft position match the rates
+    within four binomial standard deviations (about 170 verifying steps), the tokens stay the
+    target's (all 0); padded and ragged drafting alike."""
+    rates = (0.75, 0.6, 0.45)
+    for padded in (True, False):
+        syn = build_synthetic("llama-tiny", torch.float32, "cpu", init="zeros",
+                              methods=("mtp",), acceptance=rates)
+        llm = LLM(target=syn.target, draft_head=syn.heads["mtp"], max_num_seqs=8,
+                  max_model_len=96, speculative_config={
+                      "method": "mtp", "num_speculative_tokens": 3,
+                      "disable_padded_drafter_batch": not padded})
+        out = llm.generate([[1, 2, 3]] * 8, max_tokens=60, ignore_eos=True)
+        assert {t for o in out for t in o.token_ids} == {0}
+        for d, rate in enumerate(rates):
+            drafted = sum(o.num_drafted[d] for o in out)
+            accepted = sum(o.num_accepted[d] for o in out)
+            sigma = (rate * (1 - rate) / drafted) ** 0.5
+            assert drafted > 150 and abs(accepted / drafted - rate) < 4 * sigma, \
+                (padded, d, accepted, drafted)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(acceptance=(0.5, 0.7)), "must not increase"),
+    (dict(acceptance=(1.5,)), r"each in \[0, 1\]"),
+    (dict(acceptance=(0.5,), init="random"), "needs init='zeros'"),
+])
+def test_a_draft_profile_refuses_rates_it_cannot_give(kw, says):
+    with pytest.raises(ValueError, match=says):
+        build_synthetic("llama-tiny", torch.float32, "cpu", **{"init": "zeros", **kw})

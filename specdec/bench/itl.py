@@ -48,9 +48,9 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  synthetic_model, weight_read)
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
 from specdec.engine.inputs import checkpoint_dtype
-from specdec.flags import UsageError, default_device, ints, words
+from specdec.flags import UsageError, default_device, floats, ints, words
 from specdec.graphs import BACKENDS
-from specdec.models.synthetic import SHAPES
+from specdec.models.synthetic import SHAPES, SYNTHETIC_DTYPE
 
 # ---- command line -----------------------------------------------------------------------------
 _ints, _words = ints, words  # the older private names (now in specdec.flags)
@@ -109,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", help=f"a synthetic target instead of --model: "
                    f"{', '.join(SHAPES)} (zero weights, heads to match: every draft accepted; "
                    "default: none)")
+    p.add_argument("--draft-acceptance", type=floats, dest="draft_acceptance", metavar="R,..",
+                   help="with --synthetic: the head's drafts accepted at these rates per "
+                        "position (e.g. 0.75,0.6,0.45, EAGLE-3 on Llama-3.1-8B), one per "
+                        "draft position up to the largest K (default: every draft accepted)")
     p.add_argument("--graph-backend", dest="graph_backend",
                    help=f"step wrapper of padded steps: {', '.join(BACKENDS)} (default: cuda_graph "
                         "on CUDA, else eager; ragged steps always run eager)")
@@ -142,7 +146,7 @@ def sweep_from_args(args) -> dict:
 
 def resolve_dtype(sweep: dict) -> str:
     """The sweep's dtype name: "auto" (the default) resolved as ``LLM`` does (the model's
-    checkpoint dtype, float32 on CPU or for a synthetic target), vLLM's aliases to their
+    checkpoint dtype or a synthetic target's bfloat16; float32 on CPU), vLLM's aliases to their
     names; any other value is left for ``check_sweep`` to judge."""
     import torch
     dtype = sweep.get("dtype", "auto")
@@ -152,7 +156,7 @@ def resolve_dtype(sweep: dict) -> str:
         device = torch.device(sweep["device"])
     except (RuntimeError, TypeError):  # check_sweep names the bad device
         device = torch.device("cpu")
-    ckpt = None if sweep.get("synthetic") else checkpoint_dtype(sweep.get("model"))
+    ckpt = SYNTHETIC_DTYPE if sweep.get("synthetic") else checkpoint_dtype(sweep.get("model"))
     try:
         return str(auto_dtype(ckpt, device)).removeprefix("torch.")
     except ValueError as e:

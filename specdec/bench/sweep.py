@@ -25,7 +25,7 @@ from specdec.engine.llm import DEFAULT_MODEL, LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
 from specdec.graphs import BACKENDS
-from specdec.models.synthetic import HEAD_METHODS, SHAPES, build_synthetic, weight_bytes
+from specdec.models.synthetic import SHAPES, DraftProfile, synthetic_engine, weight_bytes
 from specdec.platform import torch_device
 from specdec.train import data
 
@@ -40,7 +40,7 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
-                     k_schedule=None)
+                     k_schedule=None, draft_acceptance=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -127,6 +127,9 @@ def check_sweep(sweep: dict) -> dict:
         raise UsageError(f"sweep synthetic={s['synthetic']!r}: allowed {sorted(SHAPES)}")
     if s["synthetic"] is not None and (s["model"] is not None or s["dp"] > 1):
         raise UsageError("sweep synthetic= builds its own target: give no model, and dp=1")
+    if s["draft_acceptance"] is not None:
+        check_draft_acceptance(s["draft_acceptance"], max(s["k"]), s["synthetic"],
+                               "sweep draft_acceptance")
     budget = s["max_num_batched_tokens"]
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
                                or budget < 1):
@@ -322,16 +325,28 @@ class Engine:
     llm: object
 
 
+def check_draft_acceptance(rates, k: int, synthetic: str | None, name: str) -> None:
+    """UsageError naming ``name`` unless ``rates`` are a synthetic head's acceptance rates
+    (``models.synthetic.DraftProfile``) for at least ``k`` draft positions."""
+    if synthetic is None:
+        raise UsageError(f"{name} sets a synthetic draft head's rates: give a synthetic shape")
+    if not isinstance(rates, (list, tuple)) or len(rates) < k:
+        raise UsageError(f"{name}={rates!r}: give a rate per draft position, at least {k}")
+    try:
+        DraftProfile(rates, 0, "cpu")
+    except ValueError as e:
+        raise UsageError(f"{name}: {e}") from None
+
+
 def synthetic_model(sweep: dict, spec: dict | None) -> dict:
     """LLM(target=, draft_head=) of the sweep's synthetic shape (zero weights: every draft is
-    accepted, the real cost per step), or {} for a model folder."""
+    accepted, the real cost per step; with ``draft_acceptance``, drafts accepted at those rates
+    per position), or {} for a model folder."""
     if sweep["synthetic"] is None:
         return {}
-    method = spec["method"] if spec else None
-    target, heads = build_synthetic(sweep["synthetic"], dtype=DTYPES[sweep["dtype"]],
-                                    device=sweep["device"], init="zeros",
-                                    methods=(method,) if method in HEAD_METHODS else ())
-    return dict(target=target, draft_head=heads.get(method))
+    return synthetic_engine(sweep["synthetic"], spec["method"] if spec else None,
+                            dtype=DTYPES[sweep["dtype"]], device=sweep["device"],
+                            acceptance=sweep["draft_acceptance"])
 
 
 def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments,
-                           engine_kwargs, speculation_from_args)
+                           engine_kwargs, floats, speculation_from_args)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
@@ -25,6 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="target folder; heads in its sibling mtp/, eagle/, eagle3/ "
                         "(default: the embedded model)")
+    p.add_argument("--synthetic", default=None, metavar="SHAPE",
+                   help="a synthetic target instead of MODEL (specdec/models/synthetic.py: "
+                        "llama-tiny, llama-1b, llama-8b, deepseek-tiny, deepseek-16b), no "
+                        "download; prompts as token ids (default: none)")
+    p.add_argument("--synthetic-init", default="zeros", choices=("zeros", "random"),
+                   help="its weights: zeros (every logit ties: token 0, every draft accepted) "
+                        "or random (seeded by --seed)")
+    p.add_argument("--draft-acceptance", type=floats, default=None, metavar="R,..",
+                   help="with --synthetic and a head method: drafts accepted at these rates "
+                        "per position, one per draft position (e.g. 0.75,0.6,0.45; default: "
+                        "every draft accepted)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as model (default: --model, or specdec-default)")
     add_speculation_arguments(p)
@@ -148,6 +159,11 @@ def run_from_args(args) -> int:
     kwargs = dict(model=args.model, spec=spec, seed=args.seed, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
+    if args.synthetic is not None:
+        kwargs.update(synthetic=args.synthetic, synthetic_init=args.synthetic_init,
+                      draft_acceptance=args.draft_acceptance)
+    elif args.draft_acceptance is not None:
+        raise UsageError("--draft-acceptance sets a synthetic head's rates: give --synthetic")
     ranks = kwargs.get("data_parallel_size", 1) * kwargs.get("tensor_parallel_size", 1)
     if ranks > 1:  # one engine per rank, their leaders behind this process
         if stub:
@@ -167,7 +183,8 @@ def run_from_args(args) -> int:
     except UsageError:  # taken since the check above
         engine.discard()
         raise
-    name = args.served_model_name or args.model or "specdec-default"
+    name = args.served_model_name or args.model or (
+        f"synthetic-{args.synthetic}" if args.synthetic else "specdec-default")
     k = spec["num_speculative_tokens"] if spec else 0
     app = app_over(engine, served_model(name, info.tokenizer, info.model_dir,
                                         info.max_model_len, info.vocab_size, k,

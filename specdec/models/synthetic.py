@@ -33,6 +33,13 @@ frequent tokens are sorted), so ``d2t[0] = 0`` and the draft is the target's own
 (id 0). The published heads also ship ``t2d`` (the [V] bool mask of those ids): Eagle3Head
 skips it as vLLM does, so the synthetic head holds none (128 KB for llama-8b's).
 
+``acceptance=(r1, ..., rK)`` (zero weights only) gives every head a ``DraftProfile``: the
+target's argmax is token 0 at every position, and the head's draft at depth d is 0 (accepted)
+with probability ``r_d / r_{d-1}`` and token 1 (rejected) otherwise, drawn from its own seeded
+generator on the device, so draft position d is accepted at rate ``r_d`` -- vLLM's acceptance
+rate per position (EAGLE-3 on Llama-3.1-8B: about .75, .6, .45 at K=3, vLLM issue #20780) --
+at the head's real cost per step.
+
 Fast to build: every module is created on the meta device, cast, then materialised on
 ``device`` with ``to_empty`` and filled in place (matrices ~ N(0, 0.02), the projections
 into the residual stream N(0, 0.02 / sqrt(2 L)) as GPT-2 does, norms 1, biases and buffers 0,
@@ -100,7 +107,39 @@ HEAD_METHODS = ("mtp", "eagle", "eagle3")  # every method some shape has
 FAMILY_METHODS = {LlamaForCausalLM: HEAD_METHODS, DeepseekV3ForCausalLM: ("mtp",)}
 FAMILIES = {cls.__name__: cls for cls in FAMILY_METHODS}
 INITS = ("random", "zeros")
+SYNTHETIC_DTYPE = "bfloat16"  # the shapes' torch_dtype: dtype "auto" on an accelerator
 INIT_STD = 0.02
+
+
+class DraftProfile:
+    """Drafts at a set acceptance rate per position over a zero-weight target (argmax 0).
+
+    rates [K]: the rate at which draft position d is accepted, non-increasing in [0, 1]
+    (position d is reached only through d-1): the draft at depth d is token 0 with probability
+    ``rates[d] / rates[d-1]`` (``rates[0]`` at depth 0; 0 after a rate of 0), else token 1.
+    ``apply`` draws on the device from its own generator: no host read.
+
+    Example: rates (0.75, 0.6, 0.45) -> depth probabilities (0.75, 0.8, 0.75)."""
+
+    def __init__(self, rates, seed: int, device: torch.device):
+        rates = tuple(rates)
+        if not rates or any(not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0
+                            for r in rates):
+            raise ValueError(f"acceptance={list(rates)}: allowed one rate per draft position, "
+                             "each in [0, 1]")
+        if any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"acceptance={list(rates)}: rates must not increase with the "
+                             "position (position d is reached only through position d-1)")
+        self.rates = rates
+        depth = [r / before if before > 0 else 0.0 for r, before in zip(rates, (1.0, *rates))]
+        self.depth_probability = torch.tensor(depth, dtype=torch.float32, device=device)
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def apply(self, drafts: torch.Tensor) -> torch.Tensor:
+        """drafts [R, k] int32 (k <= K) -> [R, k] int32 of 0 (accepted) and 1 (rejected)."""
+        u = torch.rand(drafts.shape, generator=self.generator, device=drafts.device)
+        hit = u < self.depth_probability[:drafts.shape[1]]
+        return (~hit).to(drafts.dtype)
 
 
 class Synthetic(NamedTuple):
@@ -112,7 +151,7 @@ def synthetic_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"synthetic model {name!r}: allowed {sorted(SHAPES)}")
     shape = SHAPES[name]
-    return ModelConfig.from_dict({**shape, "torch_dtype": "bfloat16", "bos_token_id": 0,
+    return ModelConfig.from_dict({**shape, "torch_dtype": SYNTHETIC_DTYPE, "bos_token_id": 0,
                                   "eos_token_id": 0},
                                  FAMILIES[shape["architectures"][0]])
 
@@ -124,13 +163,18 @@ def head_methods(name: str) -> tuple[str, ...]:
 
 def build_synthetic(name: str, dtype: torch.dtype = torch.bfloat16,
                     device: str | torch.device = "cpu", seed: int = 0,
-                    methods: tuple[str, ...] | None = None, init: str = "random") -> Synthetic:
+                    methods: tuple[str, ...] | None = None, init: str = "random",
+                    acceptance: tuple[float, ...] | None = None) -> Synthetic:
     """The target ``name`` and a head per method in ``methods`` (default: every one of
     ``head_methods(name)``), in ``dtype`` on ``device``, eval mode; the same ``seed`` gives the
-    same weights on the same device. ``init`` in INITS."""
+    same weights on the same device. ``init`` in INITS; ``acceptance``: each head's
+    ``DraftProfile`` rates (``init="zeros"`` only: the target's argmax is known then)."""
     config = synthetic_config(name)
     if init not in INITS:
         raise ValueError(f"init={init!r}: allowed {INITS}")
+    if acceptance is not None and init != "zeros":
+        raise ValueError(f"acceptance={list(acceptance)} needs init='zeros' (the target's "
+                         f"argmax is token 0 only then), not init={init!r}")
     allowed = head_methods(name)
     methods = allowed if methods is None else methods
     unknown = sorted(set(methods) - set(allowed))
@@ -146,7 +190,26 @@ def build_synthetic(name: str, dtype: torch.dtype = torch.bfloat16,
         if gen is not None:
             _init_(module, gen, config.num_hidden_layers, init)
         module.eval()
+    if acceptance is not None:
+        for head in heads.values():
+            head.draft_profile = DraftProfile(acceptance, seed, device)
     return Synthetic(target, heads)
+
+
+def synthetic_engine(name: str, method: str | None, *, dtype: torch.dtype,
+                     device: str | torch.device, seed: int = 0, init: str = "zeros",
+                     acceptance: tuple[float, ...] | None = None) -> dict:
+    """``LLM(target=, draft_head=)`` arguments: the synthetic ``name`` and its head for
+    ``method`` (None for a method no shape has a head for: ngram, suffix, none); with
+    ``acceptance`` the head drafts at those rates (``DraftProfile``)."""
+    has_head = method in head_methods(name)
+    if acceptance is not None and not has_head:
+        raise ValueError(f"acceptance={list(acceptance)} sets a draft head's rates; "
+                         f"method={method!r} has none on {name} (allowed: "
+                         f"{list(head_methods(name))})")
+    target, heads = build_synthetic(name, dtype, device, seed, (method,) if has_head else (),
+                                    init, acceptance)
+    return dict(target=target, draft_head=heads.get(method))
 
 
 def _head(name: str, method: str, target: DecoderForCausalLM) -> DraftHead:

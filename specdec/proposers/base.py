@@ -206,6 +206,8 @@ class HeadProposer(PaddedProposer):
                  dtype: torch.dtype, backend: Backend = EAGER, **sizes):
         super().__init__(config, **sizes)
         self.head = head
+        # a synthetic head's set acceptance (models/synthetic.DraftProfile); None: its drafts
+        self.draft_profile = getattr(head, "draft_profile", None)
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
                           self.device)
         self.hidden_size = head.config.hidden_size
@@ -252,6 +254,10 @@ class HeadProposer(PaddedProposer):
     @torch.inference_mode()
     def propose(self, x: DraftInputs) -> torch.Tensor:
         """Draft tokens [Bp, K] (padded) or [B, K] (ragged) int32 for one step."""
+        drafts = self._propose(x)
+        return drafts if self.draft_profile is None else self.draft_profile.apply(drafts)
+
+    def _propose(self, x: DraftInputs) -> torch.Tensor:
         if not self.config.is_padded:
             return self._propose_ragged(x)
         plan, a = x.plan, x.attn
