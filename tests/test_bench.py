@@ -232,6 +232,24 @@ def test_the_step_budget_reaches_the_engine(budget):
                    else {("none", True, 0): 300, ("mtp", True, 3): 300})
 
 
+def test_num_prompts_runs_a_closed_loop_as_bench_serve_sends_requests():
+    """num_prompts=5 at concurrency 2 (``--num-prompts``): two requests at t0, the next two
+    as those finish, then the last -- steps of 2, 2, 2, 2, 2, 2, 1, 1, 1 requests for 3 tokens
+    each (one batch would step 5 at a time) -- and each request's TTFT counts from when it was
+    added (about a step), not from t0."""
+    from specdec import LLM
+    llm = LLM(max_model_len=32, max_num_seqs=2)
+    prompts = [[5 + i, 6, 7, 8] for i in range(5)]
+    raw = bench_sweep.measure(llm, prompts, 3, 0.0, concurrency=2)
+    assert [s.num_reqs for s in llm.steps] == [2, 2, 2, 2, 2, 2, 1, 1, 1]
+    assert raw["output_tokens"] == 15 and len(raw["ttft_s"]) == 5
+    assert max(raw["ttft_s"]) < raw["wall_s"] / 3
+    with pytest.raises(UsageError, match="num_prompts=0: allowed an int >= 1"):
+        itl.check_sweep(dict(num_prompts=0))
+    with pytest.raises(UsageError, match="closed loop on one rank: give dp=1"):
+        itl.check_sweep(dict(num_prompts=8, dp=2))
+
+
 @pytest.mark.parametrize("path", sorted((Path(itl.__file__).parent / "sweeps").glob("*.*")),
                          ids=lambda p: p.name)
 def test_example_sweep_files_are_valid(path):

@@ -126,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K per step for every speculative config: speculative_config's "
                         "num_speculative_tokens_per_batch_size, e.g. '[[1, 4, 3], [5, 64, 0]]' "
                         "(batch sizes 1-4 draft 3, 5-64 none; default: K every step)")
+    p.add_argument("--num-prompts", type=int, dest="num_prompts", metavar="N",
+                   help="requests per run, sent as bench serve sends them: a closed loop of "
+                        "--concurrency in flight, a new one as one finishes (default: one "
+                        "batch of --concurrency requests)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

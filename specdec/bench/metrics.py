@@ -6,8 +6,9 @@ import numpy as np
 DEFINITIONS = {
     "itl": "per output token after a request's first chunk: (gap to the previous chunk) / "
            "(tokens in the chunk); per request they add up to e2e - ttft",
-    "ttft": "first chunk arrival - t0 (all requests of a run are added at t0)",
-    "e2e": "last chunk arrival - t0",
+    "ttft": "first chunk arrival - the request's add (one batch: every request added at t0; "
+            "num_prompts: a closed loop, concurrency requests at t0, then one as one finishes)",
+    "e2e": "last chunk arrival - the request's add",
     "tpot": "(e2e - ttft) / (output tokens - 1), per request",
     "output_tokens_per_s": "output tokens of the run / (last step end - t0)",
     "acceptance_length": "1 + accepted / verify_steps, pooled over requests; verify_steps = "

@@ -22,7 +22,7 @@ from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
 from specdec.config import SpeculativeConfig
 from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL, LLM
-from specdec.engine.sequence import SamplingParams
+from specdec.engine.sequence import SamplingParams, Status
 from specdec.flags import BENCH_METHODS, UsageError, build_llm, speculative_config
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES, DraftProfile, synthetic_engine, weight_bytes
@@ -40,7 +40,7 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
-                     k_schedule=None, draft_acceptance=None)
+                     k_schedule=None, draft_acceptance=None, num_prompts=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -127,6 +127,12 @@ def check_sweep(sweep: dict) -> dict:
         raise UsageError(f"sweep synthetic={s['synthetic']!r}: allowed {sorted(SHAPES)}")
     if s["synthetic"] is not None and (s["model"] is not None or s["dp"] > 1):
         raise UsageError("sweep synthetic= builds its own target: give no model, and dp=1")
+    n = s["num_prompts"]
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise UsageError(f"sweep num_prompts={n!r}: allowed an int >= 1 or none (none: one "
+                         "batch of concurrency prompts)")
+    if n is not None and s["dp"] > 1:
+        raise UsageError("sweep num_prompts= runs a closed loop on one rank: give dp=1")
     if s["draft_acceptance"] is not None:
         check_draft_acceptance(s["draft_acceptance"], max(s["k"]), s["synthetic"],
                                "sweep draft_acceptance")
@@ -204,25 +210,38 @@ class ReqStats:
     drafted: list[int]  # per draft position
     accepted: list[int]  # per draft position
     verify_steps: int  # steps in which this request verified drafts
+    sent: float = 0.0  # when it was added, seconds after the run's t0
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, temperature: float) -> dict:
-    """Run one batch to completion on a single-rank engine; -> raw figures (see run_figures)."""
+def measure(llm, prompts: list[list[int]], output_len: int, temperature: float,
+            concurrency: int | None = None) -> dict:
+    """Run the prompts to completion on a single-rank engine; -> raw figures (see
+    run_figures). ``concurrency`` None: one batch, every prompt added at t0; else a closed
+    loop, as ``bench serve`` sends them: ``concurrency`` prompts at t0, then one more each time
+    one finishes (added before the next step)."""
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     first_step = len(llm.steps)
+    waiting, running, sent = list(prompts), [], []  # sent: (request, seconds after t0)
+    limit = concurrency or len(prompts)
     t0 = time.perf_counter()
-    reqs = [llm.add_request(p, params) for p in prompts]
     times = []  # end of each step, seconds after t0
-    while llm.step() is not None:
+    while True:
+        running = [r for r in running if r.status is not Status.FINISHED]
+        while waiting and len(running) < limit:
+            running.append(llm.add_request(waiting.pop(0), params))
+            sent.append((running[-1], time.perf_counter() - t0))
+        if llm.step() is None:
+            break
         times.append(time.perf_counter() - t0)
     stats = [ReqStats(r.request_id, len(r.output_token_ids), r.num_drafted, r.num_accepted,
-                      r.num_steps_decoding) for r in reqs]
+                      r.num_steps_decoding, t) for r, t in sent]
     return run_figures(stats, llm.steps[first_step:], times)
 
 
 def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
     """Raw figures of one run (seconds). ``steps[i]`` (a StepRecord) ended ``times[i]`` s after
-    t0, the moment all requests were added; a request's chunks are its steps with new tokens."""
+    t0, the run's start; a request's chunks are its steps with new tokens, its TTFT and E2E
+    count from when it was sent."""
     chunks = {r.request_id: [] for r in reqs}  # request id -> [(arrival, tokens)]
     for rec, t in zip(steps, times, strict=True):
         for rid, n in rec.new_tokens.items():
@@ -231,8 +250,8 @@ def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
     itl, ttft, e2e, tpot = [], [], [], []
     for r in reqs:
         arrivals = chunks[r.request_id]
-        ttft.append(arrivals[0][0])
-        e2e.append(arrivals[-1][0])
+        ttft.append(arrivals[0][0] - r.sent)
+        e2e.append(arrivals[-1][0] - r.sent)
         tpot.append((e2e[-1] - ttft[-1]) / max(r.num_output - 1, 1))
         for (prev, _), (t, n) in zip(arrivals, arrivals[1:]):
             itl += [(t - prev) / n] * n
@@ -387,7 +406,8 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
     """Run each config once, in the given order (one DP spawn for all under DP); -> raw figures
     in that order. ``on_done(config)`` is called as each finishes."""
     def job(c):
-        prompts = source.prompts(c.concurrency, c.prompt_len, prompt_seed, sweep["workload"])
+        prompts = source.prompts(sweep["num_prompts"] or c.concurrency, c.prompt_len,
+                                 prompt_seed, sweep["workload"])
         params = SamplingParams(max_tokens=c.output_len, temperature=sweep["temperature"],
                                 ignore_eos=True)
         return prompts, params
@@ -398,7 +418,7 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
             prompts, params = job(c)
             try:
                 raws.append(measure(engines[c.engine_key].llm, prompts, c.output_len,
-                                    sweep["temperature"]))
+                                    sweep["temperature"], c.concurrency))
             except Exception as e:  # one failing config must not lose the sweep
                 raws.append(dict(error=f"{type(e).__name__}: {e}"))
             on_done(c)
