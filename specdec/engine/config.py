@@ -29,13 +29,15 @@ SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 DEFAULT_MAX_MODEL_LEN = 512  # or the model's max_position_embeddings when smaller
+DEFAULT_MAX_NUM_SEQS = 16
 MAX_SIZED_SEQS = 256  # the most request rows gpu_memory_utilization sizes
 
 
 @dataclass(slots=True)
 class EngineConfig:
     max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, bounded by the model
-    max_num_seqs: int | None = 16  # None: sized from gpu_memory_utilization (size_kv_cache)
+    # None: sized from gpu_memory_utilization (size_kv_cache)
+    max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 256
     block_size: int = 16
     # normalised to a torch.dtype; "auto": auto_dtype(checkpoint_dtype, device)

@@ -353,10 +353,22 @@ class ProcessEngine(EngineFrontend):
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.conn.fileno(), self._on_readable)
 
+    async def account(self, reset: bool = False) -> dict | None:
+        """``serve --account``: the engine process's account (``reset``: zero it; None)."""
+        if reset:
+            self._send(("account_reset",))
+            return None
+        self._account_reply = asyncio.get_running_loop().create_future()
+        self._send(("account",))
+        return await self._account_reply
+
     def _on_readable(self) -> None:
         try:
             while self.conn.poll():
                 out = self.conn.recv()
+                if isinstance(out, tuple):  # ("account", report): serve --account
+                    self._account_reply.set_result(out[1])
+                    continue
                 self._gauges = (out.running, out.waiting, out.free_blocks)
                 self._dispatch(out)
         except (EOFError, ConnectionResetError, OSError):

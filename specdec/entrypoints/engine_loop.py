@@ -9,8 +9,10 @@ in-process LLM: the tests inject faults there) or in a separate process (``specd
 waits for HTTP parsing, SSE writing or detokenization, and they never wait for a step.
 
 Messages to the engine process: ``("add", request_id, prompt_token_ids, SamplingParams)``,
-``("abort", request_id, reason)``, ``("shutdown",)``. From it: one ``EngineInfo`` when ready (or
-``("error", message)`` when the LLM cannot be built), then ``CoreOutput`` messages.
+``("abort", request_id, reason)``, ``("shutdown",)``; with ``serve --account``,
+``("account",)`` (answered ``("account", report)``) and ``("account_reset",)``. From it: one
+``EngineInfo`` when ready (or ``("error", message)`` when the LLM cannot be built), then
+``CoreOutput`` messages.
 """
 
 import gc
@@ -19,6 +21,7 @@ import signal
 from dataclasses import dataclass, field
 
 from specdec.engine.sequence import Request, SamplingParams, Status
+from specdec.entrypoints.account import Account, count_engine
 
 
 @dataclass
@@ -178,6 +181,7 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     from specdec.flags import UsageError, build_llm
     stub = llm_kwargs.pop("stub_tokens_per_step", None)  # a benchmark tool: stub_engine.py
+    account = Account() if llm_kwargs.pop("account", False) else None  # serve --account
     try:
         if stub is None:
             llm = build_llm(**llm_kwargs)
@@ -188,6 +192,10 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
         conn.send(("error", str(e)))
         return
     core = EngineLoop(llm)
+    send, wait = conn.send, conn.recv
+    if account is not None:
+        count_engine(account, core)
+        send, wait = account.timed(conn.send, "send"), account.timed(conn.recv, "wait")
     # the engine lives as long as this process: what start-up made (torch, the model, the
     # graphs) goes to the permanent generation, so a full collection while serving scans
     # only what serving made (a full collection of it all: ~120 ms here, a stalled step)
@@ -196,19 +204,25 @@ def run_engine_process(conn, llm_kwargs: dict, num_threads: int) -> None:
     conn.send(EngineInfo.of(llm))
     try:
         while True:
-            messages = [] if core.has_work() else [conn.recv()]  # idle: block until asked
+            messages = [] if core.has_work() else [wait()]  # idle: block until asked
             while conn.poll():
                 messages.append(conn.recv())
             updates = []
             for m in messages:
                 if m[0] == "shutdown":
                     return
+                if m[0] == "account":  # serve --account's requests
+                    send(("account", account.report()))
+                    continue
+                if m[0] == "account_reset":
+                    account.reset()
+                    continue
                 update = core.add(*m[1:]) if m[0] == "add" else core.abort(*m[1:])
                 if update is not None:
                     updates.append(update)
             out = core.step() if core.has_work() else CoreOutput(None, [], *core.gauges())
             out.updates[:0] = updates
             if out.step is not None or out.updates:
-                conn.send(out)
+                send(out)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the API process is gone
         return

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="benchmark tool: a stub engine (no model) whose steps take no time and "
                         "give each request TOKENS_PER_STEP tokens of its prompt "
                         "(benchmarks/bench_served_stub.py)")
+    p.add_argument("--account", action="store_true",
+                   help="benchmark tool: count the wall and CPU time of each part of a served "
+                        "token in both processes, served at GET /account (POST /account/reset "
+                        "zeroes it; specdec/entrypoints/account.py; default: off)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
@@ -166,6 +170,9 @@ def run_from_args(args) -> int:
         raise UsageError("--draft-acceptance sets a synthetic head's rates: give --synthetic")
     ranks = kwargs.get("data_parallel_size", 1) * kwargs.get("tensor_parallel_size", 1)
     if ranks > 1:  # one engine per rank, their leaders behind this process
+        if args.account:
+            raise UsageError("--account counts one engine process: give it without "
+                             "--tensor-parallel-size / --data-parallel-size")
         if stub:
             raise UsageError("--stub-engine has no ranks: give it without "
                              "--tensor-parallel-size / --data-parallel-size")
@@ -173,7 +180,8 @@ def run_from_args(args) -> int:
         engine = ParallelEngine(kwargs, num_threads=max(1, threads // ranks),
                                 max_waiting=args.max_waiting)
     else:
-        engine = ProcessEngine(kwargs | stub, num_threads=threads, max_waiting=args.max_waiting)
+        engine = ProcessEngine(kwargs | stub | ({"account": True} if args.account else {}),
+                               num_threads=threads, max_waiting=args.max_waiting)
     try:
         info = engine.start_process()
     except RuntimeError as e:
@@ -191,6 +199,9 @@ def run_from_args(args) -> int:
                                         args.per_request_spec_decode_metrics == "summary",
                                         info.eos_token_ids),
                    args.shutdown_timeout, args.max_request_bytes)
+    if args.account:
+        from specdec.entrypoints.account import serve_account
+        serve_account(app, engine)
     host = f"[{args.host}]" if ":" in args.host else args.host
     chosen = "" if info.config is None else f"; {info.config.describe(args.device is None)}"
     print(f"specdec serve: {name} on http://{host}:{sock.getsockname()[1]} "

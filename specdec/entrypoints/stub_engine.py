@@ -15,6 +15,7 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+from specdec.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from specdec.engine.outputs import StepRecord
 from specdec.engine.sequence import Request, Status
 from specdec.models.checkpoint import load_tokenizer
@@ -59,9 +60,11 @@ class StubLLM:
 
     @classmethod
     def from_kwargs(cls, tokens_per_step: int, llm_kwargs: dict) -> "StubLLM":
-        """From ``specdec serve``'s engine kwargs (the ones a stub has a use for)."""
-        return cls(tokens_per_step, llm_kwargs.get("model"), llm_kwargs["max_num_seqs"],
-                   llm_kwargs["max_model_len"])
+        """From ``specdec serve``'s engine kwargs (the ones a stub has a use for; sizes not
+        given: ``LLM``'s defaults)."""
+        return cls(tokens_per_step, llm_kwargs.get("model"),
+                   llm_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS,
+                   llm_kwargs.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
 
     def add_request(self, prompt_token_ids: list[int], params, request_id: str) -> Request:
         if params.logprobs is not None or params.prompt_logprobs is not None:
