@@ -75,19 +75,31 @@ def test_experts_split_across_dp_ranks():
     (1, 0, False, [2, 3], 16), (1, 1, False, [2, 3], 16), (0, 1, True, [1], 32),
     (1, 1, True, [3], 32)])
 def test_routed_experts_placed_over_the_grid_load_only_their_tensors(
-        tmp_path, dp_rank, tp_rank, ep, held, width):
+        tmp_path, monkeypatch, dp_rank, tp_rank, ep, held, width):
     """DeepSeek-V3 (4 routed experts of width 32, a shared expert), D=2 x T=2: DP rank d keeps
     experts 2d, 2d+1 split in half over its TP ranks; with expert parallelism rank 2d+t keeps
     expert 2d+t whole. Each rank holds 1/4 of the routed experts' bytes, reads none of the
-    others' tensors (a checkpoint without them loads), and its shared expert is split over TP."""
+    others' tensors (none comes out of the files, and a checkpoint without them loads), and its
+    shared expert is split over TP."""
     import hf_deepseek
     from specdec.distributed import TPContext
+    from specdec.models import checkpoint
     from specdec.models.layers.parallel import ExpertPlacement
     from specdec.models.registry import load_model
     path = hf_deepseek.build_deepseek_v3(tmp_path / "ds")
     placement = ExpertPlacement.of(TPContext(tp_rank, 2), dp_rank, 2, ep)
     full = load_model(path)
+    read, iter_tensors = [], checkpoint.iter_tensors
+
+    def reading(*args, **kwargs):  # the tensors a load takes out of the files
+        for name, t in iter_tensors(*args, **kwargs):
+            read.append(name)
+            yield name, t
+    monkeypatch.setattr(checkpoint, "iter_tensors", reading)
     part = load_model(path, tp=TPContext(tp_rank, 2), experts=placement)
+    experts_read = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in read
+                    if ".mlp.experts." in n}
+    assert experts_read == set(held)
     for moe, whole in ((m.mlp, f.mlp) for m, f in zip(part.model.layers[1:],
                                                        full.model.layers[1:])):
         assert sorted(map(int, moe.experts)) == held

@@ -445,8 +445,8 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     memory is about one weight file on top of ``dest``.
 
     ``rename(name)`` maps a checkpoint name to a ``dest`` name (None skips the tensor);
-    ``ignore(name)``, on the renamed name, skips it when true (a safetensors file then reads
-    none of its bytes, unless ``convert`` rewrites the names first). After all files, one ValueError
+    ``ignore(name)``, on the renamed name, skips it when true (a skipped tensor's bytes are
+    never read from a safetensors file, unless ``convert`` rewrites the names first). After all files, one ValueError
     naming every missing (in ``dest``, not in the checkpoint), unexpected (not in ``dest``) and
     wrongly shaped tensor; ``iter_tensors``' errors on the way. ``weight_block_size``: the
     checkpoint is block-quantized FP8 (``quantization_config``): each fp8 weight is dequantized
@@ -460,12 +460,12 @@ def load_into(dest: dict[str, torch.Tensor], path: str | Path, *,
     """
     seen, unexpected, bad = set(), set(), []
     by_stored = skip = None
-    if ignore is not None and convert is None:
-        def skip(name: str) -> bool:
+    if (ignore is not None or rename is not None) and convert is None:
+        def skip(name: str) -> bool:  # never read what would be dropped
             weight = name.removesuffix(SCALE_SUFFIX) + ".weight" \
                 if name.endswith(SCALE_SUFFIX) else name  # an fp8 scale goes with its weight
             renamed = rename(weight) if rename is not None else weight
-            return renamed is not None and ignore(renamed)
+            return renamed is None or (ignore is not None and ignore(renamed))
     if shard is not None:
         def by_stored(name: str):
             scale = weight_block_size is not None and name.endswith(SCALE_SUFFIX)

@@ -265,5 +265,6 @@ class DecoderForCausalLM(nn.Module, Family):
                              rename=model.checkpoint_name, ignore=not_held,
                              weight_block_size=config.weight_block_size,
                              shard=None if slices is None else slices.get,
-                             convert=model.convert_tensors)
+                             convert=model.convert_tensors if type(model).convert_tensors
+                             is not DecoderForCausalLM.convert_tensors else None)
         return model.to(device=device).eval()
