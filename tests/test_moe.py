@@ -126,6 +126,76 @@ def test_routed_experts_placed_over_the_grid_load_only_their_tensors(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """family -> its tiny checkpoint folder, built once: Qwen3-MoE (8 experts, layers 1-2),
+    MiniMax-M2 (8, ``block_sparse_moe.experts.E.w1..3``, layers 0-1), GLM-4.5 (4 and a
+    shared expert, layer 1; its MTP layer, model.layers.2, is the head's)."""
+    import hf_glm4_moe
+    import hf_models
+    from helpers import folder_builder
+    return folder_builder({"qwen3_moe": hf_models.build_qwen3_moe,
+                           "minimax_m2": hf_models.build_minimax_m2,
+                           "glm4_moe": hf_glm4_moe.build_glm}, tmp_path_factory)
+
+
+EP_LAYOUTS = [(1, 2, 0, 1), (2, 2, 1, 0), (4, 1, 2, 0)]  # (D, T, d, t)
+
+
+@pytest.mark.parametrize("family,layout", [
+    (f, lay) for f in ("qwen3_moe", "minimax_m2", "glm4_moe")
+    for lay in EP_LAYOUTS + ([(2, 4, 1, 3)] if f != "glm4_moe" else [])])
+def test_expert_parallel_rank_loads_only_its_whole_experts_per_family(
+        moe_dir, monkeypatch, family, layout):
+    """Expert parallelism (ExpertPlacement.of(TPContext(t, T), d, D, True)) on each MoE family
+    as loaded from its folder: rank d*T + t keeps experts [r*E/(D*T), (r+1)*E/(D*T)) whole in
+    every MoE layer, 1/(D x T) of the routed experts' bytes; the only expert tensors that come
+    out of the files are those (by layer and id); each held expert equals the full model's,
+    and every other tensor this rank's TP slice of the full model (the in-memory split)."""
+    import re
+
+    from specdec.distributed import TPContext
+    from specdec.models import checkpoint
+    from specdec.models.layers.parallel import ExpertPlacement, shard_from
+    from specdec.models.registry import load_model
+    big_d, big_t, d, t = layout
+    path = moe_dir(family)
+    tp = TPContext(t, big_t)
+    placement = ExpertPlacement.of(tp, d, big_d, expert_parallel=True)
+    full = load_model(path)
+    read, iter_tensors = [], checkpoint.iter_tensors
+
+    def reading(*args, **kwargs):  # the tensors a load takes out of the files
+        for name, tensor in iter_tensors(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(checkpoint, "iter_tensors", reading)
+    part = load_model(path, tp=tp, experts=placement)
+    monkeypatch.undo()
+    moes = {name: m for name, m in part.named_modules() if isinstance(m, MoEMLP)}
+    whole = dict(full.named_modules())
+    e = next(iter(moes.values())).num_experts
+    per, rank = e // (big_d * big_t), d * big_t + t
+    held = list(range(rank * per, (rank + 1) * per))
+    layers = {int(name.split(".")[2]) for name in moes}
+    expert = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+    assert {(int(m[1]), int(m[2])) for n in read if (m := expert.match(n))} == \
+        {(layer, i) for layer in layers for i in held}
+    assert len(moes) == (2 if family != "glm4_moe" else 1)
+    for name, moe in moes.items():
+        ref = whole[name]
+        assert sorted(map(int, moe.experts)) == held
+        nbytes = [sum(p.numel() * p.element_size() for p in m.experts.parameters())
+                  for m in (moe, ref)]
+        assert nbytes[0] * big_d * big_t == nbytes[1]
+        for i in held:
+            a, b = moe.experts[str(i)].state_dict(), ref.experts[str(i)].state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    sliced = shard_from(load_model(path), tp, placement).state_dict()
+    got = part.state_dict()
+    assert got.keys() == sliced.keys() and all(torch.equal(got[k], sliced[k]) for k in got)
+
+
 def test_moe_target_checkpoint_round_trip(tmp_path):
     target = moe_target()
     target.save_pretrained(tmp_path, dtype=torch.float32)
