@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         for method in METHODS:
             workers[method] = start_in_process(args, method, concs)
             servers[method, "specdec"] = launch([
-                "--served-model-name", NAME, "--method", method, "-k", str(args.k),
+                "--served-model-name", NAME, "--method", method,
+                *([] if method == "none" else ["-k", str(args.k)]),
                 "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--engine-threads", str(args.engine_threads),
