@@ -231,6 +231,66 @@ def test_fp8_slice_that_cuts_a_scale_block_is_refused_by_name(ds_dir, tmp_path):
         _mtp_head(fp8, target)
 
 
+def test_fp8_under_expert_parallelism_a_rank_reads_only_its_experts_blocks(ds_dir, tmp_path,
+                                                                          monkeypatch):
+    """Expert parallelism on the fp8 folder (16x16 blocks; the routed experts 32 x 64, 4 of
+    them): at D=2 x T=2 (ranks 1 and 2) and D=4 x T=1 (rank 3) a rank reads the fp8 weight and
+    the weight_scale_inv of its one expert only (the target's MoE layers and the MTP layer's),
+    and holds exactly what the same placement holds of the dequantized model: its expert whole,
+    equal to the full dequantized model's, the rest its TP slice. An expert is never cut (EP
+    keeps experts whole, so no expert slice can cut a scale block): with 32x32 blocks, DP=4 +
+    EP loads; DP=2 x TP=2 + EP is refused for a tensor TP splits (the dense MLP's width, the
+    attention heads, the shared expert's width), never for an expert."""
+    import re
+
+    from specdec.distributed import TPContext
+    from specdec.models.layers.parallel import ExpertPlacement
+    fp8, dequant = fp8_folders(ds_dir("deepseek_v3_mtp"), tmp_path / "b16", [16, 16])
+    full = load_model(dequant)
+    full_head = _mtp_head(dequant, full)
+    expert = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.\w+\.(weight|weight_scale_inv)")
+    read, iter_tensors = [], checkpoint.iter_tensors
+
+    def reading(*args, **kwargs):  # the tensors a load takes out of the files (a meta
+        for name, tensor in iter_tensors(*args, **kwargs):  # tensor: a header, not read)
+            if not tensor.is_meta:
+                read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(checkpoint, "iter_tensors", reading)
+    for dp, tp, d, t in ((2, 2, 0, 1), (2, 2, 1, 0), (4, 1, 3, 0)):
+        ctx = TPContext(t, tp)
+        placement = ExpertPlacement.of(ctx, d, dp, expert_parallel=True)
+        read.clear()
+        target = load_model(fp8, tp=ctx, experts=placement)
+        head = _mtp_head(fp8, target)
+        mine = d * tp + t  # 4 experts over 4 ranks
+        assert {(int(m[1]), int(m[2]), m[3]) for n in read if (m := expert.fullmatch(n))} == \
+            {(layer, mine, kind) for layer in (1, 2, 3) for kind in ("weight",
+                                                                     "weight_scale_inv")}
+        for got, want in ((target, load_model(dequant, tp=ctx, experts=placement)),
+                          (head, _mtp_head(dequant, load_model(dequant, tp=ctx,
+                                                               experts=placement)))):
+            a, b = got.state_dict(), want.state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+        whole = {**full.state_dict(), **full_head.state_dict()}
+        mine_tensors = {**target.state_dict(), **head.state_dict()}
+        held = [k for k in mine_tensors if ".mlp.experts." in k]
+        assert len(held) == 3 * 3 and all(f".experts.{mine}." in k for k in held)
+        assert all(torch.equal(mine_tensors[k], whole[k]) for k in held)
+    monkeypatch.undo()
+    fp8, dequant = fp8_folders(ds_dir("deepseek_v3_mtp"), tmp_path / "b32", [32, 32])
+    ctx = TPContext(0, 1)
+    placement = ExpertPlacement.of(ctx, 3, 4, expert_parallel=True)
+    a = load_model(fp8, tp=ctx, experts=placement).state_dict()
+    b = load_model(dequant, tp=ctx, experts=placement).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    ctx = TPContext(1, 2)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d\.[a-z_.]+weight'.* cuts a "
+                                         r"32x32 FP8 scale block") as refused:
+        load_model(fp8, tp=ctx, experts=ExpertPlacement.of(ctx, 0, 2, expert_parallel=True))
+    assert ".experts." not in str(refused.value)
+
+
 # ---- refusals ----------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value", [("topk_method", "greedy"), ("scoring_func", "softmax"),
                                        ("moe_layer_freq", 2), ("qk_head_dim", 40),
