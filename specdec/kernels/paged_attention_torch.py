@@ -63,6 +63,22 @@ import torch
 import torch.nn.functional as F
 
 
+class TreeMask(NamedTuple):
+    """Where a step's tokens are draft-tree nodes: per token [N] int64. A request's tree
+    tokens are its last n query tokens, node k at key position ``prefix + k`` (in node order,
+    parents before children); node k of depth d has RoPE position ``prefix + d`` and sees the
+    prefix and its ancestors: bit a of ``ancestors`` set for each ancestor node a and for k
+    itself. Any other token (a prefill chunk, padding) is node 0 of depth 0 with ancestors 1:
+    plain causal. A chain of K drafts is the tree whose node k has ancestors ``2**(k+1) - 1``.
+
+    Example: root r, children a, b of r, child c of a (nodes 0..3: r, a, b, c) -> depth
+    [0, 1, 1, 2], ancestors [0b1, 0b11, 0b101, 0b1011]: b sees r and b, not a."""
+
+    node: torch.Tensor  # [N] int64, index in its request's tree (0..62)
+    depth: torch.Tensor  # [N] int64
+    ancestors: torch.Tensor  # [N] int64 bitmask over its request's tree nodes
+
+
 class PagedPlan(NamedTuple):
     """Per-forward indices, built once and reused by every layer (R rows of T query slots,
     L = the gather bound; module docstring)."""
@@ -74,6 +90,9 @@ class PagedPlan(NamedTuple):
     query_rows: torch.Tensor | None  # [R * T] int64, the token in each slot; None:
     #                                  token-major (the identity)
     out_rows: torch.Tensor | None  # [N] int64, the slot of each token; None: token-major
+    # [R, T] int64, a sliding window's end: position + 1 of each slot (a tree node's position
+    # is its depth's, not its key index's); None: ``visible``
+    window_end: torch.Tensor | None = None
 
 
 def row_shape(num_tokens: int, num_reqs: int, max_query_len: int | None) -> tuple[int, int]:
@@ -121,9 +140,30 @@ def check_sliding_window(sliding_window) -> None:
 
 def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, num_tokens: int, bound: int,
-                         block_size: int, max_query_len: int | None = None) -> PagedPlan:
+                         block_size: int, max_query_len: int | None = None,
+                         tree: TreeMask | None = None) -> PagedPlan:
     """query_start_loc [B+1] int32, seq_lens [B] int32, block_table [B, M] int32 -> PagedPlan.
-    ``max_query_len``: a host bound on every request's tokens (None: unknown)."""
+    ``max_query_len``: a host bound on every request's tokens (None: unknown). ``tree``: the
+    tokens' draft-tree nodes (``TreeMask``; None: every token causal)."""
+    plan = _plan(query_start_loc, seq_lens, block_table, num_tokens, bound, block_size,
+                 max_query_len)
+    return plan if tree is None else with_tree(plan, tree)
+
+
+def with_tree(p: PagedPlan, tree: TreeMask) -> PagedPlan:
+    """``p`` with each tree node's keys cut to its request's prefix and its ancestors, and its
+    window ending at its position (``TreeMask``)."""
+    def slots(t: torch.Tensor) -> torch.Tensor:  # [N] -> [R, T], the plan's query slots
+        return t[:, None] if p.query_rows is None else t[p.query_rows].view(p.visible.shape)
+    node, depth, ancestors = (slots(t.to(torch.int64)) for t in tree)
+    start = p.visible - 1 - node  # the key position of the request's node 0
+    rel = torch.arange(p.key_mask.shape[-1], device=node.device) - start[..., None]
+    seen = (rel < 0) | ((ancestors[..., None] >> rel.clamp(0, 62)) & 1).bool()
+    return p._replace(key_mask=p.key_mask & seen, window_end=p.visible - node + depth)
+
+
+def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+          num_tokens: int, bound: int, block_size: int, max_query_len: int | None) -> PagedPlan:
     device = seq_lens.device
     b = seq_lens.shape[0]
     key_pos = torch.arange(bound, device=device)
@@ -227,7 +267,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     mask = p.key_mask
     if sliding_window is not None:
         key_pos = torch.arange(length, device=mask.device)
-        mask = mask & (key_pos >= (p.visible - sliding_window)[..., None])
+        end = p.visible if p.window_end is None else p.window_end
+        mask = mask & (key_pos >= (end - sliding_window)[..., None])
     keys = gather_keys(k_cache, p).transpose(1, 2)  # [R, Hkv, L, D]
     values = gather_keys(v_cache, p).transpose(1, 2)
     # [R, Hkv, T * G, D] x [R, Hkv, D, L]: query row (t, g) of each kv head
