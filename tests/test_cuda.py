@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec import LLM
+from specdec.engine.runner import STARTUP_VARIANTS
 
 from helpers import run_arrivals, uniform_flags
 
@@ -129,7 +130,7 @@ def test_uniform_decodes_capture_nothing_after_start_up(method, monkeypatch):
     llm = build(method, "cuda_graph", **kw)
     graph, uniform = llm.runner.target_graph, uniform_flags(llm, monkeypatch)
     warm_up = set(graph.seen)
-    assert {dict(key[1:])["variant"] for key in warm_up} == {"greedy", "sampled", "top_p"}
+    assert {dict(key[1:])["variant"] for key in warm_up} == set(STARTUP_VARIANTS)
     run_arrivals(llm, PROMPTS)
     decodes = [s for s, flag in zip(llm.steps, uniform, strict=True) if flag]
     assert decodes and all(s.captured and not s.new_graphs for s in decodes)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from specdec.engine import core as core_module
 from specdec.engine.inputs import DEFAULT_MODEL
 from specdec.engine.llm import LLM
-from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, VARIANTS, graph_seq_len
+from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, STARTUP_VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
 from specdec.graphs import COMPILING, Backend, StepGraph
@@ -119,7 +119,9 @@ def test_wrapped_steps_equal_eager_token_for_token(target, heads, eager_runs, me
 SAMPLED = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),
            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7),
            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9),
-           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=11)]
+           # the processed variant (penalties, top-k, min_tokens): its own captured graphs
+           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=11, top_k=8,
+                          repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=4)]
 
 
 def run_sampled(llm, params):
@@ -131,18 +133,20 @@ def run_sampled(llm, params):
 
 @pytest.mark.parametrize("method", ["eagle3", None])
 def test_sampled_steps_are_captured_and_equal_eager(target, heads, method):
-    """Sampled decode steps (T 0.7, top-p 0.9, seeded and unseeded) run through the captured
-    target step, captured at construction: the same tokens and acceptance as eager, and most
-    steps replayed; steps with a prefill chunk capture their own keys."""
+    """Sampled decode steps (T 0.7, top-p 0.9, penalties and top-k, seeded and unseeded) run
+    through the captured target step, captured at construction: the same tokens and
+    acceptance as eager, and most steps replayed; steps with a prefill chunk capture their own
+    keys."""
     eager = run_sampled(make_llm(target, heads, method), SAMPLED)
     llm = make_llm(target, heads, method, graph_backend="replay")
     graph = llm.runner.target_graph
     warm_up = set(graph.captured)  # construction captures every bucket in each variant
-    assert {dict(key[1:])["variant"] for key in warm_up} == set(VARIANTS)
+    assert {dict(key[1:])["variant"] for key in warm_up} == set(STARTUP_VARIANTS)
     assert run_sampled(llm, SAMPLED) == eager
     decode_steps = [s for s in llm.steps if s.num_reqs and not is_mixed(s, K if method else 0)]
     assert len(decode_steps) >= 6 and all(s.captured for s in decode_steps)
-    assert not any(s.new_graphs for s in llm.steps)  # prefill steps: not capture sizes here
+    # prefill steps: not capture sizes here; the processed variant: captured at first use
+    assert {dict(key[1:])["variant"] for key in set(graph.captured) - warm_up} == {"processed"}
     # a greedy-only run captures greedy keys only
     greedy = make_llm(target, heads, method, graph_backend="replay")
     run(greedy, PROMPTS, 20)

@@ -1,13 +1,18 @@
 """rejection_sample: greedy == a plain-Python reference, stochastic rows preserve the target
-distribution (chi-square, with controls showing the test rejects wrong samplers), top-p,
-argument checks, and no host sync."""
+distribution (chi-square, with controls showing the test rejects wrong samplers), top-p;
+vLLM's filters (target_probs) and the penalties (engine.penalties) at every draft position
+against their direct computation (sampling_reference); argument checks, and no host sync."""
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from specdec.engine.rejection_sampler import rejection_sample
+from specdec.engine.penalties import process_logits
+from specdec.engine.rejection_sampler import rejection_sample, target_probs
+from specdec.engine.sequence import SamplingParams
 from specdec.syncs import forbid_host_sync
+
+import sampling_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -291,3 +296,112 @@ def test_no_host_sync(device, with_top_p):
     with forbid_host_sync():
         out = rejection_sample(*args)
     check_structure(out.tolist(), drafts, num_draft, logits.shape[2])
+
+
+# ---- vLLM's filters (min_p, top_k, top_p) and the penalties, under speculation ---------------
+
+def test_target_probs_docstring_example():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().view(1, 1, 4)
+    one = torch.ones(1)
+
+    def probs(**kw):
+        return target_probs(logits, one, **{k: torch.tensor([v]) for k, v in kw.items()})[0, 0]
+    torch.testing.assert_close(probs(top_k=3), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    for kw in (dict(min_p=0.5), dict(top_p=0.6), dict(top_k=3, top_p=0.8)):
+        torch.testing.assert_close(probs(**kw), torch.tensor([0.625, 0.375, 0, 0]))
+
+
+@given(vocab=st.integers(1, 8), rows=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       data=st.data())
+def test_target_probs_equal_vllms_filters_computed_directly(vocab, rows, seed, data):
+    """temperature, then min_p, top_k (ties kept: logits on a coarse grid tie often), top_p
+    over what is left: the distribution equals the plain-Python one at every row."""
+    g = torch.Generator().manual_seed(seed)
+    b = 4
+    logits = (torch.randint(-6, 7, (b, rows, vocab), generator=g) / 2).float()
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.3, 1.0, 1.7])),
+                             top_p=data.draw(st.sampled_from([1.0, 0.9, 0.5, 0.05])),
+                             top_k=data.draw(st.integers(0, vocab + 1)),
+                             min_p=data.draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])))
+              for _ in range(b)]
+    column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+    got = target_probs(logits, column("temperature", torch.float32),
+                       column("top_p", torch.float32), column("top_k", torch.int64),
+                       column("min_p", torch.float32))
+    for i, p in enumerate(params):
+        for j in range(rows):
+            want = sampling_reference.probs(logits[i, j].tolist(), p)
+            torch.testing.assert_close(got[i, j], torch.tensor(want, dtype=torch.float32),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def processed_sample(logits, drafts, params, table, first, num_prompt, seed=0):
+    """process_logits then rejection_sample for N identical rows (one request's step N times,
+    each with its own random key)."""
+    n, k = logits.shape[0], drafts.shape[1]
+    p = params
+    full = lambda v, dtype=torch.float32: torch.full((n,), v, dtype=dtype)
+    stop = torch.full((n, 16), -1, dtype=torch.int32)
+    held = p.min_tokens_stop_ids(())
+    stop[:, :len(held)] = torch.tensor(held or [-1], dtype=torch.int32)[:len(held)]
+    processed = process_logits(
+        logits, drafts, table, torch.zeros(n, dtype=torch.int64), full(first, torch.int64),
+        full(num_prompt, torch.int64), full(num_prompt + p.min_tokens, torch.int64), stop,
+        full(p.repetition_penalty), full(p.frequency_penalty), full(p.presence_penalty))
+    return rejection_sample(processed, drafts, full(k, torch.int32), full(p.temperature),
+                            *rng(n, seed), full(p.top_p), full(p.top_k, torch.int64),
+                            full(p.min_p))
+
+
+SETTINGS = [SamplingParams(temperature=0.8, repetition_penalty=1.7, top_k=4),
+            SamplingParams(temperature=1.0, frequency_penalty=0.9, presence_penalty=0.5,
+                           min_p=0.15),
+            SamplingParams(temperature=1.2, min_tokens=3, stop_token_ids=[5], top_p=0.8,
+                           presence_penalty=-0.8)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("params", SETTINGS, ids=["rep+top_k", "freq+pres+min_p",
+                                                  "min_tokens+top_p+pres"])
+def test_processed_distribution_is_kept_at_every_draft_position(params, k):
+    """Each position j, given drafts 0..j-1 accepted, is distributed as vLLM's processed
+    target distribution with those drafts counted (chi-square against the direct
+    computation), the bonus after all K too; not as the one without them counted (the
+    control). Draft j is row j's most likely token (with the drafts before it counted), so
+    every position is reached often."""
+    prompt, output = [2, 3], [5]  # known tokens: the table's row 0
+    table = torch.tensor([prompt + output + [-1] * 6], dtype=torch.int32)
+    rows_logits = LOGITS.tolist() + [[0.3, 1.1, -0.4, 0.9, 0.6, 0.2]]
+    logits = torch.tensor(rows_logits[:k + 1]).expand(N, k + 1, VOCAB)
+    chosen = []
+    for j in range(k):
+        chosen.append(sampling_reference.argmax(sampling_reference.probs(
+            sampling_reference.process(rows_logits[j], prompt, output + chosen, params), params)))
+    drafts = torch.tensor(chosen, dtype=torch.int32).expand(N, k)
+    out = processed_sample(logits, drafts, params, table, 3, 2, seed=k)
+    given_prefix = torch.ones(N, dtype=torch.bool)
+    for j in range(k + 1):
+        want = sampling_reference.probs(sampling_reference.process(
+            rows_logits[j], prompt, output + drafts[0, :j].tolist(), params), params)
+        assert given_prefix.sum() > 300, j
+        assert chi_square_pvalue(out[given_prefix, j], torch.tensor(want)) > P_MIN, j
+        if j < k:
+            given_prefix &= out[:, j] == drafts[0, j]
+    wrong = sampling_reference.probs(sampling_reference.process(  # drafts not counted
+        rows_logits[1], prompt, output, params), params)
+    first_accepted = out[:, 0] == drafts[0, 0]
+    assert chi_square_pvalue(out[first_accepted, 1], torch.tensor(wrong)) < P_MIN
+
+
+def test_a_penalty_changes_the_argmax_at_a_later_draft_position_greedy():
+    """Greedy with a frequency penalty: the target's raw argmax is 1 at both rows and the
+    drafts are [1, 1]; draft 0 is accepted, and row 1 (draft 0 counted) prefers 2, so draft 1 is
+    rejected and 2 emitted -- what plain decoding with the penalty emits."""
+    logits = torch.tensor([[[0.0, 2.0, 1.5], [0.0, 2.0, 1.5], [0.0, 2.0, 1.5]]])
+    p = SamplingParams(frequency_penalty=1.0)
+    table = torch.tensor([[0, -1, -1, -1, -1]], dtype=torch.int32)
+    out = processed_sample(logits, torch.tensor([[1, 1]], dtype=torch.int32), p, table, 1, 1)
+    assert out.tolist() == [[1, 2, -1]]
+    raw = rejection_sample(logits, torch.tensor([[1, 1]], dtype=torch.int32),
+                           torch.tensor([2], dtype=torch.int32), torch.zeros(1), *rng(1))
+    assert raw.tolist() == [[1, 1, 1]]  # unprocessed: every draft accepted

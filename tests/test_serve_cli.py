@@ -126,11 +126,10 @@ def server(llama_dir):
 
 BASE = {"prompt": [5, 6, 7], "max_tokens": 4, "return_token_ids": True}
 CHAT = "/v1/chat/completions"
-REFUSED = [  # (path, the field and its value, what the message says)
-    ("/v1/completions", {"top_k": 1}, "temperature 0 is greedy"),
-    ("/v1/completions", {"top_k": 5}, "top_k is not implemented"),
-    ("/v1/completions", {"min_p": 0.1}, "not supported"),
-    ("/v1/completions", {"min_tokens": 2}, "min_tokens is not implemented"),
+REFUSED = [  # (path, the field and its value, what the message says): out of range, or not built
+    ("/v1/completions", {"top_k": -2}, "allowed 0 or -1 (every token), or >= 1"),
+    ("/v1/completions", {"min_p": 1.5}, "in [0.0, 1.0]"),
+    ("/v1/completions", {"min_tokens": 5}, "min_tokens <= max_tokens=4"),
     ("/v1/completions", {"response_format": {"type": "json_object"}}, 'only {"type": "text"}'),
     ("/v1/completions", {"use_beam_search": False}, "the fields are: model, max_tokens"),
     ("/v1/completions", {"max_token": 3}, "the fields are: model, max_tokens"),

@@ -123,7 +123,6 @@ def test_former_500s_are_400_naming_the_field(server, path, body, param):
 # ---- 3: OpenAI fields --------------------------------------------------------------------------
 REFUSED = [
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
      "echo"),

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from specdec.engine.inputs import DEFAULT_MODEL
-from specdec.entrypoints.text import TextStream
+from specdec.engine.text_stream import TextStream
 
 BYTE_LEVEL = Tokenizer.from_file(f"{DEFAULT_MODEL}/tokenizer.json")
 

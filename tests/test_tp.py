@@ -100,7 +100,10 @@ def qwen3_jobs(qwen3):
                                  sequence_parallel=True)}
 
 
-SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7)
+# with penalties, top-k and min_tokens (the processed step: its inputs broadcast, the
+# penalties counted from each rank's own token table)
+SAMPLED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=7,
+                         repetition_penalty=1.2, frequency_penalty=0.3, top_k=20, min_tokens=3)
 SAMPLED_JOBS = ("dense-mtp-sampled",)  # rejection sampling: same random numbers on each rank
 
 

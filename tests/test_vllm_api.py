@@ -297,3 +297,87 @@ def test_metrics_under_vllms_names(llm):
     assert m["vllm:kv_cache_usage_perc" + lab] == 0.0  # every block free again
     success = '{"engine": "0", "finished_reason": "length", "model_name": "tiny"}'
     assert m["vllm:request_success_total" + success] == 2
+
+
+# ---- item 3: vLLM's sampling fields -------------------------------------------------------
+PENALIZED = dict(temperature=0.8, seed=7, top_k=20, min_p=0.05, repetition_penalty=1.2,
+                 presence_penalty=0.3, frequency_penalty=0.2, min_tokens=3, max_tokens=12)
+
+
+def sampling_script(llm, **fields):
+    """A vLLM script using the sampling fields: n samples per prompt, read from outputs."""
+    params = SamplingParams(n=2, **PENALIZED, **fields)
+    return [[(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
+             for c in out.outputs] for out in llm.generate(PROMPTS, params)]
+
+
+def test_a_vllm_sampling_script_runs_and_equals_the_server(llm):
+    free = sampling_script(llm)
+    assert [[c[0] for c in out] for out in free] == [[0, 1], [0, 1]]
+    assert all(c[3] == "length" and len(c[2]) == 12 for out in free for c in out)
+    assert free[0][0][2] != free[0][1][2]  # two samples, two streams
+    # sample i is the request seeded seed + i (vLLM's child seeds)
+    alone = llm.generate(PROMPTS[0], SamplingParams(**{**PENALIZED, "seed": 8}))[0]
+    assert alone.token_ids == free[0][1][2]
+    text = free[0][0][1]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    at = text.index(stop)
+    got = sampling_script(llm, stop=[stop, "never in the text"])
+    c = got[0][0]
+    assert c[1] == text[:at] and (c[3], c[4]) == ("stop", stop)
+    assert c[2] == free[0][0][2][:len(c[2])] and llm.tokenizer.decode(c[2]).startswith(
+        text[:at + len(stop)])  # the tokens through the one that completes the stop string
+    kept = sampling_script(llm, stop=stop, include_stop_str_in_output=True)[0][0]
+    assert kept[1] == text[:at + len(stop)] and kept[2] == c[2]
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        for fields, want in (({}, free), ({"stop": [stop, "never in the text"]}, got),
+                             ({"stop": stop, "include_stop_str_in_output": True}, None)):
+            r = httpx.post(f"{server.url}/v1/completions", json=dict(
+                model="tiny", prompt=PROMPTS, n=2, return_token_ids=True, **PENALIZED,
+                **fields), timeout=60).json()
+            choices = r["choices"]
+            assert [ch["index"] for ch in choices] == [0, 1, 2, 3]  # prompt * n + sample
+            if want is None:
+                assert choices[0]["text"] == kept[1]
+                continue
+            flat = [c for out in want for c in out]
+            assert [(ch["text"], ch["token_ids"]) for ch in choices] == [
+                (c[1], c[2]) for c in flat]
+            assert [ch["finish_reason"] for ch in choices] == [c[3] for c in flat]
+        body = dict(model="tiny", messages=CONVERSATION, n=2, **PENALIZED)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        want = llm.chat(CONVERSATION, SamplingParams(n=2, **PENALIZED))[0].outputs
+        assert [(ch["index"], ch["message"]["content"]) for ch in chat["choices"]] == [
+            (c.index, c.text) for c in want]
+    finally:
+        server.close()
+
+
+def test_n_and_the_fields_not_built_are_refused_by_name(llm):
+    with pytest.raises(ValueError, match="n=2 with temperature=0.0: greedy sampling gives one "
+                                         "output.*allowed: n=1, or temperature > 0"):
+        SamplingParams(n=2)
+    with pytest.raises(ValueError, match=r"params.n=2: add_request queues one sample"):
+        llm.add_request(PROMPTS[0], SamplingParams(n=2, temperature=1.0))
+    for name, value in (("bad_words", ["x"]), ("logit_bias", {1: 2.0}),
+                        ("allowed_token_ids", [1]), ("best_of", 2)):
+        with pytest.raises(ValueError, match=f"{name}=.*: not supported by this engine; "
+                                             "allowed: None"):
+            SamplingParams(**{name: value})
+    for kw, says in ((dict(top_k=-2), "top_k=-2: allowed 0 or -1"),
+                     (dict(min_p=2.0), "min_p=2.0: must be finite, in"),
+                     (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
+                     (dict(presence_penalty=-2.5), r"presence_penalty=-2.5: must be finite, in "
+                                                   r"\[-2.0, 2.0\]"),
+                     (dict(min_tokens=5, max_tokens=4), "min_tokens=5: allowed 0 <= min_tokens "
+                                                        "<= max_tokens=4"),
+                     (dict(stop=[""]), r"stop\[0\]='': stop strings must be non-empty"),
+                     (dict(n=0), "n=0: allowed 1 <= n")):
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(**kw)
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's other spelling of "off"
+    no_tokenizer = LLM(target=llm.target, max_model_len=64, max_num_seqs=1)
+    with pytest.raises(ValueError, match=r"sampling_params\[0\].stop=\['x'\]: stop strings are "
+                                         "matched on the decoded text"):
+        no_tokenizer.generate([[1, 2]], SamplingParams(stop="x"))

@@ -26,6 +26,7 @@ from specdec.engine.rejection_sampler import valid_tokens
 from specdec.engine.runner import ModelRunner, StepBatch
 from specdec.engine.scheduler import ScheduledRequest, Scheduler, is_uniform_decode
 from specdec.engine.sequence import Request, SamplingParams, Status
+from specdec.engine.text_stream import TextStream
 from specdec.graphs import Backend
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.padding import BatchPadder, StepPlan, StepSizes
@@ -62,8 +63,10 @@ class EngineCore:
 
     def __init__(self, cfg: EngineConfig, spec, target, head, *, backend: Backend,
                  dp: DPContext, tp: TPContext,
-                 check_host_syncs: bool | None = None, async_scheduling: bool = False):
+                 check_host_syncs: bool | None = None, async_scheduling: bool = False,
+                 tokenizer=None):
         self.spec, self.target, self.backend, self.dp, self.tp = spec, target, backend, dp, tp
+        self.tokenizer = tokenizer  # stop strings are matched on the decoded output
         self.device = cfg.device
         self.max_model_len = cfg.max_model_len
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
@@ -385,6 +388,10 @@ class EngineCore:
             emitted += 1
             if reason := self._finish_reason(r, tok):
                 break
+        if r.params.stop and emitted:
+            dropped = self._stop_string(r, emitted)
+            if dropped is not None:
+                emitted, reason = emitted - dropped, "stop"
         if d:  # an accepted draft counts once the request kept it (not past its end)
             r.num_steps_decoding += 1
             while len(r.num_drafted) < d:
@@ -401,6 +408,25 @@ class EngineCore:
         r.spec_token_ids = ([] if self.proposer is None else
                             self.proposer.next_drafts(r, draft, self.scheduler.step_k))
         return emitted
+
+    def _stop_string(self, r: Request, emitted: int) -> int | None:
+        """Match ``r.params.stop`` on the text of the output with its last ``emitted`` tokens
+        (``TextStream``, incremental); at a match drop the tokens after the one completing
+        it (and their log-probs) and note the string (``r.stop_reason``, the stream's cut
+        text) -> tokens dropped; None: no match."""
+        if r.text_stream is None:
+            r.text_stream = TextStream(self.tokenizer, list(r.params.stop),
+                                       r.params.include_stop_str_in_output)
+        stream = r.text_stream
+        stream.add(r.token_ids[len(r.token_ids) - emitted:], final=False)
+        if not stream.stopped:
+            return None
+        dropped = len(r.output_token_ids) - len(stream.token_ids)
+        del r.token_ids[len(r.token_ids) - dropped:]
+        if r.logprobs is not None:
+            del r.logprobs[len(r.logprobs) - dropped:]
+        r.stop_reason = stream.stop_str
+        return dropped
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         p = r.params

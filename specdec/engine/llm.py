@@ -20,6 +20,7 @@ from specdec.engine.inputs import (as_prompt_list, checkpoint_dtype, encode_prom
                                    load_target, main_dtype, parse_speculative_config,
                                    sampling_params_per_prompt)
 from specdec.engine.outputs import RequestOutput, StepRecord
+from specdec.engine.parallel_sampling import fan_in, fan_out
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
 from specdec.models.heads import SharedWeights
@@ -138,7 +139,7 @@ class LLM:
         self.core = EngineCore(cfg, self.spec, self.target, head, backend=self.backend,
                                dp=self.role.dp or DPContext(), tp=self.tp,
                                check_host_syncs=check_host_syncs,
-                               async_scheduling=self.async_scheduling)
+                               async_scheduling=self.async_scheduling, tokenizer=self.tokenizer)
 
     def _check_default_head(self, drafter, model_dir: Path | None) -> None:
         """A head method given no ``speculative_config.model`` looks beside the target (the
@@ -230,6 +231,9 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r}: must be a SamplingParams")
         params = self._check_params(params, "params")
+        if params.n > 1:
+            raise ValueError(f"params.n={params.n}: add_request queues one sample (allowed: "
+                             "n=1); generate() runs n samples of a prompt")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id={request_id!r}: must be a str or None")
         if request_id is not None and request_id in self.core.unfinished_ids():
@@ -242,13 +246,15 @@ class LLM:
         """-> the request's own copy of ``params``, every field checked again (a field set
         after construction, ``params.max_tokens = 0``, is refused as at construction; a later
         change to the caller's object does not reach a queued request). Then what
-        SamplingParams cannot check alone: stop ids in the vocabulary; prompt
-        log-probabilities need a single-rank lm_head (under TP it is a collective)."""
+        SamplingParams cannot check alone (``check_model``: stop ids in the vocabulary, a
+        tokenizer for stop strings); prompt log-probabilities need a single-rank lm_head
+        (under TP it is a collective)."""
         try:
             params = replace(params)
+            params.check_model(self.vocab_size, self.target.config.eos_token_ids,
+                               self.tokenizer is not None)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}.{e}") from None
-        params.check_vocab(self.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError(f"{name}.prompt_logprobs={params.prompt_logprobs}: not supported "
                              f"with tensor_parallel_size={self.config.tensor_parallel_size} "
@@ -341,8 +347,14 @@ class LLM:
 
     def _generate(self, ids: list[list[int]], per_prompt: list[SamplingParams],
                   texts: list[str | None]) -> list[RequestOutput]:
-        """Run checked prompts (token ids) to the end; ``texts``: each one's prompt text for
-        ``RequestOutput.prompt`` (None: given as ids)."""
+        """Run checked prompts (token ids) to the end, n samples each (``parallel_sampling``);
+        ``texts``: each one's prompt text for ``RequestOutput.prompt`` (None: given as ids)."""
+        ids, per_prompt, texts, counts = fan_out(ids, per_prompt, texts)
+        return fan_in(self._run(ids, per_prompt, texts), counts)
+
+    def _run(self, ids: list[list[int]], per_prompt: list[SamplingParams],
+             texts: list[str | None]) -> list[RequestOutput]:
+        """One request per prompt, run to the end (here, or across the ranks)."""
         if self.launcher or self.role.torchrun:
             # the ids one rank would give (its running count): an unseeded sampled request's
             # random numbers are keyed by its id, so the ranks draw the numbers one rank would

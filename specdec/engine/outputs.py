@@ -17,10 +17,11 @@ class CompletionOutput:
     # logits) when SamplingParams.logprobs asked for them, else None (as vLLM)
     cumulative_logprob: float | None
     logprobs: list[TokenLogprob] | None  # one per generated token, when asked
-    # "eos", "stop" (a stop_token_ids token, or a caller's stop string: abort_request),
+    # "eos", "stop" (a stop_token_ids token, a stop string, or a caller's: abort_request),
     # "length", "abort" or "error"
     finish_reason: str | None
-    stop_reason: int | str | None = None  # the stop token id that ended it; None otherwise
+    # the stop token id or stop string (SamplingParams.stop) that ended it; None otherwise
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -81,6 +82,8 @@ class RequestOutput:
                       else None)
         stop = (out[-1] if r.finish_reason == "stop" and out
                 and out[-1] in r.params.stop_token_ids else None)
+        if r.stop_reason is not None:  # a stop string: the text ends at it (or after it)
+            text, stop = r.text_stream.text, r.stop_reason
         sample = CompletionOutput(0, text, out, cumulative, r.logprobs, r.finish_reason, stop)
         return cls(r.request_id, prompt, r.token_ids[:r.num_prompt_tokens], r.prompt_logprobs,
                    [sample], True, r.num_drafted, r.num_accepted, r.num_steps_decoding,

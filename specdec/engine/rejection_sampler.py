@@ -37,6 +37,8 @@ def rejection_sample(
     keys: torch.Tensor,
     counters: torch.Tensor,
     top_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Verify drafts; return sampled_token_ids [B, K+1] int32 (-1 = placeholder).
 
@@ -50,6 +52,11 @@ def rejection_sample(
     keys:             [B] int64 random key of each row (``counter_rng.request_key``).
     counters:         [B] int64 position of the token logits row 0 samples (seq_len - num_draft).
     top_p:            [B] float in (0, 1], or None (no nucleus filter). Greedy rows ignore it.
+    top_k:            [B] int32/int64, 0 = every token; or None. Greedy rows ignore it.
+    min_p:            [B] float in [0, 1], 0 = off; or None. Greedy rows ignore it.
+    The logits are used as given: penalties and min_tokens come before (``penalties``), and
+    greedy rows take their argmax; sampled rows draw from ``target_probs`` (temperature,
+    min_p, top_k, top_p, in vLLM's order).
 
     Example (greedy, K=2, V=4; argmax of the logits rows per request):
         argmax rows = [[1,2,3], [1,0,3], [2,0,0]], drafts = [[1,2], [1,2], [0,0]],
@@ -59,7 +66,7 @@ def rejection_sample(
             [2, -1, -1]]   prefill: only row 0 sampled
     """
     batch, num_rows, vocab = _check_args(target_logits, draft_token_ids, num_draft_tokens,
-                                         temperature, top_p, keys, counters)
+                                         temperature, top_p, keys, counters, top_k, min_p)
     k = num_rows - 1
     device = target_logits.device
     logits = target_logits.float()
@@ -69,10 +76,8 @@ def rejection_sample(
     safe_draft = draft.clamp(0, vocab - 1)
 
     # Target probabilities p [B, K+1, V]; greedy rows divide by 1 (their p is unused).
-    scale = torch.where(greedy, 1.0, temperature.float())
-    probs = torch.softmax(logits / scale[:, None, None], dim=-1)
-    if top_p is not None:
-        probs = _top_p_filter(probs, top_p.float())
+    probs = target_probs(logits, torch.where(greedy, 1.0, temperature.float()), top_p, top_k,
+                         min_p)
 
     # Each row's own numbers: a function of (its key, its counter) only.
     uniform = counter_rng.uniforms(keys, counters, counter_rng.STREAM_UNIFORM, k)
@@ -117,29 +122,55 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return torch.where(rows[None] <= num_accepted[:, None], argmax, -1).to(torch.int32)
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise.
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor,
+                 top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution a sampled row draws from: softmax(logits / temperature), then the
+    filters in vLLM's order -- min_p, top_k, top_p -- and renormalised.
 
-    probs: [B, R, V] float32, rows sum to 1; top_p: [B] float32 in (0, 1] (1 keeps all).
-    A token is kept when the mass strictly above it in sorted order is < top_p, so the most
-    likely token is always kept. Example: p = [0.5, 0.3, 0.2], top_p = 0.6 -> [0.625, 0.375, 0].
+    logits: [B, R, V] float32; temperature: [B] float32 > 0; top_p [B] in (0, 1], top_k [B]
+    int (0: all), min_p [B] in [0, 1], each None when no row filters that way.
+    min_p keeps p >= min_p * max(p); top_k keeps p >= the k-th largest p (ties kept); top_p
+    then keeps, of the tokens left (renormalised), each one whose mass strictly above it in
+    sorted order is < top_p (so the most likely is always kept). Every filter keeps an upper
+    set of the same order, so one descending sort serves all three.
+    Example: p = [0.5, 0.3, 0.15, 0.05]; top_k = 3 -> [0.526, 0.316, 0.158, 0];
+    min_p = 0.5 -> [0.625, 0.375, 0, 0]; top_p = 0.6 -> [0.625, 0.375, 0, 0];
+    top_k = 3 and top_p = 0.8 -> [0.625, 0.375, 0, 0] (0.842 above the third of the three).
     """
+    probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
+    if top_p is None and top_k is None and min_p is None:
+        return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = (mass_above < top_p[:, None, None]) | (top_p[:, None, None] >= 1.0)
-    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if top_k is not None:
+        last = (top_k.long() - 1).clamp(0, probs.shape[-1] - 1)[:, None, None]
+        kth = sorted_probs.gather(-1, last.expand(*probs.shape[:2], 1))
+        keep = (sorted_probs >= kth) | (top_k <= 0)[:, None, None]
+    if min_p is not None:
+        keep = keep & (sorted_probs >= min_p.float()[:, None, None] * sorted_probs[..., :1])
+    if top_p is not None:
+        top_p = top_p.float()[:, None, None]
+        kept = sorted_probs * keep
+        # the mass left after top_k / min_p, renormalised (a row they left whole: as it is)
+        kept = torch.where(keep.all(dim=-1, keepdim=True), sorted_probs,
+                           kept / kept.sum(dim=-1, keepdim=True))
+        mass_above = kept.cumsum(dim=-1) - kept
+        keep = keep & ((mass_above < top_p) | (top_p >= 1.0))
+    keep = torch.empty_like(keep).scatter_(-1, order, keep)
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, top_p, keys,
-                counters):
+                counters, top_k=None, min_p=None):
     """Shape/dtype/device checks only (never tensor values: no host sync). -> (B, K+1, V)."""
     named = {"target_logits": target_logits, "draft_token_ids": draft_token_ids,
              "num_draft_tokens": num_draft_tokens, "temperature": temperature, "keys": keys,
              "counters": counters}
-    if top_p is not None:
-        named["top_p"] = top_p
+    for name, t in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)):
+        if t is not None:
+            named[name] = t
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -149,7 +180,7 @@ def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, t
     batch, num_rows, _ = target_logits.shape
     expected = {"draft_token_ids": (batch, num_rows - 1), "num_draft_tokens": (batch,),
                 "temperature": (batch,), "top_p": (batch,), "keys": (batch,),
-                "counters": (batch,)}
+                "counters": (batch,), "top_k": (batch,), "min_p": (batch,)}
     for name, t in named.items():
         if name != "target_logits" and tuple(t.shape) != expected[name]:
             raise ValueError(f"{name} must have shape {expected[name]} (B, K from target_logits "
@@ -157,11 +188,11 @@ def _check_args(target_logits, draft_token_ids, num_draft_tokens, temperature, t
         if t.device != target_logits.device:
             raise ValueError(f"{name} is on {t.device}, target_logits on {target_logits.device}; "
                              f"all inputs must be on one device")
-    for name in ("target_logits", "temperature", "top_p"):
+    for name in ("target_logits", "temperature", "top_p", "min_p"):
         if name in named and not named[name].is_floating_point():
             raise ValueError(f"{name} must be a floating dtype, got {named[name].dtype}")
-    for name in ("draft_token_ids", "num_draft_tokens", "keys", "counters"):
-        if named[name].dtype not in (torch.int32, torch.int64):
+    for name in ("draft_token_ids", "num_draft_tokens", "keys", "counters", "top_k"):
+        if name in named and named[name].dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {named[name].dtype}")
     return batch, num_rows, target_logits.shape[2]
 

@@ -11,7 +11,8 @@ attention bounded by max_model_len; captured at start-up) and, on the capturing 
 (``replay``, ``cuda_graph``), mixed steps with prefill
 chunks whose Np and Bp are capture sizes (key (Np, Bp) and the attention bound, a power of two
 >= the longest sequence; captured at first use). Each key has a graph per sampling variant
-(greedy, sampled, sampled with top-p). With ``compile_dynamic`` no step is captured: every
+(greedy, sampled, sampled with top-p, processed: ``VARIANTS``; the processed one captured at
+first use). With ``compile_dynamic`` no step is captured: every
 step runs the dynamically compiled target step with its own bounds, compiled in two parts
 (the forward, once per row layout; the verification, once per sampling variant too).
 Sampling draws counter-based random numbers (``counter_rng``), so a replay needs no generator
@@ -31,6 +32,7 @@ from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.logprobs import token_logprobs
+from specdec.engine.penalties import process_logits
 from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
                                               rejection_sample, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
@@ -42,7 +44,13 @@ from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
 
 
-VARIANTS = ("greedy", "sampled", "top_p")  # the target step's sampling variants
+# the target step's sampling variants: every request greedy; temperature; and top-p; and
+# processed (penalties, top-k, min-p, min_tokens: ``penalties``, the sampler's filters)
+VARIANTS = ("greedy", "sampled", "top_p", "processed")
+# captured at start-up (``warm_up_graphs``; compile_dynamic: ``core.WARMUP_SAMPLING``); the
+# processed variant's graphs are captured / compiled at its first use in each bucket instead
+# (a start-up capture per bucket more for a variant a run may never use)
+STARTUP_VARIANTS = VARIANTS[:3]
 MIN_GRAPH_SEQ_LEN = 64  # the smallest attention bound of a captured mixed step
 
 
@@ -52,8 +60,13 @@ def graph_seq_len(max_seq_len: int, max_model_len: int) -> int:
     return min(max(MIN_GRAPH_SEQ_LEN, 1 << (max_seq_len - 1).bit_length()), max_model_len)
 
 
-def sampling_variant(params) -> str:
-    """greedy when every request is; top_p when one filters (the sort runs); else sampled."""
+def sampling_variant(requests) -> str:
+    """processed when a request's logits are (``SamplingParams.processes_logits``: a penalty,
+    top_k, min_p, or min_tokens not reached yet); else greedy when every request is; top_p
+    when one filters (the sort runs); else sampled."""
+    if any(r.params.processes_logits(len(r.output_token_ids)) for r in requests):
+        return "processed"
+    params = [r.params for r in requests]
     if all(p.temperature < GREEDY_TEMPERATURE for p in params):
         return "greedy"
     return "top_p" if any(p.top_p < 1.0 for p in params) else "sampled"
@@ -121,6 +134,7 @@ class ModelRunner:
                                       dtype=torch.int32, device=device)
         self.token_table[max_num_seqs] = 0
         self.seed = seed  # keys the random numbers of requests without a seed of their own
+        self.eos_token_ids = tuple(target.config.eos_token_ids)  # min_tokens holds them back
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
         # MoE layers (target and draft head) exchange tokens over the DP group (the backend
         # was checked for it: ``graphs.resolve_backend``)
@@ -153,10 +167,10 @@ class ModelRunner:
 
     def warm_up_graphs(self) -> float:
         """Capture the step wrappers of every capture bucket up to the largest step, largest
-        first (its memory pool then serves the smaller ones), in each sampling variant, on
+        first (its memory pool then serves the smaller ones), in each of STARTUP_VARIANTS, on
         all-padding steps, before the first real step (cuda_graph / replay): uniform decodes
-        then capture nothing at serving time; mixed steps capture their (Np, Bp, bound) key at
-        its first use. Compiling backends compile each bucket at its first use instead (an
+        then capture nothing at serving time but a bucket's processed variant; mixed steps
+        capture their (Np, Bp, bound) key at its first use. Compiling backends compile each bucket at its first use instead (an
         inductor compile per bucket would make start-up minutes long); either way outside the
         sync guards. -> seconds spent."""
         if not self.backend.captures:
@@ -166,7 +180,7 @@ class ModelRunner:
         for k in reversed(self.step_ks):
             for bp in reversed(buckets):
                 plan = StepPlan(0, 0, bp, bp * (1 + k), True, (bp * (1 + k),), True, k)
-                for variant in VARIANTS:
+                for variant in STARTUP_VARIANTS:
                     self.execute(replace(self.prepare([], plan), variant=variant))
         return time.perf_counter() - start
 
@@ -223,6 +237,7 @@ class ModelRunner:
             h["temperature"][i] = r.params.temperature
             h["top_p"][i] = r.params.top_p
             h["rng_key"][i] = request_key(r.params.seed, self.seed, r.request_id)
+            self._fill_processing(h, i, r)
         n = qsl[b]
         h["input_ids"][n:np_] = 0
         h["positions"][n:np_] = 0
@@ -239,6 +254,7 @@ class ModelRunner:
         h["temperature"][b:bp] = 0.0
         h["top_p"][b:bp] = 1.0
         h["rng_key"][b:bp] = 0
+        self._fill_processing(h, slice(b, bp), None)
         h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
@@ -253,8 +269,24 @@ class ModelRunner:
             rows = 1 + max(len(s.spec_token_ids) for s in scheduled)
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
-                         sampling_variant([s.request.params for s in scheduled]), rows,
+                         sampling_variant([s.request for s in scheduled]), rows,
                          self.graph_num_rows(plan))
+
+    def _fill_processing(self, h: dict, i: int | slice, r) -> None:
+        """The processed variant's inputs of batch row(s) ``i``: request ``r``'s, or None:
+        the neutral values (padding rows)."""
+        p = r.params if r is not None else None
+        h["top_k"][i] = p.top_k if p else 0
+        h["min_p"][i] = p.min_p if p else 0.0
+        h["repetition_penalty"][i] = p.repetition_penalty if p else 1.0
+        h["frequency_penalty"][i] = p.frequency_penalty if p else 0.0
+        h["presence_penalty"][i] = p.presence_penalty if p else 0.0
+        h["num_prompt"][i] = r.num_prompt_tokens if r is not None else 0
+        h["min_len"][i] = r.num_prompt_tokens + p.min_tokens if p else 0
+        h["stop_ids"][i] = -1
+        if p and p.min_tokens:
+            ids = p.min_tokens_stop_ids(self.eos_token_ids)
+            h["stop_ids"][i, :len(ids)] = ids
 
     def extend_block_tables(self, grown: list[tuple[int, int, list[int]]]) -> None:
         """Blocks requests gained after their step was prepared, (batch index, first new
@@ -382,13 +414,21 @@ class ModelRunner:
     def verify(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor, *,
                variant: str, num_rows: int) -> torch.Tensor:
         """Verification (greedy, or rejection sampling with counter-based random numbers,
-        with or without the top-p sort: ``variant``), token-table update, each row's
+        with or without the top-p sort, or processed: min_tokens and the penalties at each
+        row, then the min-p / top-k / top-p filters: ``variant``), token-table update, each row's
         linear-attention state slot moved to its last accepted token -> sampled [Bp,
         num_rows] int32. It reads nothing of [Np] size: compiled alone (compile_dynamic), its
         graphs depend on the requests, not on the tokens."""
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
+        elif variant == "processed":  # each row counts the drafts before it (``penalties``)
+            logits = process_logits(logits.float(), drafts, self.token_table, x.rows, first,
+                                    x.num_prompt, x.min_len, x.stop_ids,
+                                    x.repetition_penalty, x.frequency_penalty,
+                                    x.presence_penalty)
+            sampled = rejection_sample(logits, drafts, x.num_draft_tokens, x.temperature,
+                                       x.rng_key, first, x.top_p, x.top_k, x.min_p)
         else:
             sampled = rejection_sample(logits, drafts, x.num_draft_tokens,
                                        x.temperature, x.rng_key, first,

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specdec.engine.sequence import MIN_TOKENS_STOP_IDS
+
 
 class StepInputs(NamedTuple):
     """Views of the buffers for one step: N = num_tokens_padded, B = num_reqs_padded. The
@@ -34,6 +36,16 @@ class StepInputs(NamedTuple):
     temperature: torch.Tensor  # [B] float32
     top_p: torch.Tensor  # [B] float32
     rng_key: torch.Tensor  # [B] int64 random key of each request (counter_rng.request_key)
+    # the processed variant's (``penalties``, ``rejection_sampler.target_probs``); the
+    # neutral values elsewhere and in padding rows
+    top_k: torch.Tensor  # [B] int32, 0 = every token
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    repetition_penalty: torch.Tensor  # [B] float32, 1 = off
+    frequency_penalty: torch.Tensor  # [B] float32, 0 = off
+    presence_penalty: torch.Tensor  # [B] float32, 0 = off
+    num_prompt: torch.Tensor  # [B] int64 prompt tokens (token-table columns before: prompt)
+    min_len: torch.Tensor  # [B] int64 num_prompt + min_tokens: no stop id at a position below
+    stop_ids: torch.Tensor  # [B, S] int32 the ids min_tokens holds back, -1 = none
 
 
 def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
@@ -48,6 +60,10 @@ def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
         "num_draft_tokens": (torch.int32, (b,)), "cu_num_draft_tokens": (torch.int32, (b,)),
         "discard_mask": (torch.bool, (b,)),
         "temperature": (torch.float32, (b,)), "top_p": (torch.float32, (b,)),
+        "top_k": (torch.int32, (b,)), "min_p": (torch.float32, (b,)),
+        "repetition_penalty": (torch.float32, (b,)), "frequency_penalty": (torch.float32, (b,)),
+        "presence_penalty": (torch.float32, (b,)), "num_prompt": (torch.int64, (b,)),
+        "min_len": (torch.int64, (b,)), "stop_ids": (torch.int32, (b, MIN_TOKENS_STOP_IDS)),
     }
 
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specdec.engine.parallel_sampling import fan_out
 from specdec.engine.sequence import SamplingParams
+from specdec.engine.text_stream import TextStream
 from specdec.entrypoints.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
                                              RequestHandle)
 from specdec.entrypoints.chat import ChatTemplateError, template_messages
@@ -30,7 +32,6 @@ from specdec.entrypoints.protocol import (
     HugeInt, SamplingRequest, TokenizeRequest, chat_logprobs, check_prompt_ids,
     check_prompt_length, check_sampling, completion_logprobs, greedy_top_p, parse,
     spec_decode_metrics, usage, vllm_prompt_logprobs)
-from specdec.entrypoints.text import TextStream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.2
@@ -193,23 +194,24 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
             check_prompt_ids(ids, model.vocab_size, name)
             max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
                                         default_max_tokens, name)
-            params.append(SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(),
-                seed=req.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+            params.append(sampling_params(req, max_tokens, temperature, top_p, logprobs,
+                                          prompt_logprobs))
         echoed = [None] * len(prompts)
         if req.echo:  # the prompt as given, or its tokens' text
             echoed = [p if isinstance(p, str) else await asyncio.to_thread(
                 decode, model, ids) for p, ids in zip(prompts_given, prompts)]
+        # n samples of each prompt: choices prompt * n + i (sample i seeded seed + i)
+        ids, params, echoed, _ = fan_out(prompts, params, echoed)
         handles = []
         try:
-            for ids, p in zip(prompts, params):
-                handles.append(engine.submit(ids, p))
+            for x, p in zip(ids, params):
+                handles.append(engine.submit(x, p))
         except (QueueFullError, EngineDeadError) as e:
             for h in handles:
                 engine.abort(h.request_id)
             raise ApiError(503 if isinstance(e, QueueFullError) else 500, str(e)) from None
-        gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings()), i, e,
+        gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings(),
+                                                 req.include_stop_str_in_output), i, e,
                            wait_stats=model.per_request_spec_metrics)
                 for i, (h, e) in enumerate(zip(handles, echoed))]
         shape = (ChatShape if chat else CompletionShape)(model, req)
@@ -218,6 +220,22 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         return JSONResponse(shape.response(await collect(gens, request)))
 
     return app
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, temperature: float, top_p: float,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams of a request (its stop strings stay here: ``TextStream``);
+    a value SamplingParams refuses is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(), seed=req.seed,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
+            top_k=req.top_k or 0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            min_tokens=req.min_tokens)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e), re.match(r"\w*", str(e)).group()) from None
 
 
 BIG_BODY_BYTES = 2**20
@@ -582,11 +600,12 @@ class ChatShape(CompletionShape):
         return out
 
     def final_choice(self, gen: Generation) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": gen.text.text},
+        return {"index": gen.index, "message": {"role": "assistant", "content": gen.text.text},
                 "logprobs": self._chat_logprobs(gen.logprobs),
                 "finish_reason": gen.finish_reason}
 
     def chunk_choice(self, gen: Generation, delta: Delta, first: bool) -> dict:
         content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-        return {"index": 0, "delta": content, "logprobs": self._chat_logprobs(delta.logprobs),
+        return {"index": gen.index, "delta": content,
+                "logprobs": self._chat_logprobs(delta.logprobs),
                 "finish_reason": delta.finish_reason}

@@ -1,13 +1,14 @@
 """The OpenAI request schema (validated with pydantic), its range checks, and error bodies.
 
 Fields beyond OpenAI's, as vLLM spells them: ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``, ``prompt_logprobs`` and ``stream_options.continuous_usage_stats``;
+``return_token_ids``, ``prompt_logprobs``, ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``include_stop_str_in_output`` and ``stream_options.continuous_usage_stats``;
 ``user`` (OpenAI's end-user id) is taken and changes nothing. A field of the wrong type or out
 of range is HTTP 400 naming the field, and so is an unknown one (of /tokenize and /detokenize:
-ignored). OpenAI and vLLM sampling fields this server does not implement (``best_of`` > 1,
-penalties, ``logit_bias``, ``suffix``, ``echo`` on chat, ``top_k``, ``min_p``, ``min_tokens``,
-``response_format``) are a 400 naming the field unless their value is the no-op one (null,
-false, 0, 1, {}, ``top_k`` -1, ``{"type": "text"}``), never accepted and ignored. ``null`` for
+ignored). ``n`` samples per prompt are choices ``prompt index * n + i``. OpenAI and vLLM
+sampling fields this server does not implement (``best_of`` > 1, ``logit_bias``, ``suffix``,
+``echo`` on chat, ``response_format``) are a 400 naming the field unless their value is the
+no-op one (null, 1, {}, "", ``{"type": "text"}``), never accepted and ignored. ``null`` for
 a field means its default (OpenAI's schema allows it).
 
 Log-probabilities are the target model's (log-softmax of its raw logits: before temperature
@@ -124,16 +125,18 @@ class SamplingRequest(_Strict):
     echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM: choices[i].prompt_logprobs
     user: str | None = None  # OpenAI: the caller's end-user id, for its records; changes nothing
-    # not implemented: accepted only with the value that does nothing (see check_unsupported)
-    best_of: int | None = None
+    # the engine's SamplingParams fields (ranges checked there: a 400 naming the field)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
-    top_k: int | None = None  # vLLM's sampling fields
+    repetition_penalty: float = 1.0  # vLLM's sampling fields
+    top_k: int | None = None  # None, 0, -1: every token
     min_p: float = 0.0
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    # not implemented: accepted only with the value that does nothing (see check_unsupported)
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
     response_format: dict | None = None
 
     def stop_strings(self) -> list[str]:
@@ -288,14 +291,9 @@ def _is_union_tag(part) -> bool:
 
 
 # field -> the values that do nothing (accepted); anything else is refused by name
-NO_OP = {"best_of": (None, 1), "presence_penalty": (0,), "frequency_penalty": (0,),
-         "repetition_penalty": (1,), "logit_bias": (None, {}), "suffix": (None, ""),
-         "top_k": (None, -1, 0), "min_p": (0,), "min_tokens": (0,),
+NO_OP = {"best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
          "response_format": (None, {"type": "text"})}
-WHY = {"best_of": "only best_of=1 (= n) is supported",
-       "top_k": "top_k is not implemented (-1 or 0: off); temperature 0 is greedy, top_p is "
-                "supported",
-       "min_tokens": "min_tokens is not implemented (0: off); ignore_eos is supported",
+WHY = {"best_of": "only best_of=1 is supported (n samples: n)",
        "response_format": 'only {"type": "text"}: this server does not constrain its output'}
 
 
@@ -325,8 +323,6 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
                             f"{MAX_TEMPERATURE} (0 = greedy)", "temperature")
     if not 0 < req.top_p <= 1:
         raise ApiError(400, f"top_p={req.top_p}: allowed 0 < top_p <= 1", "top_p")
-    if req.n != 1:
-        raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
     check_unsupported(req)
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
         raise ApiError(400, f"seed={req.seed}: allowed 0 <= seed <= {SEED_MAX}", "seed")

@@ -1,4 +1,5 @@
-"""A request's output text as its tokens arrive: incremental decoding and stop strings."""
+"""A request's output text as its tokens arrive: incremental decoding and stop strings (the
+API server's streams, and ``EngineCore`` for a request's ``SamplingParams.stop``)."""
 
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
 
@@ -17,15 +18,18 @@ class TextStream:
 
     Held back until more tokens arrive or the request ends: a trailing incomplete UTF-8
     sequence (decoded as U+FFFD) and the last ``len(longest stop string) - 1`` characters
-    (a stop string may be starting). A stop string ends the text just before it, and the
-    tokens at the token that completes it: ``token_ids`` keeps none after that one (a
-    speculative step brings several tokens at once; they are not the request's).
+    (a stop string may be starting). A stop string ends the text just before it (with
+    ``include_stop``: just after it), and the tokens at the token that completes it:
+    ``token_ids`` keeps none after that one (a speculative step brings several tokens at
+    once; they are not the request's). The first one in the text wins (``stop_str``).
     Without a tokenizer the text stays empty (token ids only).
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
+        self.stop_str: str | None = None  # the stop string found
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (cut at a stop string once found)
@@ -45,10 +49,12 @@ class TextStream:
         # the last chunk decodes everything once: the text a full decode gives
         text = self.tokenizer.decode(self.token_ids) if final else self._decode()
         start = max(0, self.sent - self.hold)  # a stop string may straddle sent text
-        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        cuts = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
         if cuts:
             del self.token_ids[self._tokens_through_stop(start, len(token_ids)):]
-            text, self.stopped, final = text[:min(cuts)], True, True
+            at, self.stop_str = min(cuts, key=lambda c: c[0])
+            end = at + len(self.stop_str) if self.include_stop else at
+            text, self.stopped, final = text[:end], True, True
         self.text = text
         end = len(text)
         if not final:
