@@ -1,14 +1,15 @@
-"""Draft-tree attention (issue 53's verification mask), torch path: a step whose requests end
-in draft trees -- each node sees its request's prefix and its ancestors, its sliding window
-ending at its depth's position -- equals dense attention over exactly those keys, whatever
-query rows the plan picks; a chain written as a tree equals today's causal mask."""
+"""Draft-tree attention (issue 53's verification mask): a step whose requests end in draft
+trees -- each node sees its request's prefix and its ancestors, its sliding window ending at
+its depth's position -- equals dense attention over exactly those keys, on the torch path
+whatever query rows the plan picks and in the Triton kernel (interpreted); a chain written as
+a tree equals today's causal mask."""
 
 import torch
 from hypothesis import given, settings, strategies as st
 
 from specdec.kernels import paged_attention_torch as ref
 
-from test_paged_attention import paged_layout
+from test_paged_attention import PA, paged_layout
 
 # a request: (cached prefix, tree parents) -- parents[k] < k, node 0 the root (parent -1) --
 # or (prefix, chunk length) for a plain causal chunk
@@ -87,6 +88,23 @@ def test_tree_nodes_see_their_prefix_and_ancestors(requests, block_size, hkv, gr
     want = dense(q, k_cache, v_cache, table, block_size, requests, seen, window)
     torch.testing.assert_close(got[:sum(query_lens)], want, rtol=1e-12, atol=1e-12)
     assert got.isfinite().all()
+
+
+@settings(max_examples=4, deadline=None)  # the interpreter: ~2.5 s an example
+@given(requests=REQUESTS, block_size=st.sampled_from([1, 4]), group=st.sampled_from([1, 3]),
+       window=st.none() | st.integers(9, 30), seed=st.integers(0, 2**16))
+def test_triton_kernel_equals_the_torch_path_on_trees(requests, block_size, group, window, seed):
+    query_lens = [len(s) if isinstance(s, tuple) else s for _, s in requests]
+    seq_lens = [prefix + c for (prefix, _), c in zip(requests, query_lens)]
+    q, k_cache, v_cache, qsl, seq, table = paged_layout(
+        torch.Generator().manual_seed(seed), query_lens, seq_lens, block_size, 2, group, 8,
+        torch.float32)
+    n = q.shape[0]
+    tree, _ = step(requests, n)
+    want, got = (impl.paged_attention(q, k_cache, v_cache, impl.plan_paged_attention(
+        qsl, seq, table, n, int(seq.max()), block_size, tree=tree), sliding_window=window)
+        for impl in (ref, PA))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_chain_as_a_tree_is_the_causal_mask():

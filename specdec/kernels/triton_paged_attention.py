@@ -14,7 +14,9 @@ float64 cache). Keys outside ``[lo, visible)`` are never read (a decode token wi
 reads W keys), so the static bound the torch path gathers up to plays no part here. The
 window and the soft cap are runtime arguments (0 = none), never specialized: one binary for
 every window and cap. A sink starts the online softmax at ``m = sink, l = 1`` (an entry
-with no value), ``HAS_SINKS`` being a constexpr. tanh is ``1 - 2 / (exp(2x) + 1)`` (exact at +-inf, no libdevice call,
+with no value), ``HAS_SINKS`` being a constexpr. With a draft tree (``HAS_TREE``, the torch
+path's ``TreeMask``) a node's keys past its request's prefix are its ancestors' only, and its
+window ends at its depth's position. tanh is ``1 - 2 / (exp(2x) + 1)`` (exact at +-inf, no libdevice call,
 so the interpreter and every backend run it).
 E.g. visible = 40, W = 20, BLOCK_N = 16: lo = 20, the loop reads keys 20..35 then 36..39
 (4 live keys of 16); keys 0..19 are never touched.
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels.paged_attention_torch import (
+    TreeMask,
     check_sliding_window,
     check_softcap,
     token_requests,
@@ -56,7 +59,8 @@ def _max(a, b):
 def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stride_s,
                             kv_stride_h, out_ptr, out_stride_t, out_stride_h, req_ptr,
                             qsl_ptr, seq_lens_ptr, table_ptr, table_stride, scale, window,
-                            softcap, sinks_ptr, HAS_SINKS: tl.constexpr,
+                            softcap, sinks_ptr, node_ptr, depth_ptr, ancestors_ptr,
+                            HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
@@ -66,7 +70,14 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
     q_end = tl.load(qsl_ptr + r + 1).to(tl.int64)
     visible = tl.maximum(tl.minimum(seq_len - (q_end - 1 - i), seq_len), 1)
-    lo = tl.where(window > 0, tl.maximum(visible - window, 0), 0)  # window start
+    if HAS_TREE:  # a draft-tree node: its prefix and ancestors; its window ends at its depth
+        node = tl.load(node_ptr + i)
+        ancestors = tl.load(ancestors_ptr + i)
+        tree_start = visible - 1 - node
+        end = visible - node + tl.load(depth_ptr + i)
+    else:
+        end = visible
+    lo = tl.where(window > 0, tl.maximum(end - window, 0), 0)  # window start
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -89,6 +100,9 @@ def _paged_attention_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, v_ptr, kv_stri
     while start < visible:
         pos = start + n
         live = pos < visible  # pos >= lo by construction
+        if HAS_TREE:
+            rel = tl.minimum(tl.maximum(pos - tree_start, 0), 62)
+            live = live & ((pos < tree_start) | (((ancestors >> rel) & 1) == 1))
         block = tl.load(table_ptr + r * table_stride + pos // BLOCK_SIZE, mask=live,
                         other=0).to(tl.int64)
         kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * kv_stride_s
@@ -120,15 +134,18 @@ class TritonPlan(NamedTuple):
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     block_size: int
+    tree: TreeMask | None = None  # draft-tree nodes (the torch path's TreeMask); None: causal
 
 
 def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
          num_tokens: int, bound: int, block_size: int,
-         max_query_len: int | None = None) -> TritonPlan:
+         max_query_len: int | None = None, tree: TreeMask | None = None) -> TritonPlan:
     """Same arguments as the torch ``plan_paged_attention``; ``bound`` and ``max_query_len`` are
     unused (the kernel reads each token's own ``visible`` keys in place)."""
+    if tree is not None:
+        tree = TreeMask(*(t.to(torch.int64).contiguous() for t in tree))
     return TritonPlan(token_requests(query_start_loc, num_tokens), query_start_loc, seq_lens,
-                      block_table, block_size)
+                      block_table, block_size, tree)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -141,7 +158,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the torch path). O(1) host checks only."""
     check_sliding_window(sliding_window)
     check_softcap(softcap)
-    req, qsl, seq_lens, table, block_size = p
+    req, qsl, seq_lens, table, block_size, tree = p
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
@@ -159,7 +176,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0),
         k_cache.stride(1), out, out.stride(0), out.stride(1), req, qsl, seq_lens, table,
         table.stride(0), d ** -0.5 if scale is None else scale, sliding_window or 0,
-        float(softcap or 0), q if sinks is None else sinks, HAS_SINKS=sinks is not None,
+        float(softcap or 0), q if sinks is None else sinks, *(tree or (req, req, req)),
+        HAS_SINKS=sinks is not None, HAS_TREE=tree is not None,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=KEYS_PER_ITERATION, ACC=acc)
