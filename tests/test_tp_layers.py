@@ -2,8 +2,10 @@
 rank loads only its slice of tiny transformers checkpoints, and the sharded forward (paged
 path, sequence parallelism off and on) equals the full model's on the same rank; each rank
 holds about half the parameter bytes. The same for the MTP layers those folders hold
-(DeepSeek-V3's, GLM-4.5's), loaded over the sharded target as the engine loads them. Shape
-errors are checked in-process."""
+(DeepSeek-V3's, GLM-4.5's), loaded over the sharded target as the engine loads them. One
+launch of 4 ranks checks expert parallelism: each MoE family's MoE layer (and the MTP layers')
+with whole experts over DP=2 x TP=2 (SP off and on), TP=4 and DP=4 equals the full layer, each
+DP rank on its own tokens. Shape errors are checked in-process."""
 
 import tempfile
 import traceback
@@ -131,19 +133,97 @@ def _rank(rank, store, paths, results):
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def folders():
+    """(a scratch folder, {name: the checkpoint folder of each builder}), for both launches."""
+    with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
+        yield tmp, {name: build(Path(tmp) / name)
+                    for name, build in {**BUILDERS, **MTP_BUILDERS}.items()}
+
+
+@pytest.fixture(scope="module")
+def ranks(folders):
     """{rank: {(model, sp): ((logits, aux) full, (logits, aux) TP=2, [bytes TP, bytes full],
     TP ops)}}."""
-    with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
-        paths = {name: build(Path(tmp) / name)
-                 for name, build in {**BUILDERS, **MTP_BUILDERS}.items()}
-        got = run_ranks(_rank, (f"{tmp}/store", paths), 2, TIMEOUT)
+    tmp, paths = folders
+    got = run_ranks(_rank, (f"{tmp}/store", paths), 2, TIMEOUT)
     for rank, out in got.items():
         assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
         for key, (full, part, nbytes, ops) in out.items():
             out[key] = ([torch.from_numpy(a) for a in full], [torch.from_numpy(a) for a in part],
                         nbytes, ops)
     return got
+
+
+# ---- expert parallelism over a D x T grid: the MoE layers alone, one launch of 4 ranks -------
+# the MoE families (DeepSeek-V3's folder with its MTP layer; GLM-4.5's holds one too)
+EP_FOLDERS = ["qwen3_moe", "minimax_m2", "glm4_moe", "deepseek_v3_mtp", "gpt_oss"]
+EP_LAYERS = EP_FOLDERS + [f"{n} MTP" for n in MTP_FOLDERS]
+EP_GRIDS = [(2, 2, False), (2, 2, True), (1, 4, False), (4, 1, False)]  # D, T, SP
+EP_TOKENS = (1, 2, 3, 5, 8)  # the token counts a DP rank brings (SP: N*T of them, N a rank)
+
+
+def _moe_layer(model, name: str):
+    """The MoE layer checked for ``name``: the target's first, or its MTP layer's."""
+    from specdec.models.layers.moe import MoEMLP
+    if name.endswith(" MTP"):
+        return model.layer.mlp
+    return next(m for m in model.modules() if isinstance(m, MoEMLP))
+
+
+def _ep_input(d: int, count: int, hidden: int) -> torch.Tensor:
+    """DP rank d's ``count`` tokens (each DP rank its own)."""
+    return torch.randn(count, hidden, generator=torch.Generator().manual_seed(1000 * d + count))
+
+
+def _ep_rank(rank, store, paths, results):
+    """Each grid D x T (+SP) of the 4 ranks, each family: the target's first MoE layer (and an
+    MTP layer's, placed over that target) loaded with expert parallelism, run on this rank's
+    tokens for each token count; -> its outputs, held experts and collectives."""
+    try:
+        from specdec.models.layers.parallel import ExpertPlacement
+        torch.set_num_threads(1)
+        out = {}
+        for dp, tp, sp in EP_GRIDS:
+            grid = init_grid(dp, tp, rank, init_method=f"file://{store}", sequence_parallel=sp)
+            d, t = grid.dp.rank, grid.tp.rank
+            placement = ExpertPlacement.of(grid.tp, d, dp, expert_parallel=True)
+            for name in EP_LAYERS if not sp else EP_FOLDERS:  # an MTP layer runs without SP
+                folder = name.removesuffix(" MTP")
+                model = load_model(paths[folder], torch.float32,
+                                   tp=grid.tp if tp > 1 else None, experts=placement)
+                if name.endswith(" MTP"):
+                    model = load_head(paths[folder], model)
+                moe = _moe_layer(model, name)
+                moe.set_parallel(grid.dp)  # as the engine attaches it: placed, kept
+                got, ops = [], []
+                for n in EP_TOKENS:
+                    x = _ep_input(d, n * tp if sp else n, moe.gate.in_features)
+                    start = len(grid.dp.collectives)
+                    with torch.inference_mode():
+                        got.append(moe(x[t * n:(t + 1) * n] if sp else x).numpy())
+                    ops.append(sorted(op for op, _ in grid.dp.collectives[start:]))
+                out[name, dp, tp, sp] = (got, sorted(map(int, moe.experts)), ops)
+        dist.destroy_process_group()
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001 (the parent reports it)
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def ep_ranks(folders):
+    """{rank: {(layer, D, T, SP): ([this rank's MoE output per token count], held expert ids,
+    [collectives per forward])}} of the 4-rank launch, and {layer: the full MoE layer}."""
+    tmp, paths = folders
+    got = run_ranks(_ep_rank, (f"{tmp}/ep_store", paths), 4, TIMEOUT)
+    for rank, out in got.items():
+        assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
+    full = {}
+    for name in EP_LAYERS:
+        folder = name.removesuffix(" MTP")
+        model = load_model(paths[folder], torch.float32)
+        full[name] = _moe_layer(load_head(paths[folder], model) if name.endswith(" MTP")
+                                else model, name)
+    return got, full
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -177,6 +257,37 @@ def test_sharded_mtp_layer_equals_the_full_one(ranks, name, sp):
         assert set(ops) == {"tp_all_reduce", "tp_all_gather"}
         assert 0.5 <= tp_bytes / full_bytes < 0.56
     assert torch.equal(ranks[0][f"{name} MTP", sp][1][0], ranks[1][f"{name} MTP", sp][1][0])
+
+
+@pytest.mark.parametrize("name", EP_LAYERS)
+def test_expert_parallel_moe_layer_equals_the_full_layer(ep_ranks, name):
+    """Expert parallelism (``enable_expert_parallel``): at DP=2 x TP=2 (SP off and on), TP=4
+    and DP=4, rank r = d*T + t holds experts [r*E/4, (r+1)*E/4) whole; its MoE layer (the
+    target's first, and the MTP layer's, placed over that target; an MTP layer runs without
+    SP, its input the gathered hidden) run on DP rank d's own tokens (SP: this TP rank's N of
+    them) equals the full layer's rows for each token count a rank brings; one forward issues
+    the DP exchange (all-gather, reduce-scatter) when D > 1 and the one TP reduction (SP: the
+    input's all-gather and a reduce-scatter) when T > 1, nothing else."""
+    got, full = ep_ranks
+    whole = full[name]
+    for dp, tp, sp in EP_GRIDS:
+        if sp and name.endswith(" MTP"):
+            continue
+        for rank, out in got.items():
+            outputs, held, ops = out[name, dp, tp, sp]
+            per = whole.num_experts // 4
+            assert held == list(range(rank * per, (rank + 1) * per))
+            d, t = divmod(rank, tp)
+            for n, y in zip(EP_TOKENS, outputs):
+                with torch.inference_mode():
+                    want = whole(_ep_input(d, n * tp if sp else n, whole.gate.in_features))
+                torch.testing.assert_close(
+                    torch.from_numpy(y), want[t * n:(t + 1) * n] if sp else want, rtol=0,
+                    atol=1e-5, msg=lambda m: f"{dp}x{tp} sp={sp} rank {rank} N={n}: {m}")
+            dp_ops = ["moe_all_gather", "moe_reduce_scatter"] if dp > 1 else []
+            tp_ops = (["tp_all_gather", "tp_reduce_scatter"] if sp else ["tp_all_reduce"]) \
+                if tp > 1 else []
+            assert ops == [sorted(dp_ops + tp_ops)] * len(EP_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
