@@ -4,7 +4,9 @@ One spawn of 2 ranks (TP=2) runs every job in turn -- the embedded default model
 tiny MiniMax-M2 from transformers (MoE, loaded from its folder: each rank reads only its
 slices), plain, MTP and EAGLE-3, padded and ragged, SP off and on -- and each job's tokens and
 per-position acceptance equal those of the same engine at TP=1. One spawn of 4 ranks (DP=2 x
-TP=2, SP) is seed 000: extract_hidden_states on the MoE target with one DP rank idle all run.
+TP=2, SP) is seed 000: extract_hidden_states on the MoE target with one DP rank idle all run;
+the same launch runs MTP with a MoE head on the MoE target, with and without expert
+parallelism.
 """
 
 import collections
@@ -190,9 +192,13 @@ def seed_run(minimax, tmp_path_factory):
     mtp_kw = moe_jobs(minimax)["moe-mtp-sp"]  # a MoE head: its experts split across DP too
     mtp_job = DPJob(dict(mtp_kw, tensor_parallel_size=2), PROMPTS, PARAMS,
                     [[2], [0, 1, 3, 4]])
-    run, mtp_run = run_data_parallel([job, mtp_job], 2, engine=LLM, tp_size=2, timeout=TIMEOUT)
+    # the same with expert parallelism: each of the 4 ranks 2 of the 8 experts, whole
+    ep_job = DPJob(dict(mtp_kw, tensor_parallel_size=2, enable_expert_parallel=True), PROMPTS,
+                   PARAMS, [[0, 1, 3, 4], [2]])
+    run, mtp_run, ep_run = run_data_parallel([job, mtp_job, ep_job], 2, engine=LLM, tp_size=2,
+                                             timeout=TIMEOUT)
     mtp_ref = outcome(LLM(**dict(mtp_kw, sequence_parallel=False)).generate(PROMPTS, PARAMS))
-    return run, ref, one, many, mtp_run, mtp_ref
+    return run, ref, one, many, mtp_run, mtp_ref, ep_run
 
 
 def test_seed000_no_hang_and_the_outputs_equal_dp1_tp1(seed_run):
@@ -205,9 +211,22 @@ def test_seed000_no_hang_and_the_outputs_equal_dp1_tp1(seed_run):
 def test_dp2_tp2_mtp_with_a_moe_head_equals_dp1_tp1(seed_run):
     """MTP K=2 with SP, uneven loads (DP rank 0: one short prompt, rank 1: four): the idle steps'
     dummy head forwards match the busy rank's MoE collectives; tokens and acceptance equal."""
-    *_, mtp_run, mtp_ref = seed_run
+    *_, mtp_run, mtp_ref, _ = seed_run
     assert outcome(mtp_run.outputs) == mtp_ref
     assert any(s.num_reqs == 0 for s in mtp_run.ranks[0].steps)
+
+
+def test_dp2_tp2_expert_parallel_with_a_moe_head_equals_dp1_tp1(seed_run):
+    """enable_expert_parallel=True at DP=2 x TP=2 with SP: MiniMax-M2's 8 routed experts
+    placed whole, 2 a rank (rank d*2 + t: experts 2r, 2r+1), MTP K=2 with the MoE head, uneven
+    loads (DP rank 1: one short prompt, then idle steps): one rank's tokens and acceptance;
+    both DP ranks issue the same MoE exchanges, shape for shape, every step."""
+    _, _, _, _, _, mtp_ref, ep_run = seed_run
+    assert outcome(ep_run.outputs) == mtp_ref
+    assert any(s.num_reqs == 0 for s in ep_run.ranks[1].steps)
+    moe = [[[(op, s) for op, s in step if op.startswith("moe_")] for step in r.collectives]
+           for r in (*ep_run.ranks, *ep_run.tp_peers)]
+    assert all(log == moe[0] for log in moe[1:]) and any(moe[0])
 
 
 def test_seed000_one_planning_all_reduce_per_dp_rank_per_step(seed_run):
