@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from specdec.kernels import paged_attention_torch as ref
 
 from test_paged_attention import PA, paged_layout
+from triton_interpret import load_interpreted
 
 # a request: (cached prefix, tree parents) -- parents[k] < k, node 0 the root (parent -1) --
 # or (prefix, chunk length) for a plain causal chunk
@@ -105,6 +106,31 @@ def test_triton_kernel_equals_the_torch_path_on_trees(requests, block_size, grou
         qsl, seq, table, n, int(seq.max()), block_size, tree=tree), sliding_window=window)
         for impl in (ref, PA))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=3, deadline=None)
+@given(requests=REQUESTS, block_size=st.sampled_from([1, 4]), seed=st.integers(0, 2**16))
+def test_mla_paths_on_trees(requests, block_size, seed):
+    """The latent (MLA) paths read the same tree plan: the torch one equals GQA attention over
+    the same rows as keys and values (one kv head, its value the whole row), the Triton kernel
+    (interpreted) the torch one."""
+    from specdec.kernels import mla_attention_torch
+    query_lens = [len(s) if isinstance(s, tuple) else s for _, s in requests]
+    seq_lens = [prefix + c for (prefix, _), c in zip(requests, query_lens)]
+    q, cache, _, qsl, seq, table = paged_layout(
+        torch.Generator().manual_seed(seed), query_lens, seq_lens, block_size, 1, 4, 32,
+        torch.float32)
+    q, n = q.contiguous(), q.shape[0]
+    tree, _ = step(requests, n)
+    p = ref.plan_paged_attention(qsl, seq, table, n, int(seq.max()), block_size, tree=tree)
+    latent = mla_attention_torch.mla_attention(q, cache, p, value_dim=32, scale=0.2)
+    torch.testing.assert_close(latent, ref.paged_attention(q, cache, cache, p, scale=0.2),
+                               rtol=1e-5, atol=1e-5)
+    mla = load_interpreted("triton_mla_attention")
+    got = mla.mla_attention(q, cache, PA.plan_paged_attention(
+        qsl, seq, table, n, int(seq.max()), block_size, tree=tree), value_dim=24, scale=0.2)
+    torch.testing.assert_close(got, mla_attention_torch.mla_attention(
+        q, cache, p, value_dim=24, scale=0.2), rtol=1e-4, atol=1e-4)
 
 
 def test_a_chain_as_a_tree_is_the_causal_mask():

@@ -48,8 +48,8 @@ def _max(a, b):
 @triton.jit
 def _mla_attention_kernel(q_ptr, q_stride_t, q_stride_h, c_ptr, c_stride_s, out_ptr,
                           out_stride_t, out_stride_h, req_ptr, qsl_ptr, seq_lens_ptr,
-                          table_ptr, table_stride, scale,
-                          HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                          table_ptr, table_stride, scale, node_ptr, depth_ptr,
+                          ancestors_ptr, HAS_TREE: tl.constexpr, HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
@@ -59,6 +59,9 @@ def _mla_attention_kernel(q_ptr, q_stride_t, q_stride_h, c_ptr, c_stride_s, out_
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int64)
     q_end = tl.load(qsl_ptr + r + 1).to(tl.int64)
     visible = tl.maximum(tl.minimum(seq_len - (q_end - 1 - i), seq_len), 1)
+    if HAS_TREE:  # a draft-tree node: its request's prefix and its ancestors
+        ancestors = tl.load(ancestors_ptr + i)
+        tree_start = visible - 1 - tl.load(node_ptr + i)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     lat = tl.arange(0, BLOCK_L)
@@ -80,6 +83,9 @@ def _mla_attention_kernel(q_ptr, q_stride_t, q_stride_h, c_ptr, c_stride_s, out_
     while start < visible:
         pos = start + n
         live = pos < visible
+        if HAS_TREE:
+            rel = tl.minimum(tl.maximum(pos - tree_start, 0), 62)
+            live = live & ((pos < tree_start) | (((ancestors >> rel) & 1) == 1))
         block = tl.load(table_ptr + r * table_stride + pos // BLOCK_SIZE, mask=live,
                         other=0).to(tl.int64)
         row = c_ptr + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * c_stride_s
@@ -112,7 +118,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: "TritonPlan", *, valu
     """q [N, H, D] (unit last stride), cache [S, 1, D] (unit last stride) -> [N, H, value_dim]
     in q's dtype; same contract as ``mla_attention_torch.mla_attention``. O(1) host checks."""
     check_latent(q, cache, value_dim)
-    req, qsl, seq_lens, table, block_size = p
+    req, qsl, seq_lens, table, block_size, tree = p
     n, h, d = q.shape
     if q.stride(-1) != 1 or cache.stride(-1) != 1:
         raise ValueError(f"mla_attention: q.stride()={q.stride()}, cache.stride()="
@@ -125,7 +131,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: "TritonPlan", *, valu
     _mla_attention_kernel[(n, triton.cdiv(h, HEADS_PER_PROGRAM))](
         q, q.stride(0), q.stride(1), cache, cache.stride(0), out, out.stride(0),
         out.stride(1), req, qsl, seq_lens, table, table.stride(0), scale,
-        HEADS=h, LATENT=value_dim, ROPE=rope, BLOCK_SIZE=block_size,
+        *(tree or (req, req, req)), HAS_TREE=tree is not None, HEADS=h, LATENT=value_dim, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=HEADS_PER_PROGRAM, BLOCK_L=max(16, triton.next_power_of_2(value_dim)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=ROWS_PER_ITERATION,
         ACC=acc, DOT=_DOT_TYPES[cache.dtype])
