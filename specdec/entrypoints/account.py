@@ -11,7 +11,8 @@ Each process's CPU time not in a part (HTTP parsing and writing, the event loop,
 collections) is its ``rest``.
 
 ``GET /account``: both processes' parts as ``{part: {"wall_s", "cpu_s", "calls"}}``, their
-total CPU and the wall time since the last ``POST /account/reset``, and the tokens emitted.
+total CPU and the wall time since the last ``POST /account/reset``, and the tokens emitted
+(the routes and the API process's wrapping: ``account_routes.py``).
 """
 
 import functools
@@ -85,39 +86,3 @@ def count_engine(account: Account, loop) -> None:
             account.tokens += sum(out.step.new_tokens.values())
         return out
     loop.step = counted_step
-
-
-def count_api(account: Account, engine) -> None:
-    """Wrap the API process's parts (a ProcessEngine's submit and pipe reader, tokenizing,
-    detokenizing, JSON) in ``account``; call before ``engine.start()``."""
-    from specdec.engine import text_stream
-    from specdec.entrypoints import api_server
-    engine.submit = account.timed(engine.submit, "submit")
-    engine._on_readable = account.timed(engine._on_readable, "receive")
-    for name in ("encode", "encode_chat"):
-        setattr(api_server, name, account.timed_async(getattr(api_server, name), "tokenize"))
-    text_stream.TextStream.add = account.timed(text_stream.TextStream.add, "detokenize")
-
-    class TimedJson:  # api_server's json: dumps timed, the rest as it was
-        dumps = staticmethod(account.timed(api_server.json.dumps, "serialize"))
-        loads = staticmethod(api_server.json.loads)
-        JSONDecodeError = api_server.json.JSONDecodeError
-
-    api_server.json = TimedJson
-
-
-def serve_account(app, engine) -> None:
-    """``serve --account``: count this process's parts and add ``GET /account`` and
-    ``POST /account/reset`` to the app (before it starts)."""
-    account = Account()
-    count_api(account, engine)
-
-    @app.get("/account")
-    async def report():
-        return {"api": account.report(), "engine": await engine.account()}
-
-    @app.post("/account/reset")
-    async def reset():
-        account.reset()
-        await engine.account(reset=True)
-        return {}

@@ -200,7 +200,7 @@ def run_from_args(args) -> int:
                                         info.eos_token_ids),
                    args.shutdown_timeout, args.max_request_bytes)
     if args.account:
-        from specdec.entrypoints.account import serve_account
+        from specdec.entrypoints.account_routes import serve_account
         serve_account(app, engine)
     host = f"[{args.host}]" if ":" in args.host else args.host
     chosen = "" if info.config is None else f"; {info.config.describe(args.device is None)}"
