@@ -169,14 +169,15 @@ def check_assignment(assignment: list[list[int]], num_prompts: int, dp_size: int
 
 def rank_context(device_types: set[str]):
     """How ranks start: on CPU, forkserver where the platform has it -- each rank forks from
-    one server process per launcher that imported the engine once, so a data- or
-    tensor-parallel ``generate`` starts its ranks in ~0.3 s instead of ~3 s of imports (2
-    ranks, this CPU) -- else spawn (accelerator ranks too, until forked ranks have run on
-    one). Both run the launcher's script afresh in a rank (its ``__main__`` guard)."""
+    one server process per launcher that imported the engine once (and ``torch._dynamo``,
+    which a rank building a sharded model on the meta device imports: ~2.6 s of CPU a rank
+    otherwise), so a data- or tensor-parallel ``generate`` starts its ranks in ~0.3 s instead
+    of ~3 s of imports (2 ranks, this CPU) -- else spawn (accelerator ranks too, until forked
+    ranks have run on one). Both run the launcher's script afresh in a rank (its ``__main__`` guard)."""
     if device_types != {"cpu"} or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["specdec.engine.llm"])
+    ctx.set_forkserver_preload(["specdec.engine.llm", "torch._dynamo"])
     return ctx
 
 
