@@ -145,8 +145,10 @@ def test_sampled_steps_are_captured_and_equal_eager(target, heads, method):
     assert run_sampled(llm, SAMPLED) == eager
     decode_steps = [s for s in llm.steps if s.num_reqs and not is_mixed(s, K if method else 0)]
     assert len(decode_steps) >= 6 and all(s.captured for s in decode_steps)
-    # prefill steps: not capture sizes here; the processed variant: captured at first use
-    assert {dict(key[1:])["variant"] for key in set(graph.captured) - warm_up} == {"processed"}
+    # prefill steps: not capture sizes here; the processed variant (a top_p request beside:
+    # the vocabulary sorted) captured at its first use
+    assert {dict(key[1:])["variant"] for key in set(graph.captured) - warm_up} == {
+        "processed_sorted"}
     # a greedy-only run captures greedy keys only
     greedy = make_llm(target, heads, method, graph_backend="replay")
     run(greedy, PROMPTS, 20)

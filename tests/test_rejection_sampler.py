@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from specdec.engine.penalties import process_logits
 from specdec.engine.rejection_sampler import rejection_sample, target_probs
+from specdec.engine.runner import processed_variant
 from specdec.engine.sequence import SamplingParams
 from specdec.syncs import forbid_host_sync
 
@@ -311,28 +312,50 @@ def test_target_probs_docstring_example():
         torch.testing.assert_close(probs(**kw), torch.tensor([0.625, 0.375, 0, 0]))
 
 
-@given(vocab=st.integers(1, 8), rows=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+@given(vocab=st.integers(1, 12), rows=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
        data=st.data())
 def test_target_probs_equal_vllms_filters_computed_directly(vocab, rows, seed, data):
     """temperature, then min_p, top_k (ties kept: logits on a coarse grid tie often), top_p
-    over what is left: the distribution equals the plain-Python one at every row."""
+    over what is left: the distribution equals the plain-Python one at every row, with the
+    vocabulary sorted and (no top_p) with the k-th largest from a topk of W >= every top_k
+    (the runner's processed_top<W>)."""
     g = torch.Generator().manual_seed(seed)
     b = 4
     logits = (torch.randint(-6, 7, (b, rows, vocab), generator=g) / 2).float()
+    partial = data.draw(st.booleans())  # no top_p, small top_ks: the runner's topk of W
+    top_ps, most = ([1.0], max(1, vocab // 3)) if partial else ([1.0, 0.9, 0.5, 0.05], vocab + 1)
     params = [SamplingParams(temperature=data.draw(st.sampled_from([0.3, 1.0, 1.7])),
-                             top_p=data.draw(st.sampled_from([1.0, 0.9, 0.5, 0.05])),
-                             top_k=data.draw(st.integers(0, vocab + 1)),
+                             top_p=data.draw(st.sampled_from(top_ps)),
+                             top_k=data.draw(st.one_of(st.just(0), st.integers(1, most))),
                              min_p=data.draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])))
               for _ in range(b)]
     column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype)
-    got = target_probs(logits, column("temperature", torch.float32),
-                       column("top_p", torch.float32), column("top_k", torch.int64),
-                       column("min_p", torch.float32))
-    for i, p in enumerate(params):
-        for j in range(rows):
-            want = sampling_reference.probs(logits[i, j].tolist(), p)
-            torch.testing.assert_close(got[i, j], torch.tensor(want, dtype=torch.float32),
-                                       rtol=1e-5, atol=1e-6)
+    temperature, top_k = column("temperature", torch.float32), column("top_k", torch.int64)
+    calls = [(column("top_p", torch.float32), top_k, None)]
+    variant = processed_variant(params, vocab)  # the runner's topk of W: no top_p, top_k <= W
+    if "_top" in variant:
+        calls.append((None, top_k, int(variant[len("processed_top"):])))
+    for top_p, top_k, width in calls:
+        got = target_probs(logits, temperature, top_p, top_k, column("min_p", torch.float32),
+                           width)
+        for i, p in enumerate(params):
+            for j in range(rows):
+                want = sampling_reference.probs(logits[i, j].tolist(), p)
+                torch.testing.assert_close(got[i, j], torch.tensor(want, dtype=torch.float32),
+                                           rtol=1e-5, atol=1e-6)
+
+
+def test_processed_variant_sorts_what_the_requests_rank():
+    p = SamplingParams
+    assert processed_variant([p(temperature=1.0, repetition_penalty=1.2)], 100) == "processed"
+    assert processed_variant([p(temperature=1.0, top_k=40), p(temperature=1.0, top_k=50),
+                              p(temperature=1.0)], 100) == "processed_top64"
+    assert processed_variant([p(temperature=1.0, top_k=40), p(temperature=1.0, top_k=50,
+                                                              top_p=0.9)],
+                             100) == "processed_sorted"  # top_p sorts the vocabulary
+    assert processed_variant([p(temperature=1.0, top_k=70)], 100) == "processed_sorted"
+    assert processed_variant([p(top_p=0.5), p(temperature=1.0, min_p=0.2)], 100) == \
+        "processed"  # a greedy request's filters change nothing
 
 
 def processed_sample(logits, drafts, params, table, first, num_prompt, seed=0):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specdec.engine.llm import LLM
+from specdec.engine.runner import processed_variant
 from specdec.engine.sequence import SamplingParams
 from specdec.models.config import ModelConfig
 from specdec.models.heads import build_head
@@ -98,8 +99,8 @@ def dense_logits(target, ids: list[int]) -> list[list[float]]:
 
 
 def run_recorded(llm, params: list[SamplingParams]):
-    """Run one request per prompt; -> [(request, context, drafts verified, emitted)] for every
-    step that sampled for it."""
+    """Run one request per prompt (the first len(params)); -> (requests, [(request, context,
+    drafts verified, emitted)] for every step that sampled for it)."""
     reqs = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
     steps = []
     while True:
@@ -124,24 +125,30 @@ def replay(target, r, context, drafts, params) -> list[int]:
 @pytest.mark.parametrize("method,k", CONFIGS, ids=IDS)
 def test_sampled_tokens_equal_the_direct_computation_at_every_draft_position(
         target, engines, method, k):
+    """Two batches: every setting but top_p (the step's top-k from a topk of 4,
+    ``processed_top4``), then top_p + top_k beside a penalty (the vocabulary sorted)."""
     names = list(SAMPLED)
-    params = [replace(SAMPLED[name], max_tokens=20, seed=100 + i, ignore_eos=True)
-              for i, name in enumerate(names)]
-    reqs, steps = run_recorded(engines(method, k), params)
+    params = {name: replace(SAMPLED[name], max_tokens=16, seed=100 + i, ignore_eos=True)
+              for i, name in enumerate(names)}
     changed = dict.fromkeys(names, 0)  # steps where the setting changes the tokens
-    for r, context, drafts, emitted in steps:
-        p = r.params
-        want = replay(target, r, context, drafts, p)
-        if r.finish_reason is not None and len(emitted) < len(want):  # ended inside the step
-            assert emitted == want[:len(emitted)], (r.request_id, context, drafts)
-        else:
-            assert emitted == want, (r.request_id, context, drafts)
-        name = names[reqs.index(r)]
-        changed[name] += replay(target, r, context, drafts, replace(p, **NEUTRAL)) != want
+    accepted = 0
+    for batch, variant in (([n for n in names if n != "top_p+top_k"], "processed_top4"),
+                           (["top_p+top_k", "frequency_penalty"], "processed_sorted")):
+        assert processed_variant([params[n] for n in batch], VOCAB) == variant
+        reqs, steps = run_recorded(engines(method, k), [params[n] for n in batch])
+        for r, context, drafts, emitted in steps:
+            p = r.params
+            want = replay(target, r, context, drafts, p)
+            if r.finish_reason is not None and len(emitted) < len(want):  # ended in the step
+                assert emitted == want[:len(emitted)], (r.request_id, context, drafts)
+            else:
+                assert emitted == want, (r.request_id, context, drafts)
+            name = batch[reqs.index(r)]
+            changed[name] += replay(target, r, context, drafts, replace(p, **NEUTRAL)) != want
+        assert all(len(r.output_token_ids) > 3 for r in reqs)
+        accepted += sum(sum(r.num_accepted) for r in reqs)
     assert all(changed[name] for name in names if name != "temperature"), str(changed)
-    assert all(len(r.output_token_ids) > 3 for r in reqs)
-    if method is not None:
-        assert sum(sum(r.num_accepted) for r in reqs) > 0
+    assert accepted > 0 or method is None
 
 
 def greedy_reference(target, prompt: list[int], params: SamplingParams) -> list[int]:

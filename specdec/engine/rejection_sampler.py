@@ -39,6 +39,7 @@ def rejection_sample(
     top_p: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
     """Verify drafts; return sampled_token_ids [B, K+1] int32 (-1 = placeholder).
 
@@ -54,6 +55,7 @@ def rejection_sample(
     top_p:            [B] float in (0, 1], or None (no nucleus filter). Greedy rows ignore it.
     top_k:            [B] int32/int64, 0 = every token; or None. Greedy rows ignore it.
     min_p:            [B] float in [0, 1], 0 = off; or None. Greedy rows ignore it.
+    width:            a static int: ``target_probs`` sorts only the ``width`` most likely.
     The logits are used as given: penalties and min_tokens come before (``penalties``), and
     greedy rows take their argmax; sampled rows draw from ``target_probs`` (temperature,
     min_p, top_k, top_p, in vLLM's order).
@@ -77,7 +79,7 @@ def rejection_sample(
 
     # Target probabilities p [B, K+1, V]; greedy rows divide by 1 (their p is unused).
     probs = target_probs(logits, torch.where(greedy, 1.0, temperature.float()), top_p, top_k,
-                         min_p)
+                         min_p, width)
 
     # Each row's own numbers: a function of (its key, its counter) only.
     uniform = counter_rng.uniforms(keys, counters, counter_rng.STREAM_UNIFORM, k)
@@ -124,7 +126,7 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor,
                  top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
-                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+                 min_p: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
     """The distribution a sampled row draws from: softmax(logits / temperature), then the
     filters in vLLM's order -- min_p, top_k, top_p -- and renormalised.
 
@@ -133,7 +135,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor,
     min_p keeps p >= min_p * max(p); top_k keeps p >= the k-th largest p (ties kept); top_p
     then keeps, of the tokens left (renormalised), each one whose mass strictly above it in
     sorted order is < top_p (so the most likely is always kept). Every filter keeps an upper
-    set of the same order, so one descending sort serves all three.
+    set of the same order, so one descending sort serves all three; min_p alone needs none.
+    ``width`` (a static int, top_p None): top_k's k-th largest p from the ``width`` most
+    likely (``topk``, not a sort of the vocabulary; vLLM's top-k-only path) -- exact for
+    every row with top_k <= width (0: every token).
     Example: p = [0.5, 0.3, 0.15, 0.05]; top_k = 3 -> [0.526, 0.316, 0.158, 0];
     min_p = 0.5 -> [0.625, 0.375, 0, 0]; top_p = 0.6 -> [0.625, 0.375, 0, 0];
     top_k = 3 and top_p = 0.8 -> [0.625, 0.375, 0, 0] (0.842 above the third of the three).
@@ -141,10 +146,22 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor,
     probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
     if top_p is None and top_k is None and min_p is None:
         return probs
+    vocab = probs.shape[-1]
+    if top_p is None and (top_k is None or (width is not None and width < vocab)):
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if min_p is not None:
+            keep = probs >= min_p.float()[:, None, None] * probs.amax(dim=-1, keepdim=True)
+        if top_k is not None:  # the k-th largest from the width most likely
+            largest = probs.topk(width, dim=-1).values
+            last = (top_k.long() - 1).clamp(0, width - 1)[:, None, None]
+            kth = largest.gather(-1, last.expand(*probs.shape[:2], 1))
+            keep = keep & ((probs >= kth) | (top_k <= 0)[:, None, None])
+        kept = probs * keep
+        return kept / kept.sum(dim=-1, keepdim=True)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if top_k is not None:
-        last = (top_k.long() - 1).clamp(0, probs.shape[-1] - 1)[:, None, None]
+        last = (top_k.long() - 1).clamp(0, vocab - 1)[:, None, None]
         kth = sorted_probs.gather(-1, last.expand(*probs.shape[:2], 1))
         keep = (sorted_probs >= kth) | (top_k <= 0)[:, None, None]
     if min_p is not None:

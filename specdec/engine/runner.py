@@ -45,11 +45,15 @@ from specdec.proposers.inputs import DraftInputs
 
 
 # the target step's sampling variants: every request greedy; temperature; and top-p; and
-# processed (penalties, top-k, min-p, min_tokens: ``penalties``, the sampler's filters)
-VARIANTS = ("greedy", "sampled", "top_p", "processed")
+# processed (penalties, top-k, min-p, min_tokens: ``penalties``, the sampler's filters) with no
+# sort (no sampled request has a top_k or top_p), the vocabulary sorted (one has a top_p), or
+# a topk of W (top_k only, each <= W, a power of 2): ``processed_variant``
+TOP_K_WIDTHS = tuple(1 << i for i in range(21))
+VARIANTS = ("greedy", "sampled", "top_p", "processed", "processed_sorted",
+            *(f"processed_top{w}" for w in TOP_K_WIDTHS))
 # captured at start-up (``warm_up_graphs``; compile_dynamic: ``core.WARMUP_SAMPLING``); the
-# processed variant's graphs are captured / compiled at its first use in each bucket instead
-# (a start-up capture per bucket more for a variant a run may never use)
+# processed variants' graphs are captured / compiled at their first use in each bucket instead
+# (start-up captures per bucket more for variants a run may never use)
 STARTUP_VARIANTS = VARIANTS[:3]
 MIN_GRAPH_SEQ_LEN = 64  # the smallest attention bound of a captured mixed step
 
@@ -60,16 +64,32 @@ def graph_seq_len(max_seq_len: int, max_model_len: int) -> int:
     return min(max(MIN_GRAPH_SEQ_LEN, 1 << (max_seq_len - 1).bit_length()), max_model_len)
 
 
-def sampling_variant(requests) -> str:
-    """processed when a request's logits are (``SamplingParams.processes_logits``: a penalty,
-    top_k, min_p, or min_tokens not reached yet); else greedy when every request is; top_p
-    when one filters (the sort runs); else sampled."""
+def sampling_variant(requests, vocab_size: int) -> str:
+    """A processed variant when a request's logits are (``SamplingParams.processes_logits``: a
+    penalty, top_k, min_p, or min_tokens not reached yet: ``processed_variant``); else greedy
+    when every request is; top_p when one filters (the sort runs); else sampled."""
     if any(r.params.processes_logits(len(r.output_token_ids)) for r in requests):
-        return "processed"
+        return processed_variant([r.params for r in requests], vocab_size)
     params = [r.params for r in requests]
     if all(p.temperature < GREEDY_TEMPERATURE for p in params):
         return "greedy"
     return "top_p" if any(p.top_p < 1.0 for p in params) else "sampled"
+
+
+def processed_variant(params, vocab_size: int) -> str:
+    """What a processed step sorts, from its sampled requests (vLLM's policy): nothing when
+    none ranks (top_k 0, top_p 1: "processed"); the vocabulary when one has a top_p
+    ("processed_sorted"); else a topk of the power of two W >= the largest top_k
+    ("processed_top64" for top_k 40 and 50), exact for every top_k <= W."""
+    ranking = [p for p in params if p.temperature >= GREEDY_TEMPERATURE
+               and (p.top_k > 0 or p.top_p < 1.0)]
+    if not ranking:
+        return "processed"
+    if any(p.top_p < 1.0 for p in ranking):
+        return "processed_sorted"
+    width = 1 << (max(p.top_k for p in ranking) - 1).bit_length()
+    return (f"processed_top{width}" if width < vocab_size and width in TOP_K_WIDTHS
+            else "processed_sorted")
 
 
 def forward_then_verify(forward: Callable, verify: Callable, x: StepInputs, *, max_seq_len: int,
@@ -135,6 +155,7 @@ class ModelRunner:
         self.token_table[max_num_seqs] = 0
         self.seed = seed  # keys the random numbers of requests without a seed of their own
         self.eos_token_ids = tuple(target.config.eos_token_ids)  # min_tokens holds them back
+        self.vocab_size = target.config.vocab_size
         self.last_draft_seconds = 0.0  # drafter share of the last execute()
         # MoE layers (target and draft head) exchange tokens over the DP group (the backend
         # was checked for it: ``graphs.resolve_backend``)
@@ -269,7 +290,7 @@ class ModelRunner:
             rows = 1 + max(len(s.spec_token_ids) for s in scheduled)
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
-                         sampling_variant([s.request for s in scheduled]), rows,
+                         sampling_variant([s.request for s in scheduled], self.vocab_size), rows,
                          self.graph_num_rows(plan))
 
     def _fill_processing(self, h: dict, i: int | slice, r) -> None:
@@ -422,13 +443,17 @@ class ModelRunner:
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
-        elif variant == "processed":  # each row counts the drafts before it (``penalties``)
+        elif variant.startswith("processed"):  # each row counts the drafts before it
             logits = process_logits(logits.float(), drafts, self.token_table, x.rows, first,
                                     x.num_prompt, x.min_len, x.stop_ids,
                                     x.repetition_penalty, x.frequency_penalty,
                                     x.presence_penalty)
+            sort = variant == "processed_sorted"  # else processed, processed_top<W>
+            width = int(variant[len("processed_top"):]) if "_top" in variant else None
             sampled = rejection_sample(logits, drafts, x.num_draft_tokens, x.temperature,
-                                       x.rng_key, first, x.top_p, x.top_k, x.min_p)
+                                       x.rng_key, first, x.top_p if sort else None,
+                                       x.top_k if sort or width else None, x.min_p,
+                                       width=width)
         else:
             sampled = rejection_sample(logits, drafts, x.num_draft_tokens,
                                        x.temperature, x.rng_key, first,
