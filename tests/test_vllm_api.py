@@ -329,6 +329,10 @@ def test_a_vllm_sampling_script_runs_and_equals_the_server(llm):
         text[:at + len(stop)])  # the tokens through the one that completes the stop string
     kept = sampling_script(llm, stop=stop, include_stop_str_in_output=True)[0][0]
     assert kept[1] == text[:at + len(stop)] and kept[2] == c[2]
+    # as vLLM, no stop string is looked for before min_tokens (3): not the text's first chars
+    early = sampling_script(llm, stop=text[:2])[0][0]
+    assert early[1] != "" and text.startswith(early[1])
+    assert early[3] == "length" or text[len(early[1]):].startswith(text[:2])
     server = ServerThread(build_server_app(llm, "tiny"))
     try:
         for fields, want in (({}, free), ({"stop": [stop, "never in the text"]}, got),

@@ -416,7 +416,8 @@ class EngineCore:
         text) -> tokens dropped; None: no match."""
         if r.text_stream is None:
             r.text_stream = TextStream(self.tokenizer, list(r.params.stop),
-                                       r.params.include_stop_str_in_output)
+                                       r.params.include_stop_str_in_output,
+                                       r.params.min_tokens)
         stream = r.text_stream
         stream.add(r.token_ids[len(r.token_ids) - emitted:], final=False)
         if not stream.stopped:

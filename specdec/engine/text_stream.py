@@ -21,14 +21,18 @@ class TextStream:
     (a stop string may be starting). A stop string ends the text just before it (with
     ``include_stop``: just after it), and the tokens at the token that completes it:
     ``token_ids`` keeps none after that one (a speculative step brings several tokens at
-    once; they are not the request's). The first one in the text wins (``stop_str``).
-    Without a tokenizer the text stays empty (token ids only).
+    once; they are not the request's). The first one in the text wins (``stop_str``). As
+    vLLM, stop strings are looked for only once the output holds more than ``min_tokens``
+    tokens, in the text the chunk that got there added (and the characters a stop string may
+    straddle before it). Without a tokenizer the text stays empty (token ids only).
     """
 
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.stop_str: str | None = None  # the stop string found
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -49,7 +53,8 @@ class TextStream:
         # the last chunk decodes everything once: the text a full decode gives
         text = self.tokenizer.decode(self.token_ids) if final else self._decode()
         start = max(0, self.sent - self.hold)  # a stop string may straddle sent text
-        cuts = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        search = self.stop if len(self.token_ids) > self.min_tokens else ()
+        cuts = [(i, s) for i, s in ((text.find(s, start), s) for s in search) if i >= 0]
         if cuts:
             del self.token_ids[self._tokens_through_stop(start, len(token_ids)):]
             at, self.stop_str = min(cuts, key=lambda c: c[0])

@@ -211,7 +211,8 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
                 engine.abort(h.request_id)
             raise ApiError(503 if isinstance(e, QueueFullError) else 500, str(e)) from None
         gens = [Generation(engine, h, TextStream(model.tokenizer, req.stop_strings(),
-                                                 req.include_stop_str_in_output), i, e,
+                                                 req.include_stop_str_in_output,
+                                                 req.min_tokens), i, e,
                            wait_stats=model.per_request_spec_metrics)
                 for i, (h, e) in enumerate(zip(handles, echoed))]
         shape = (ChatShape if chat else CompletionShape)(model, req)
