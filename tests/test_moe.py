@@ -71,6 +71,21 @@ def test_experts_split_across_dp_ranks():
         MoEMLP(moe_config(), DPContext(rank=0, size=4))
 
 
+def load_reading(monkeypatch, path, **kwargs):
+    """``load_model(path, **kwargs)`` and the names of the tensors it took out of the files."""
+    from specdec.models import checkpoint
+    from specdec.models.registry import load_model
+    read, iter_tensors = [], checkpoint.iter_tensors
+
+    def reading(*args, **kw):
+        for name, t in iter_tensors(*args, **kw):
+            read.append(name)
+            yield name, t
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "iter_tensors", reading)
+        return load_model(path, **kwargs), read
+
+
 @pytest.mark.parametrize("dp_rank,tp_rank,ep,held,width", [
     (1, 0, False, [2, 3], 16), (1, 1, False, [2, 3], 16), (0, 1, True, [1], 32),
     (1, 1, True, [3], 32)])
@@ -83,20 +98,12 @@ def test_routed_experts_placed_over_the_grid_load_only_their_tensors(
     shared expert is split over TP."""
     import hf_deepseek
     from specdec.distributed import TPContext
-    from specdec.models import checkpoint
     from specdec.models.layers.parallel import ExpertPlacement
     from specdec.models.registry import load_model
     path = hf_deepseek.build_deepseek_v3(tmp_path / "ds")
     placement = ExpertPlacement.of(TPContext(tp_rank, 2), dp_rank, 2, ep)
     full = load_model(path)
-    read, iter_tensors = [], checkpoint.iter_tensors
-
-    def reading(*args, **kwargs):  # the tensors a load takes out of the files
-        for name, t in iter_tensors(*args, **kwargs):
-            read.append(name)
-            yield name, t
-    monkeypatch.setattr(checkpoint, "iter_tensors", reading)
-    part = load_model(path, tp=TPContext(tp_rank, 2), experts=placement)
+    part, read = load_reading(monkeypatch, path, tp=TPContext(tp_rank, 2), experts=placement)
     experts_read = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in read
                     if ".mlp.experts." in n}
     assert experts_read == set(held)
@@ -155,7 +162,6 @@ def test_expert_parallel_rank_loads_only_its_whole_experts_per_family(
     import re
 
     from specdec.distributed import TPContext
-    from specdec.models import checkpoint
     from specdec.models.layers.parallel import ExpertPlacement, shard_from
     from specdec.models.registry import load_model
     big_d, big_t, d, t = layout
@@ -163,15 +169,7 @@ def test_expert_parallel_rank_loads_only_its_whole_experts_per_family(
     tp = TPContext(t, big_t)
     placement = ExpertPlacement.of(tp, d, big_d, expert_parallel=True)
     full = load_model(path)
-    read, iter_tensors = [], checkpoint.iter_tensors
-
-    def reading(*args, **kwargs):  # the tensors a load takes out of the files
-        for name, tensor in iter_tensors(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-    monkeypatch.setattr(checkpoint, "iter_tensors", reading)
-    part = load_model(path, tp=tp, experts=placement)
-    monkeypatch.undo()
+    part, read = load_reading(monkeypatch, path, tp=tp, experts=placement)
     moes = {name: m for name, m in part.named_modules() if isinstance(m, MoEMLP)}
     whole = dict(full.named_modules())
     e = next(iter(moes.values())).num_experts
