@@ -201,3 +201,38 @@ def test_tensor_parallel_and_expert_parallel_equal_transformers(folders, referen
                   SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for ep in (False, True)]
     for run in run_data_parallel(jobs, 1, engine=LLM, tp_size=2, timeout=240):
         assert [o.token_ids for o in run.outputs] == reference("mxfp4")["tokens"]
+
+
+@pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_reads_only_its_experts_rows(layout, rank, folders,
+                                                             monkeypatch):
+    """Expert parallelism over 2 TP ranks: every stacked expert tensor (a bf16 copy, or each
+    MXFP4 half) comes out of the files as this rank's experts' rows only (E / 2 of them), and
+    the rank holds exactly those experts, equal to the full model's."""
+    from specdec.distributed import TPContext
+    from specdec.models.layers.parallel import ExpertPlacement
+    path, tp = folders[layout], TPContext(rank, 2)
+    full = load_model(path)
+    rows, iter_tensors = {}, checkpoint.iter_tensors
+
+    def reading(*args, **kw):  # what the load takes out of the files
+        for name, t in iter_tensors(*args, **kw):
+            rows[name] = t.shape[0]
+            yield name, t
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "iter_tensors", reading)
+        part = load_model(path, tp=tp, experts=ExpertPlacement.of(tp, expert_parallel=True))
+    total = full.model.layers[0].mlp.num_experts
+    mine = list(range(rank * total // 2, (rank + 1) * total // 2))
+    stacked = {n: r for n, r in rows.items() if ".mlp.experts." in n}
+    assert stacked and set(stacked.values()) == {total // 2}
+    for layer, whole in zip(part.model.layers, full.model.layers):
+        assert sorted(map(int, layer.mlp.experts)) == mine
+        for e in mine:
+            want = whole.mlp.experts[str(e)].state_dict()
+            got = layer.mlp.experts[str(e)].state_dict()
+            assert got.keys() == want.keys()
+            # whole experts; the down bias is added once, on TP rank 0
+            assert all(torch.equal(got[k], want[k]) or (k == "down_proj.bias" and rank > 0)
+                       for k in want)

@@ -219,6 +219,11 @@ class DecoderForCausalLM(nn.Module, Family):
         ``checkpoint_name``); here as stored."""
         return tensors
 
+    def stored_slice(self, name: str) -> tuple[int, int, int] | None:
+        """Of a tensor as stored (before ``convert_tensors``): the ``(dim, start, stop)`` this
+        rank reads when the family knows better than the sharded names; None: as sharded."""
+        return None
+
     def expected_tensors(self) -> dict[str, torch.Size]:
         """Name -> shape of every tensor a checkpoint holds (no ``lm_head.weight`` when tied)."""
         shapes = {k: v.shape for k, v in self.state_dict().items()}
@@ -264,7 +269,8 @@ class DecoderForCausalLM(nn.Module, Family):
         checkpoint.load_into({k: state[k] for k in model.expected_tensors()}, path,
                              rename=model.checkpoint_name, ignore=not_held,
                              weight_block_size=config.weight_block_size,
-                             shard=None if slices is None else slices.get,
+                             shard=None if slices is None
+                             else lambda name: model.stored_slice(name) or slices.get(name),
                              convert=model.convert_tensors if type(model).convert_tensors
                              is not DecoderForCausalLM.convert_tensors else None)
         return model.to(device=device).eval()

@@ -21,7 +21,9 @@ cast to the model dtype. ``convert_tensors`` splits them into each expert's
 Tensor parallelism (``layers.parallel.shard_model``): the sinks split with their query heads,
 q/k/v biases with their rows, o_proj's bias added once after the sum; each expert's gate/up
 biases split with their rows and its down bias kept on TP rank 0 (the experts' partial sums
-add it once); MXFP4 experts are dequantized whole, then sliced.
+add it once); MXFP4 experts are dequantized, then sliced by width. A rank holding some of the
+experts (expert or data parallelism) reads only their rows of each stacked tensor
+(``stored_slice``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from specdec.models.layers.moe import MOE_CONFIG_KEYS, MoEMLP
 GPT_OSS_KEYS = MOE_CONFIG_KEYS | {"swiglu_alpha", "swiglu_limit", "experts_per_token",
                                   "initial_context_length"}
 STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+# a stacked tensor as stored: a bf16 copy or either half of an MXFP4 pair
+STORED_STACKED = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"
+                            r"(_bias|_blocks|_scales)?")
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
@@ -89,9 +94,27 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         return super().checkpoint_name(name.replace(".mlp.router.", ".mlp.gate."))
 
+    def held_experts(self) -> tuple[int, int] | None:
+        """The routed experts this rank holds, ``[lo, hi)`` (contiguous: ExpertPlacement's);
+        None: all of them."""
+        moe = self.model.layers[0].mlp
+        if len(moe.experts) == moe.num_experts:
+            return None
+        ids = sorted(map(int, moe.experts))
+        return ids[0], ids[-1] + 1
+
+    def stored_slice(self, name: str) -> tuple[int, int, int] | None:
+        """A stacked expert tensor of a rank holding some experts: only their rows,
+        ``(0, lo, hi)`` (its other experts' bytes are never read)."""
+        held = self.held_experts()
+        return None if held is None or STORED_STACKED.fullmatch(name) is None \
+            else (0, *held)
+
     def convert_tensors(self, tensors, folder: str):
         """MXFP4 pairs dequantized, then each stacked expert tensor (module docstring) split
-        into its E experts' tensors (views of it); the other tensors as stored."""
+        into its experts' tensors (views of it; read as this rank's experts only when it holds
+        some, ``stored_slice``); the other tensors as stored."""
+        held = self.held_experts()
         for name, t in checkpoint.dequantized_mxfp4(tensors, folder):
             match = STACKED.fullmatch(name)
             if match is None:
@@ -99,7 +122,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
                 continue
             prefix, proj, bias = match.groups()
             kind = "bias" if bias else "weight"
-            for i, part in enumerate(t):  # [H, 2I] / [2I] / [I, H] / [H]
+            first = held[0] if held is not None and len(t) == held[1] - held[0] else 0
+            for i, part in enumerate(t, start=first):  # [H, 2I] / [2I] / [I, H] / [H]
                 part = part if bias else part.T  # -> nn.Linear's [out, in]
                 if proj == "down_proj":
                     yield f"{prefix}{i}.down_proj.{kind}", part
