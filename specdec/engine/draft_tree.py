@@ -1,0 +1,100 @@
+"""A static draft tree (issue 53): vLLM's ``speculative_token_tree`` as the arrays a padded
+tree step runs on.
+
+vLLM's key lists the tree's paths, each a tuple of child ranks from the root: ``(0,)`` the
+root's most likely child, ``(1,)`` its second, ``(0, 0)`` the most likely child of ``(0,)``.
+Nodes are numbered root first, then by depth, then by path (parents before children: the
+order the tree sampler and the tree attention mask need); node k's ``parent`` is a node
+number (-1 for the root), its ``depth`` the path length, its ``rank`` the last child rank
+(which of its parent's top-k drafts it is), its ``ancestors`` a bitmask of its path's nodes
+and itself (``TreeMask``'s). A chain of K drafts is ``[(0,), (0, 0), (0, 0, 0), ...]``.
+
+Example: paths [(0,), (1,), (0, 0)] -> nodes root, (0,), (1,), (0, 0):
+parent [-1, 0, 0, 1], depth [0, 1, 1, 2], rank [0, 0, 1, 0],
+ancestors [0b1, 0b11, 0b101, 0b1011], top_k per depth [2, 1].
+"""
+
+import ast
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kernels.paged_attention_torch import TreeMask
+
+MAX_TREE_NODES = 63  # the root and 62 drafts: an int64 ancestors bitmask
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    paths: tuple[tuple[int, ...], ...]  # the drafts' paths in node order (node 1 first)
+    parent: tuple[int, ...]  # per node, the root first
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]
+    ancestors: tuple[int, ...]
+
+    @classmethod
+    def from_paths(cls, paths) -> "StaticTree":
+        """``paths``: vLLM's ``speculative_token_tree``, a list of tuples of child ranks or
+        its string. ValueError naming the key for a path that is not a tuple of ints >= 0,
+        repeats, a missing parent path, or more than MAX_TREE_NODES - 1 drafts."""
+        if isinstance(paths, str):
+            try:
+                paths = ast.literal_eval(paths)
+            except (ValueError, SyntaxError):
+                raise ValueError(f"speculative_token_tree={paths!r}: not a list of tuples, "
+                                 "e.g. '[(0,), (1,), (0, 0)]'") from None
+        if not isinstance(paths, (list, tuple)) or not paths:
+            raise ValueError(f"speculative_token_tree={paths!r}: give a non-empty list of "
+                             "paths, e.g. [(0,), (1,), (0, 0)]")
+        seen = set()
+        for p in paths:
+            if not isinstance(p, (list, tuple)) or not p or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in p):
+                raise ValueError(f"speculative_token_tree: path {p!r} is not a non-empty "
+                                 "tuple of child ranks (ints >= 0)")
+            if tuple(p) in seen:
+                raise ValueError(f"speculative_token_tree: path {tuple(p)} given twice")
+            seen.add(tuple(p))
+        for p in seen:
+            if len(p) > 1 and p[:-1] not in seen:
+                raise ValueError(f"speculative_token_tree: path {p} has no parent path "
+                                 f"{p[:-1]}")
+        if len(seen) > MAX_TREE_NODES - 1:
+            raise ValueError(f"speculative_token_tree: {len(seen)} drafts; allowed at most "
+                             f"{MAX_TREE_NODES - 1}")
+        ordered = sorted(seen, key=lambda p: (len(p), p))
+        number = {p: k + 1 for k, p in enumerate(ordered)}
+        parent, depth, rank, ancestors = [-1], [0], [0], [1]
+        for k, p in enumerate(ordered, start=1):
+            up = number.get(p[:-1], 0)
+            parent.append(up)
+            depth.append(len(p))
+            rank.append(p[-1])
+            ancestors.append(ancestors[up] | (1 << k))
+        return cls(tuple(ordered), tuple(parent), tuple(depth), tuple(rank), tuple(ancestors))
+
+    @classmethod
+    def chain(cls, k: int) -> "StaticTree":
+        return cls.from_paths([(0,) * d for d in range(1, k + 1)])
+
+    @property
+    def num_nodes(self) -> int:
+        """The root and the drafts: the tokens a request verifies per step."""
+        return len(self.parent)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def top_k(self) -> list[int]:
+        """Per depth 1..max_depth, the most children any node has there (the drafts a depth's
+        forward must rank)."""
+        return [1 + max(r for r, d in zip(self.rank, self.depth) if d == level)
+                for level in range(1, self.max_depth + 1)]
+
+    def mask(self, num_reqs: int, device=None) -> TreeMask:
+        """The ``TreeMask`` of ``num_reqs`` requests, each verifying this tree (its root and
+        drafts, ``num_nodes`` tokens) back to back."""
+        def rep(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device).repeat(num_reqs)
+        return TreeMask(rep(range(self.num_nodes)), rep(self.depth), rep(self.ancestors))
