@@ -196,8 +196,9 @@ def test_a_synthetic_shape_is_served_as_built_in_process(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--draft-acceptance", "0.5"], "--draft-acceptance sets a synthetic head's rates: give "
-                                    "--synthetic"),
+    (["--draft-acceptance", "0.5"], "--draft-acceptance sets the synthetic target's weights "
+                                    "or its head's rates: give --synthetic"),
+    (["--synthetic-init", "random"], "--synthetic-init sets the synthetic target's weights"),
     (["--synthetic", "llama-tiny", "--method", "mtp", "-k", "2", "--draft-acceptance", "0.5"],
      "give one rate per draft position, 2"),
     (["--synthetic", "llama-tiny", "--method", "ngram", "--draft-acceptance", "0.5,0.4,0.3"],

@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a synthetic target instead of MODEL (specdec/models/synthetic.py: "
                         "llama-tiny, llama-1b, llama-8b, deepseek-tiny, deepseek-16b), no "
                         "download; prompts as token ids (default: none)")
-    p.add_argument("--synthetic-init", default="zeros", choices=("zeros", "random"),
-                   help="its weights: zeros (every logit ties: token 0, every draft accepted) "
-                        "or random (seeded by --seed)")
+    p.add_argument("--synthetic-init", default=None, choices=("zeros", "random"),
+                   help="with --synthetic, its weights: zeros (every logit ties: token 0, "
+                        "every draft accepted) or random (seeded by --seed; default: zeros)")
     p.add_argument("--draft-acceptance", type=floats, default=None, metavar="R,..",
                    help="with --synthetic and a head method: drafts accepted at these rates "
                         "per position, one per draft position (e.g. 0.75,0.6,0.45; default: "
@@ -164,10 +164,12 @@ def run_from_args(args) -> int:
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, **engine_kwargs(args))
     if args.synthetic is not None:
-        kwargs.update(synthetic=args.synthetic, synthetic_init=args.synthetic_init,
+        kwargs.update(synthetic=args.synthetic, synthetic_init=args.synthetic_init or "zeros",
                       draft_acceptance=args.draft_acceptance)
-    elif args.draft_acceptance is not None:
-        raise UsageError("--draft-acceptance sets a synthetic head's rates: give --synthetic")
+    elif args.draft_acceptance is not None or args.synthetic_init is not None:
+        flag = "--draft-acceptance" if args.draft_acceptance is not None else "--synthetic-init"
+        raise UsageError(f"{flag} sets the synthetic target's weights or its head's rates: "
+                         "give --synthetic")
     ranks = kwargs.get("data_parallel_size", 1) * kwargs.get("tensor_parallel_size", 1)
     if ranks > 1:  # one engine per rank, their leaders behind this process
         if args.account:
