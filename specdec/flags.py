@@ -275,7 +275,7 @@ def synthetic_parts(name: str, spec: dict | None, model: str | None, init: str,
     shapes' bfloat16 on an accelerator, float32 on a CPU); UsageError naming the flag."""
     import torch
 
-    from specdec.engine.config import DTYPE_ALIASES, DTYPES, auto_dtype
+    from specdec.engine.config import resolve_dtype
     from specdec.models.synthetic import SHAPES, SYNTHETIC_DTYPE, synthetic_engine
     if name not in SHAPES:
         raise UsageError(f"--synthetic={name!r}: allowed {', '.join(SHAPES)}")
@@ -289,10 +289,8 @@ def synthetic_parts(name: str, spec: dict | None, model: str | None, init: str,
         raise UsageError(f"--draft-acceptance={','.join(map(str, acceptance))}: give one rate "
                          f"per draft position, {k} (num_speculative_tokens)")
     device = torch.device(kw.get("device") or default_device())
-    dtype = kw.get("dtype", "auto")
-    dtype = auto_dtype(SYNTHETIC_DTYPE, device) if dtype == "auto" else \
-        DTYPES[DTYPE_ALIASES.get(dtype, dtype)] if isinstance(dtype, str) else dtype
     try:
+        dtype = resolve_dtype(kw.get("dtype", "auto"), SYNTHETIC_DTYPE, device)
         parts = synthetic_engine(name, spec["method"] if spec else None, dtype=dtype,
                                  device=device, seed=seed, init=init, acceptance=acceptance)
     except ValueError as e:

@@ -82,8 +82,7 @@ class EngineConfig:
                                             else self.device)
         self._check_gpu_memory_utilization()
         self.dtype_auto = isinstance(self.dtype, str) and self.dtype == "auto"
-        self.dtype = (auto_dtype(self.checkpoint_dtype, self.device) if self.dtype_auto
-                      else _dtype(self.dtype))
+        self.dtype = resolve_dtype(self.dtype, self.checkpoint_dtype, self.device)
 
     def _check_gpu_memory_utilization(self) -> None:
         util = self.gpu_memory_utilization
@@ -212,6 +211,15 @@ def auto_dtype(checkpoint: str | None, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype='auto': the checkpoint's torch_dtype={checkpoint!r} is not "
                          f"one specdec runs; give dtype, allowed {list(DTYPE_CHOICES)}")
     return DTYPES[checkpoint]
+
+
+def resolve_dtype(value, checkpoint: str | None, device: torch.device) -> torch.dtype:
+    """``dtype`` as ``EngineConfig`` takes it: "auto" -> ``auto_dtype(checkpoint, device)``, a
+    name or alias -> its torch.dtype, a torch.dtype checked; ValueError / TypeError naming
+    the allowed values."""
+    if isinstance(value, str) and value == "auto":
+        return auto_dtype(checkpoint, device)
+    return _dtype(value)
 
 
 def _dtype(value) -> torch.dtype:
