@@ -33,6 +33,7 @@ import os
 import signal
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from specdec.entrypoints.async_engine import EngineDeadError, EngineFrontend
@@ -133,7 +134,6 @@ class ParallelEngine(EngineFrontend):
         self.on_engine_death = None
         self._gauges = [(0, 0, 0)] * self.dp_size  # per replica: running, waiting, free blocks
         self._replica: dict[str, int] = {}  # request id -> replica, until the engine ends it
-        self._load = [0] * self.dp_size  # unfinished requests per replica
         self._asleep_at: int | None = 0  # the idle period all leaders sleep in; None: awake
         self._keepalive: asyncio.TimerHandle | None = None
 
@@ -221,9 +221,9 @@ class ParallelEngine(EngineFrontend):
         return super().submit(prompt_token_ids, params)
 
     def _send_add(self, handle) -> None:
-        replica = min(range(self.dp_size), key=self._load.__getitem__)
+        load = Counter(self._replica.values())  # unfinished requests per replica
+        replica = min(range(self.dp_size), key=load.__getitem__)
         self._replica[handle.request_id] = replica
-        self._load[replica] += 1
         self._send(replica, ("add", handle.request_id, handle.prompt_token_ids, handle.params))
         self._wake()
 
@@ -266,7 +266,7 @@ class ParallelEngine(EngineFrontend):
                 self._gauges[replica] = (out.running, out.waiting, out.free_blocks)
                 for u in out.updates:
                     if u.stats is not None or u.error is not None:
-                        self._load[self._replica.pop(u.request_id)] -= 1
+                        del self._replica[u.request_id]
                 self._dispatch(out)
                 if out.idle is not None:
                     self._asleep_at = out.idle
@@ -278,11 +278,7 @@ class ParallelEngine(EngineFrontend):
     def _engine_died(self) -> None:
         if self.exitcode is not None:
             return
-        loop = asyncio.get_running_loop()
-        for conn in self.conns:
-            loop.remove_reader(conn.fileno())
-        for p in self.processes:
-            loop.remove_reader(p.sentinel)
+        self._stop_reading()
         time.sleep(0.2)  # the rank that failed first, not its peers that noticed
         dead = [p.exitcode for p in self.processes if p.exitcode not in (None, 0)]
         self.discard()
@@ -300,16 +296,21 @@ class ParallelEngine(EngineFrontend):
             loop, deadline = asyncio.get_running_loop(), time.monotonic() + 30
             while (self._asleep_at is None or self._replica) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            for conn in self.conns:
-                loop.remove_reader(conn.fileno())
-            for p in self.processes:
-                loop.remove_reader(p.sentinel)
+            self._stop_reading()
             for replica in range(self.dp_size):
                 self._send(replica, ("shutdown",))
             await loop.run_in_executor(None, self._join, 30)
         for conn in self.conns:
             conn.close()
         self._store.cleanup()
+
+    def _stop_reading(self) -> None:
+        """The event loop stops watching the leaders' pipes and the rank processes."""
+        loop = asyncio.get_running_loop()
+        for conn in self.conns:
+            loop.remove_reader(conn.fileno())
+        for p in self.processes:
+            loop.remove_reader(p.sentinel)
 
     def _join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
