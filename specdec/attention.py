@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import kernels, platform
-from specdec.kernels.paged_attention_torch import check_softcap
+from specdec.kernels.paged_attention_torch import TreeMask, check_softcap
 from specdec.linear_state import LinearStateSpec, StateCache, StateLayout
 
 
@@ -32,6 +32,9 @@ class AttentionMetadata:
     rows: torch.Tensor | None = None  # [B] int32, each request's state row
     num_draft_tokens: torch.Tensor | None = None  # [B] int32, drafts among its tokens (last)
     max_query_len: int | None = None  # host upper bound on tokens per request
+    # per token, the draft-tree node it is (``TreeMask``: a node sees its request's prefix and
+    # its ancestors); None: every token causal
+    tree: TreeMask | None = None
 
     @classmethod
     def dummy(cls, num_tokens: int, device) -> "AttentionMetadata":
@@ -119,6 +122,18 @@ class KVCache:
     def bind(self, meta: AttentionMetadata) -> "PagedKV":
         return PagedKV(self, meta)
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every paged layer's K/V rows at slots ``src`` [M] int64 to slots ``dst`` [M]
+        (-1: nothing, the trash slot), all sources read before any write: a draft tree's
+        accepted path moved to the positions after its root."""
+        dst = torch.where(dst < 0, self.trash_slot, dst)
+        src = src.clamp(min=0)
+        for spec, k, v in zip(self.specs, self.k, self.v):
+            if isinstance(spec, KVCacheSpec):
+                k.index_copy_(0, dst, k[src])
+                if spec.value_dim is None:
+                    v.index_copy_(0, dst, v[src])
+
     def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         """After verification: each row's linear-attention state continues from its last
         accepted token (``StateCache.accept``); nothing to do without linear layers."""
@@ -164,7 +179,7 @@ class PagedKV:
                     else kernels.plan_paged_attention)
             self._plan = plan(
                 meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
-                meta.max_seq_len, self.cache.block_size, meta.max_query_len)
+                meta.max_seq_len, self.cache.block_size, meta.max_query_len, tree=meta.tree)
         return self._plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,

@@ -35,7 +35,9 @@ GRAPH_MODES = ("eager", "torchair", "full_cuda_graph")
 FULL_GRAPH_MODES = ("torchair", "full_cuda_graph")
 # Methods whose head reads the target's intermediate ("aux") hidden states.
 AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states")
-K_POLICIES = ("goodput",)  # num_speculative_tokens_policy values (specdec/engine/k_policy.py)
+K_POLICIES = ("goodput",)
+# Methods that draft a tree (speculative_token_tree): a head run on the device
+TREE_METHODS = ("mtp", "eagle", "eagle3")  # num_speculative_tokens_policy values (specdec/engine/k_policy.py)
 
 
 @dataclass(slots=True)
@@ -63,6 +65,10 @@ class SpeculativeConfig:
     # acceptance and step times say emits the most tokens per second (engine/k_policy.py).
     # None: the K above
     num_speculative_tokens_policy: str | None = None
+    # a draft tree (issue 53; ``engine/draft_tree.py``): each step verifies a tree of drafts,
+    # num_speculative_tokens its depth. Static: vLLM's key, the tree's paths of child ranks
+    # (e.g. "[(0,), (1,), (0, 0)]"), the same tree every step. None: a chain of K drafts
+    speculative_token_tree: str | list | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -106,6 +112,7 @@ class SpeculativeConfig:
         self._check_suffix_keys()
         self._check_k_schedule()
         self._check_k_policy()
+        self._check_tree()
         ids = self.aux_layer_ids_configured
         if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
@@ -229,6 +236,45 @@ class SpeculativeConfig:
         if self.method == "extract_hidden_states":
             raise ValueError(f"{name}={policy!r} with method='extract_hidden_states' (it "
                              "drafts nothing); allowed: None")
+
+    def _check_tree(self) -> None:
+        """speculative_token_tree: a tree of paths (``StaticTree.from_paths``) whose depth is
+        num_speculative_tokens, for the methods that draft on the device with a head; refused
+        with what it cannot run with."""
+        if self.speculative_token_tree is None:
+            return
+        from specdec.engine.draft_tree import StaticTree
+        tree = StaticTree.from_paths(self.speculative_token_tree)
+        name = "speculative_token_tree"
+        if self.method not in TREE_METHODS:
+            raise ValueError(f"{name} with method={self.method!r}: no tree drafting for it; "
+                             f"allowed methods: {TREE_METHODS}")
+        if tree.max_depth != self.num_speculative_tokens:
+            raise ValueError(f"{name} is {tree.max_depth} deep and num_speculative_tokens="
+                             f"{self.num_speculative_tokens}: num_speculative_tokens is the "
+                             f"tree's depth; give {tree.max_depth}")
+        for key, why in (("disable_padded_drafter_batch", "the ragged drafter drafts chains"),
+                         ("num_speculative_tokens_per_batch_size", "a tree has one shape"),
+                         ("num_speculative_tokens_policy", "the policy picks chain lengths")):
+            if getattr(self, key):
+                raise ValueError(f"{key}={getattr(self, key)!r} with {name} ({why}); "
+                                 f"allowed: {False if key.startswith('disable') else None}")
+        self.speculative_token_tree = [tuple(p) for p in tree.paths]
+
+    @property
+    def tree(self):
+        """The ``StaticTree`` each step verifies, or None (a chain)."""
+        if self.speculative_token_tree is None:
+            return None
+        from specdec.engine.draft_tree import StaticTree
+        return StaticTree.from_paths(self.speculative_token_tree)
+
+    @property
+    def num_fed_drafts(self) -> int:
+        """Drafts a decoding request feeds the target per step: the tree's nodes past its
+        root, or K (a chain)."""
+        tree = self.tree
+        return self.num_speculative_tokens if tree is None else tree.num_nodes - 1
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """The K of a step that runs ``batch_size`` requests (the schedule's, else K)."""

@@ -77,7 +77,9 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         if tp.record is None:
             tp.record = dp.record
-        k = spec.num_speculative_tokens if spec else 0
+        # K of the step: the drafts a decode feeds (a tree's nodes past its root)
+        k = spec.num_fed_drafts if spec else 0
+        self.tree = spec.tree if spec else None
         self.padder = BatchPadder(cfg.capture_sizes, cfg.tensor_parallel_size,
                                   cfg.sequence_parallel)
         sizes = StepSizes.of(self.padder, k, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -101,7 +103,8 @@ class EngineCore:
             target, self.proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             aux_layer_ids=aux_ids, padder=self.padder, dp=dp, device=self.device,
             dtype=cfg.dtype, backend=backend, seed=cfg.seed, tp=tp,
-            step_ks=spec.step_ks if spec else None)
+            step_ks=(k,) if self.tree is not None else spec.step_ks if spec else None,
+            tree=self.tree)
         self._in_flight: Launched | None = None  # async: a step launched, not yet read
         self._completing: list[ScheduledRequest] = []  # the step whose results are applied
         self.steps: list[StepRecord] = []
@@ -394,10 +397,11 @@ class EngineCore:
                 emitted, reason = emitted - dropped, "stop"
         if d:  # an accepted draft counts once the request kept it (not past its end)
             r.num_steps_decoding += 1
-            while len(r.num_drafted) < d:
+            depth = d if self.tree is None else self.tree.depth[d]  # positions drafted
+            while len(r.num_drafted) < depth:
                 r.num_drafted.append(0)
                 r.num_accepted.append(0)
-            for j in range(d):
+            for j in range(depth):
                 r.num_drafted[j] += 1
                 r.num_accepted[j] += j < min(accepted, emitted)
         if reason:

@@ -23,12 +23,18 @@ from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.parallel_sampling import fan_in, fan_out
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
+from specdec.linear_state import LinearStateSpec
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.moe import has_cross_rank_layers
 from specdec.models.layers.parallel import ExpertPlacement, check_shardable
 from specdec.proposers.base import HeadProposer
 from specdec.proposers.factory import load_checked_head
 from specdec.proposers.registry import PROPOSERS, get_proposer_class
+
+
+# SamplingParams fields a tree step does not apply yet -> their off value
+TREE_REFUSED_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                         "frequency_penalty": 0.0, "min_tokens": 0}
 
 
 class LLM:
@@ -94,8 +100,10 @@ class LLM:
             raise ValueError(f"enable_expert_parallel=True: {type(target).__name__} has no "
                              "MoE layers; allowed: False")
         cfg.check_model(target.config)
-        k = self.spec.num_speculative_tokens if self.spec else 0
+        k = self.spec.num_fed_drafts if self.spec else 0  # a tree's nodes past its root
         cfg.check_num_speculative_tokens(k)
+        if self.spec is not None and self.spec.tree is not None:
+            self._check_tree(target)
         drafter = get_proposer_class(self.spec) if self.spec is not None else None
         if drafter is not None and not drafter.tensor_parallel and tensor_parallel_size > 1:
             raise ValueError(f"method={self.spec.method!r} with tensor_parallel_size="
@@ -163,6 +171,14 @@ class LLM:
                 f"DIR}} (command line: --speculative-config '{{\"model\": \"DIR\"}}')"
             ) from None
 
+    def _check_tree(self, target) -> None:
+        """speculative_token_tree: refused where a tree step cannot keep its state."""
+        if any(isinstance(s, LinearStateSpec) for s in target.kv_cache_spec()):
+            raise ValueError(
+                f"speculative_token_tree with {type(target).__name__}: its linear-attention "
+                "layers keep one recurrent state per draft position of a chain, not per "
+                "tree node; allowed: None (chain drafting)")
+
     def _check_async(self, tensor_parallel_size: int, dp_size: int, drafter) -> None:
         """async_scheduling overlaps a single rank's padded steps: refuse what it cannot."""
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
@@ -171,6 +187,10 @@ class LLM:
                 raise ValueError(f"async_scheduling=True with {name}={size}: not supported yet;"
                                  " allowed: 1")
         spec = self.spec
+        if spec is not None and spec.tree is not None:
+            raise ValueError("async_scheduling=True with speculative_token_tree: not supported "
+                             "yet (the next step's tree inputs are built on the host); "
+                             "allowed: False, or chain drafting")
         if spec is not None and spec.num_speculative_tokens_policy is not None:
             raise ValueError(f"async_scheduling=True with num_speculative_tokens_policy="
                              f"{spec.num_speculative_tokens_policy!r}: the policy times each "
@@ -255,6 +275,13 @@ class LLM:
                                self.tokenizer is not None)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}.{e}") from None
+        if self.spec is not None and self.spec.tree is not None:
+            for field, off in TREE_REFUSED_SAMPLING.items():
+                if getattr(params, field) != off:
+                    raise ValueError(
+                        f"{name}.{field}={getattr(params, field)!r} with speculative_token_tree: "
+                        "the penalties and min_tokens count the tokens before each verified "
+                        f"position, a chain's; allowed: {off!r} (or chain drafting)")
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError(f"{name}.prompt_logprobs={params.prompt_logprobs}: not supported "
                              f"with tensor_parallel_size={self.config.tensor_parallel_size} "

@@ -33,12 +33,15 @@ from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.penalties import process_logits
+from specdec.engine.draft_tree import StaticTree
 from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
-                                              rejection_sample, valid_tokens)
+                                              rejection_sample, target_probs, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
 from specdec.engine.step_buffers import StepBuffers, StepInputs
+from specdec.engine.tree_sampler import tree_rejection_sample
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
+from specdec.kernels.paged_attention_torch import TreeMask
 from specdec.models.layers.moe import attach_parallel
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
@@ -131,12 +134,18 @@ class ModelRunner:
                  block_size: int, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  backend: Backend = EAGER, seed: int = 0,
-                 tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None):
+                 tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None,
+                 tree: StaticTree | None = None):
         self.target = target
         self.proposer = proposer
         # the drafter's step follows the target's (a host drafter, ngram / suffix, has none)
         self.drafts_on_device = proposer is not None and proposer.drafts_on_device
         self.num_speculative_tokens = k = sizes.num_speculative_tokens
+        # a draft tree's decodes verify its K + 1 nodes (``verify_tree``); None: chains
+        self.tree = tree
+        if tree is not None:
+            self.tree_path = torch.full((sizes.max_num_reqs, tree.max_depth), -1,
+                                        dtype=torch.int64, device=device)
         self.step_ks = step_ks or (k,)  # every K a step can run (a K schedule's), ascending
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
         self.max_model_len = max_model_len = sizes.max_model_len
@@ -241,10 +250,12 @@ class ModelRunner:
                 h["input_ids"][lo:hi] = [r.token_ids[start]] + s.spec_token_ids + [0] * f
             else:
                 h["input_ids"][lo:hi] = r.token_ids[start:start + n]
-            pos = np.arange(start, start + n)
+            pos = np.arange(start, start + n)  # key positions (a tree's node k: start + k)
             blocks = np.asarray(r.block_ids, dtype=np.int64)
             h["positions"][lo:hi] = pos
             h["slot_mapping"][lo:hi] = blocks[pos // bs] * bs + pos % bs
+            if self.tree is not None:
+                self._fill_tree(h, lo, hi, start if d or f else None)
             qsl[i + 1] = hi
             h["seq_lens"][i] = start + n
             h["logits_indices"][i] = hi - 1 - d - f + np.minimum(np.arange(k + 1), d)
@@ -263,6 +274,8 @@ class ModelRunner:
         h["input_ids"][n:np_] = 0
         h["positions"][n:np_] = 0
         h["slot_mapping"][n:np_] = -1
+        if self.tree is not None:
+            self._fill_tree(h, n, np_, None)
         if bp > b:  # padding tokens past the last request's end stay unowned otherwise
             qsl[b + 1:bp + 1] = np.minimum(n + (np.arange(b, bp) + 1 - b) * (1 + k), np_)
             qsl[bp] = np_
@@ -277,6 +290,8 @@ class ModelRunner:
         h["rng_key"][b:bp] = 0
         self._fill_processing(h, slice(b, bp), None)
         h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
+        if self.tree is not None:
+            h["tree_parents"][:bp] = self.tree.parent
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
         if self.backend.dynamic:
@@ -292,6 +307,19 @@ class ModelRunner:
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
                          sampling_variant([s.request for s in scheduled], self.vocab_size), rows,
                          self.graph_num_rows(plan))
+
+    def _fill_tree(self, h: dict, lo: int, hi: int, start: int | None) -> None:
+        """Tokens lo..hi-1 of the step: a decode's tree nodes from ``start`` (its root's
+        position; node k at depth d gets position start + d, its slot stays start + k's), or
+        (None) plain causal tokens."""
+        t, n = self.tree, hi - lo
+        if start is None:
+            h["tree_node"][lo:hi], h["tree_depth"][lo:hi], h["tree_ancestors"][lo:hi] = 0, 0, 1
+            return
+        h["tree_node"][lo:hi] = np.arange(n)
+        h["tree_depth"][lo:hi] = t.depth[:n]
+        h["tree_ancestors"][lo:hi] = t.ancestors[:n]
+        h["positions"][lo:hi] = start + np.asarray(t.depth[:n])
 
     def _fill_processing(self, h: dict, i: int | slice, r) -> None:
         """The processed variant's inputs of batch row(s) ``i``: request ``r``'s, or None:
@@ -408,8 +436,10 @@ class ModelRunner:
         -> (logits [Bp, num_rows, V] float32 of each request's first ``num_rows`` verified
         positions, hidden [Np, H], aux [Np, A, H] or None)."""
         fed = x.seq_lens - first  # drafts + filler after the known token
+        tree = (None if self.tree is None else
+                TreeMask(x.tree_node, x.tree_depth, x.tree_ancestors))
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
-                                 max_seq_len, x.rows, fed.to(torch.int32), max_query_len)
+                                 max_seq_len, x.rows, fed.to(torch.int32), max_query_len, tree)
         hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
         logits = self.target.compute_logits(hidden[x.logits_indices[:, :num_rows].flatten()])
@@ -440,6 +470,8 @@ class ModelRunner:
         linear-attention state slot moved to its last accepted token -> sampled [Bp,
         num_rows] int32. It reads nothing of [Np] size: compiled alone (compile_dynamic), its
         graphs depend on the requests, not on the tokens."""
+        if self.tree is not None:
+            return self.verify_tree(x, first, logits, variant=variant, num_rows=num_rows)
         drafts = x.draft_token_ids[:, :num_rows - 1]
         if variant == "greedy":
             sampled = greedy_verify(logits, drafts, x.num_draft_tokens)
@@ -461,6 +493,65 @@ class ModelRunner:
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         self.kv.accept(x.rows, sampled)
         return sampled
+
+    def verify_tree(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor, *,
+                    variant: str, num_rows: int) -> torch.Tensor:
+        """``verify`` of a draft tree: each decode's rows are its tree's nodes (node 0 its
+        last known token, nodes 1.. its drafts, ``x.tree_parents``), verified by
+        ``tree_rejection_sample`` over the target's distribution at each node (temperature,
+        then min-p / top-k / top-p: ``variant``; the penalties are refused with a tree). The
+        accepted path's target K/V move to the positions after the root, the path stays in
+        ``tree_path`` for the drafter -> sampled [Bp, num_rows] int32: the path's tokens, the
+        token after it, then -1 (a chain's layout)."""
+        b, depth = logits.shape[0], self.tree.max_depth
+        live = (torch.arange(num_rows - 1, device=logits.device)[None]
+                < x.num_draft_tokens[:, None])
+        tokens = torch.cat([torch.zeros_like(x.draft_token_ids[:, :1]),
+                            torch.where(live, x.draft_token_ids[:, :num_rows - 1], -1)], dim=1)
+        greedy = x.temperature < GREEDY_TEMPERATURE
+        probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        if variant != "greedy":
+            sort = variant in ("top_p", "processed_sorted")
+            width = int(variant[len("processed_top"):]) if "_top" in variant else None
+            processed = variant.startswith("processed")
+            sampled_probs = target_probs(
+                logits.float(), torch.where(greedy, 1.0, x.temperature),
+                x.top_p if sort else None, x.top_k if processed and (sort or width) else None,
+                x.min_p if processed else None, width)
+            probs = torch.where(greedy[:, None, None], probs, sampled_probs)
+        verdict = tree_rejection_sample(probs, tokens, x.tree_parents[:, :num_rows],
+                                        x.temperature, x.rng_key, first, depth)
+        sampled = torch.cat([verdict.tokens, verdict.tokens.new_full(
+            (b, num_rows - depth - 1), -1)], dim=1)
+        sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
+        path = torch.where(x.discard_mask[:, None], -1, verdict.path)
+        root = (first - 1)[:, None]  # the accepted node at depth j moves to root + j
+        src = self._slots(x.block_table, root + path.clamp(min=0))
+        dst = self._slots(x.block_table,
+                          root + torch.arange(1, depth + 1, device=root.device)[None])
+        self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
+        self.tree_path[:b].copy_(path)
+        return sampled
+
+    def _slots(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """[B, J] int64 slots of key positions ``pos`` [B, J] of each request."""
+        bs = self.block_size
+        col = (pos // bs).clamp(max=block_table.shape[1] - 1)
+        return block_table.to(torch.int64).gather(1, col) * bs + pos % bs
+
+    def chain_view(self, x: StepInputs) -> torch.Tensor:
+        """[Np] int64: the step's tokens seen as a chain (the drafter's first pass): a
+        decode's token j <= its accepted depth is its accepted path's node j (node 0 its
+        root), every other token itself (past the path: rejected, as a chain's)."""
+        num_tokens, depth = x.input_ids.shape[0], self.tree.max_depth
+        b = x.query_start_loc.shape[0] - 1
+        path = self.tree_path[:b]
+        start = x.query_start_loc[:b, None].to(torch.int64)
+        dst = start + torch.arange(1, depth + 1, device=path.device)[None]
+        dst = torch.where(path >= 0, dst, num_tokens)  # past the end: dropped
+        index = torch.arange(num_tokens + 1, device=path.device)
+        index = index.scatter(0, dst.flatten(), (start + path).flatten())
+        return index[:num_tokens]
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -487,8 +578,13 @@ class ModelRunner:
         if not self.drafts_on_device:
             return sampled[:b], None
         start = time.perf_counter()
+        ids, positions = x.input_ids, x.positions
+        if self.tree is not None:  # the drafter reads the accepted path as a chain
+            chain = self.chain_view(x)
+            ids, positions, hidden = ids[chain], positions[chain], hidden[chain]
+            aux = None if aux is None else aux[chain]
         drafts = self.proposer.propose(DraftInputs(
-            plan=plan, input_ids=x.input_ids, positions=x.positions, hidden_states=hidden,
+            plan=plan, input_ids=ids, positions=positions, hidden_states=hidden,
             aux_hidden_states=aux,
             attn=AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens,
                                    x.block_table, batch.max_seq_len,

@@ -46,6 +46,12 @@ class StepInputs(NamedTuple):
     num_prompt: torch.Tensor  # [B] int64 prompt tokens (token-table columns before: prompt)
     min_len: torch.Tensor  # [B] int64 num_prompt + min_tokens: no stop id at a position below
     stop_ids: torch.Tensor  # [B, S] int32 the ids min_tokens holds back, -1 = none
+    # a draft tree's (``TreeMask``; unused by chain steps): per token its node, depth and
+    # ancestor bitmask (a token outside a tree: 0, 0, 1), per request each node's parent
+    tree_node: torch.Tensor  # [N] int64
+    tree_depth: torch.Tensor  # [N] int64
+    tree_ancestors: torch.Tensor  # [N] int64
+    tree_parents: torch.Tensor  # [B, K+1] int64, -1 for the root
 
 
 def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
@@ -64,6 +70,8 @@ def _layout(max_tokens: int, max_reqs: int, k: int, max_blocks: int):
         "repetition_penalty": (torch.float32, (b,)), "frequency_penalty": (torch.float32, (b,)),
         "presence_penalty": (torch.float32, (b,)), "num_prompt": (torch.int64, (b,)),
         "min_len": (torch.int64, (b,)), "stop_ids": (torch.int32, (b, MIN_TOKENS_STOP_IDS)),
+        "tree_node": (torch.int64, (n,)), "tree_depth": (torch.int64, (n,)),
+        "tree_ancestors": (torch.int64, (n,)), "tree_parents": (torch.int64, (b, k + 1)),
     }
 
 
@@ -103,7 +111,8 @@ class StepBuffers:
 
     def view(self, num_tokens: int, num_reqs: int) -> StepInputs:
         d, n, b = self.device, num_tokens, num_reqs
-        per_token = ("input_ids", "positions", "slot_mapping")
+        per_token = ("input_ids", "positions", "slot_mapping", "tree_node", "tree_depth",
+                     "tree_ancestors")
         fields = {name: t[:n] if name in per_token else t[:b] for name, t in d.items()}
         fields["query_start_loc"] = d["query_start_loc"][:b + 1]
         return StepInputs(**fields)

@@ -49,6 +49,7 @@ from specdec.kernels import (
     prepare_padded_step,
     shift_first_pass_input_ids,
 )
+from specdec.kernels.paged_attention_torch import TreeMask
 from specdec.kernels.ragged import (
     RaggedInputs,
     next_token_ids_ragged,
@@ -208,6 +209,12 @@ class HeadProposer(PaddedProposer):
         self.head = head
         # a synthetic head's set acceptance (models/synthetic.DraftProfile); None: its drafts
         self.draft_profile = getattr(head, "draft_profile", None)
+        self.tree = config.tree  # a StaticTree: ``padded_tree`` drafts it; None: chains
+        if self.tree is not None and self.draft_profile is not None:
+            raise ValueError("speculative_token_tree with a synthetic head's draft "
+                             "acceptance profile (it sets a chain's rates); allowed: one")
+        if self.tree is not None:
+            self.tree_ancestors = torch.tensor(self.tree.ancestors, device=self.device)
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
                           self.device)
         self.hidden_size = head.config.hidden_size
@@ -309,6 +316,11 @@ class HeadProposer(PaddedProposer):
         if num_drafts == 0:
             self.head_pass(x.target_ids, x.positions, x.features, attn, sample_idx, next_ids)
             return ()
+        if self.tree is not None:  # the tree ranks the head's logits at the sample index
+            logits_h, next_h = self.head_pass(x.target_ids, x.positions, x.features, attn,
+                                              sample_idx, next_ids)
+            return (logits_h[sample_idx], next_h[sample_idx], x.positions[sample_idx],
+                    num_rejected)
         token, hidden = self.first_pass(x.target_ids, x.positions, x.features, attn, sample_idx,
                                         next_ids)
         return token, hidden, x.positions[sample_idx], num_rejected
@@ -318,9 +330,12 @@ class HeadProposer(PaddedProposer):
                     num_rejected: torch.Tensor | None = None, *, loop_seq_len: int,
                     num_drafts: int) -> torch.Tensor:
         """Drafts 2..``num_drafts`` from ``padded_first``'s outputs -> every draft [Bp,
-        num_drafts] int32."""
+        num_drafts] int32 (a tree: ``padded_tree``, ``token`` the logits' hidden states)."""
         if num_drafts == 0:
             return x.sampled.new_zeros((x.sampled.shape[0], 0))
+        if self.tree is not None:
+            return self.padded_tree(token, hidden, positions, num_rejected, x.seq_lens,
+                                    x.num_reqs, x.block_table, loop_seq_len)
         drafts = [token] + self.draft_loop_steps(
             token, hidden, positions, x.seq_lens, num_rejected, x.num_reqs, x.block_table,
             loop_seq_len, num_drafts - 1)
@@ -466,6 +481,83 @@ class HeadProposer(PaddedProposer):
             drafts.append(tokens)
         return drafts
 
+    # ---- a draft tree -------------------------------------------------------------------------
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The head's ``k`` most likely tokens [rows, k] int32 in the target vocabulary,
+        most likely first (k = 1: ``sample``'s argmax)."""
+        if k == 1:
+            return self.sample(logits_hidden)[:, None]
+        ids = self.head.compute_logits(logits_hidden).topk(k, dim=-1).indices
+        return self.head.draft_to_target_ids(ids).to(torch.int32)
+
+    def padded_tree(self, logits_hidden: torch.Tensor, hidden: torch.Tensor,
+                    positions: torch.Tensor, num_rejected: torch.Tensor,
+                    seq_lens: torch.Tensor, num_reqs: int | torch.Tensor,
+                    block_table: torch.Tensor, loop_seq_len: int) -> torch.Tensor:
+        """The static tree's drafts [Bp, nodes - 1] int32 in node order, from the first
+        pass's outputs at each request's sample index (logits_hidden, hidden [Bp, H],
+        positions [Bp] int64 there: the root's head row p) and the target step's seq_lens
+        - num_rejected (= p + 1).
+
+        Node k's children are the top ranks of the head's logits at k: the root's from the
+        first pass, a depth-d node's from one head forward over the depth-d nodes of every
+        request (d = 1..depth-1; input: its token, its parent's output hidden state; position
+        p + d; its head K/V at key p + k, seen by its descendants: ``TreeMask``). A request
+        past max_model_len there, or a padding row, writes nothing (slot -1) and drafts junk
+        the scheduler never verifies."""
+        t, bp = self.tree, logits_hidden.shape[0]
+        device = logits_hidden.device
+        p = positions.to(torch.int64)[:, None]  # the root's head row
+        rows = torch.arange(bp, device=device)
+        tokens = [torch.zeros(bp, dtype=torch.int32, device=device)] * t.num_nodes
+        outputs = {0: (logits_hidden, hidden)}  # node -> its head outputs [Bp, H] each
+        for level in range(1, t.max_depth + 1):
+            nodes = [k for k in range(t.num_nodes) if t.depth[k] == level]
+            for u in sorted({t.parent[k] for k in nodes}):  # rank each parent's logits once
+                kids = [k for k in nodes if t.parent[k] == u]
+                top = self.top_tokens(outputs[u][0], 1 + max(t.rank[k] for k in kids))
+                for k in kids:
+                    tokens[k] = top[:, t.rank[k]]
+            if level == t.max_depth:
+                break
+            outputs.update(self._tree_level(
+                nodes, torch.stack([tokens[k] for k in nodes], dim=1),
+                torch.stack([outputs[t.parent[k]][1] for k in nodes], dim=1), p, rows,
+                num_reqs, block_table, loop_seq_len))
+        return torch.stack(tokens[1:], dim=1)
+
+    def _tree_level(self, nodes: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
+                    p: torch.Tensor, rows: torch.Tensor, num_reqs: int | torch.Tensor,
+                    block_table: torch.Tensor, loop_seq_len: int) -> dict:
+        """One head forward over the tree nodes ``nodes`` (one depth, in node order) of every
+        request: tokens [Bp, m] int32, hidden [Bp, m, H] (their parents' outputs), p [Bp, 1]
+        the root's head row -> node -> (logits hidden, hidden) [Bp, H] each."""
+        t, (bp, m) = self.tree, tokens.shape
+        index = torch.arange(nodes[0], nodes[-1] + 1, device=p.device)  # one depth: a range
+        level = t.depth[nodes[0]]
+        key = p + index[None]  # [Bp, m] head K/V rows
+        inactive = (rows >= num_reqs)[:, None] | (p + nodes[-1] >= self.max_model_len)
+        pos = torch.where(inactive, level, p + level).expand(bp, m)
+        slots = self._slots(block_table, key.clamp(max=self.max_model_len - 1))
+        seq_lens = torch.where(inactive[:, 0], nodes[-1] + 1, p[:, 0] + nodes[-1] + 1)
+        tree = TreeMask(index.repeat(bp), index.new_full((bp * m,), level),
+                        self.tree_ancestors[index].repeat(bp))
+        meta = AttentionMetadata(torch.where(inactive, -1, slots).flatten(),
+                                 torch.arange(0, bp * m + 1, m, dtype=torch.int32,
+                                              device=p.device),
+                                 seq_lens.to(torch.int32), block_table, loop_seq_len,
+                                 max_query_len=m, tree=tree)
+        logits_h, out = self.head(tokens.flatten(), pos.flatten(), hidden.flatten(0, 1),
+                                  kv=self.kv.bind(meta))
+        logits_h, out = logits_h.view(bp, m, -1), out.view(bp, m, -1)
+        return {k: (logits_h[:, i], out[:, i]) for i, k in enumerate(nodes)}
+
+    def _slots(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """[Bp, J] int64 slots of head rows ``pos`` [Bp, J] of each request."""
+        bs = self.block_size
+        col = (pos // bs).clamp(max=block_table.shape[1] - 1)
+        return block_table.to(torch.int64).gather(1, col) * bs + pos % bs
+
     # ---- an idle DP rank ----------------------------------------------------------------------
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
@@ -473,6 +565,10 @@ class HeadProposer(PaddedProposer):
         tokens, then the step's K-1 loop forwards over Bp rows. Every KV write goes to slot
         -1."""
         self._dummy_forward(plan.num_tokens_padded)
+        if self.tree is not None:  # one forward per depth below the leaves
+            for level in range(1, self.tree.max_depth):
+                self._dummy_forward(plan.num_reqs_padded * self.tree.depth.count(level))
+            return
         for _ in range(1, plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)
 
