@@ -404,6 +404,19 @@ def test_deepseek_mtp_speculative_greedy_equals_plain(k, ragged, backend, ds_dir
     assert sum(sum(o.num_drafted) for o in outs) > 0
 
 
+@pytest.mark.parametrize("backend", [None, "replay"])
+def test_deepseek_mtp_draft_tree_greedy_equals_plain(backend, ds_dir, ds_plain):
+    """MLA target and MTP head verifying and drafting a tree (the latent cache's accepted rows
+    moved after the root)."""
+    llm = LLM(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
+              graph_backend=backend, check_host_syncs=True,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2,
+                                  "speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]})
+    outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == ds_plain
+    assert sum(sum(o.num_accepted) for o in outs) > 0
+
+
 def test_mtp_on_a_folder_without_its_mtp_tensors_says_so(ds_dir):
     """The config announces an MTP layer (num_nextn_predict_layers, as save_pretrained writes
     it) but the files hold none: the error names the architecture and the missing tensors,

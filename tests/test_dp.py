@@ -27,7 +27,9 @@ TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
 K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3,
-     "mtp-k-schedule": 3}
+     "mtp-k-schedule": 3, "mtp-tree": 2}
+# mtp-tree: a draft tree of depth 2 (an idle rank runs the tree's head forwards per depth)
+TREE = [(0,), (1,), (0, 0), (1, 0)]
 # mtp-k-schedule: K per step (3 alone, 1 at 2-4 requests); a rank with several requests and
 # one with one agree on the smaller K (the MoE head's collectives then match)
 K_SCHEDULE = [[2, 4, 1]]
@@ -36,21 +38,25 @@ NUM_LAYERS = 4
 ASSIGN = {
     2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
         "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]],
-        "ngram": [[0, 3], [1, 2, 4]], "mtp-k-schedule": [[0, 1, 2, 3], [4]]},
+        "ngram": [[0, 3], [1, 2, 4]], "mtp-k-schedule": [[0, 1, 2, 3], [4]],
+        "mtp-tree": [[1, 2], [0, 3, 4]]},
     3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
         "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]],
-        "ngram": [[2, 3, 4], [0, 1], []], "mtp-k-schedule": [[0], [], [1, 2, 3, 4]]},
+        "ngram": [[2, 3, 4], [0, 1], []], "mtp-k-schedule": [[0], [], [1, 2, 3, 4]],
+        "mtp-tree": [[0, 1, 2, 3], [], [4]]},
 }
 
 
 def llm_kwargs(method, target, out_dir=None, **kw):
     """mtp-ragged: MTP with disable_padded_drafter_batch (the drafter syncs a kept-token
     count that differs across ranks)."""
-    spec = {"method": method.removesuffix("-ragged").removesuffix("-k-schedule"),
+    spec = {"method": method.split("-")[0],
             "num_speculative_tokens": K[method],
             "disable_padded_drafter_batch": method.endswith("-ragged")}
     if method.endswith("-k-schedule"):
         spec["num_speculative_tokens_per_batch_size"] = K_SCHEDULE
+    if method.endswith("-tree"):
+        spec["speculative_token_tree"] = TREE
     head = None
     if spec["method"] == "mtp":  # built from the MoE config: a MoE layer (cross-rank drafter)
         torch.manual_seed(1)

@@ -1,0 +1,149 @@
+"""Draft trees in the engine (``speculative_token_tree``): a tree step's greedy tokens equal
+plain greedy decoding (the embedded model's trained heads, eager / replay / compile_dynamic,
+arrivals mid-decode, no host sync); a chain given as a tree is today's chain, tokens and
+counters, greedy and sampled; a windowed target; a request's sampled tokens do not depend
+on its batch; what a tree cannot run with is refused by name. DeepSeek MLA + MTP:
+test_deepseek.py; DP: test_dp.py ("mtp-tree")."""
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.engine import core
+
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
+
+from helpers import PROMPTS, VOCAB, make_llm, tiny_head
+
+TREE = [(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]  # depth 3, 6 drafts
+TEXT = ["def add(a, b):\n    return a + b\n\ndef add(", "import os\nimport sys\n",
+        "for i in range(10):", "class Stack:\n", "x = 1\ny = 2\nx = 1\n"]
+LENGTHS = (30, 24, 9, 17, 40)
+
+
+def build(method, tree=TREE, backend=None, **kw):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 3}
+    if method is not None and tree is not None:
+        spec.update(speculative_token_tree=tree, num_speculative_tokens=max(map(len, tree)))
+    return LLM(speculative_config=spec, max_model_len=96, max_num_seqs=4,
+               graph_backend=backend, **kw)
+
+
+def run(llm, params):
+    """Two requests, the rest after two steps -> per request (tokens, accepted per depth)."""
+    reqs = [llm.add_request(p, s) for p, s in zip(TEXT[:2], params[:2])]
+    steps = 0
+    while llm.step() is not None:
+        steps += 1
+        if steps == 2:
+            reqs += [llm.add_request(p, s) for p, s in zip(TEXT[2:], params[2:])]
+    return [r.output_token_ids for r in reqs], [r.num_accepted for r in reqs]
+
+
+GREEDY = [SamplingParams(max_tokens=n, ignore_eos=True) for n in LENGTHS]
+SAMPLED = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i)
+           for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return run(build(None), GREEDY)[0]
+
+
+@pytest.mark.parametrize("method,backend", [("eagle3", None), ("eagle", None), ("mtp", None),
+                                            ("eagle3", "replay"), ("mtp", "replay")])
+def test_tree_greedy_equals_plain_greedy(method, backend, plain):
+    llm = build(method, backend=backend, check_host_syncs=True)
+    tokens, accepted = run(llm, GREEDY)
+    assert tokens == plain
+    assert all(len(a) == 3 for a in accepted) and sum(map(sum, accepted)) > 0
+    steps = [s for s in llm.steps if s.num_reqs]
+    assert {s.host_syncs for s in steps} == {0}
+    if backend == "replay":
+        assert sum(s.captured for s in steps) >= len(steps) // 2
+
+
+def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
+    """compile_dynamic (traced, no code generation: dynamo's eager backend) on tiny models:
+    the tree's target step and draft step through their compiled graphs, prompts past a
+    chunk, equal eager. (Start-up warms up one short greedy phase, not every serving path:
+    the rest compile at first use; the full warm-up is test_graphs.py's.)"""
+    monkeypatch.setattr(core, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(core, "warmup_phases", lambda *sizes: (((3,),),))
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(ModelConfig(  # one layer: dynamo traces it in seconds
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).to(torch.float64).eval()
+    head = tiny_head("eagle", target)
+
+    def tokens(**kw):
+        llm = make_llm(target, "eagle", 2, True, head=head, tree=[(0,), (1,), (0, 0)],
+                       max_num_seqs=2, **kw)
+        return [o.token_ids for o in llm.generate(PROMPTS[:2], max_tokens=8, ignore_eos=True)]
+    assert tokens(graph_backend="compile_dynamic", compile_backend="eager") == tokens()
+
+
+def test_a_branching_tree_accepts_more_than_its_chain():
+    """The embedded EAGLE-3 head's second and third candidates at depth 1 are right where
+    its first is not: the tree's accepted drafts exceed the chain's (same depth)."""
+    chain = run(build("eagle3", tree=None), GREEDY)[1]
+    tree = run(build("eagle3"), GREEDY)[1]
+    assert sum(map(sum, tree)) > sum(map(sum, chain))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_chain_given_as_a_tree_is_the_chain(params):
+    chain = run(build("eagle3", tree=None), params)
+    as_tree = run(build("eagle3", tree=[(0,), (0, 0), (0, 0, 0)]), params)
+    assert as_tree == chain
+
+
+def test_sampled_tree_tokens_do_not_depend_on_the_batch():
+    batch = run(build("mtp"), SAMPLED)[0]
+    alone = [build("mtp").generate([p], s)[0].outputs[0].token_ids
+             for p, s in zip(TEXT, SAMPLED)]
+    assert alone == batch
+
+
+def test_a_windowed_target_verifies_a_tree():
+    """Every layer sees 8 keys: a node's window ends at its own position (its depth's), not
+    at its key row; prompts and outputs run past the window."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      eos_token_id=VOCAB - 1, sliding_window=8,
+                      layer_types=["sliding_attention"] * 4)
+    target = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    assert target.kv_cache_spec()[0].sliding_window == 8
+    plain = make_llm(target, None, 0, True).generate(PROMPTS, max_tokens=16)
+    tree = make_llm(target, "eagle", 2, True, head=tiny_head("eagle", target),
+                    tree=[(0,), (1,), (0, 0), (2,)])
+    got = tree.generate(PROMPTS, max_tokens=16)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert sum(sum(o.num_accepted) for o in got) > 0
+
+
+@pytest.mark.parametrize("spec,kw,match", [
+    ({"method": "ngram"}, {}, r"speculative_token_tree with method='ngram'"),
+    ({"method": "eagle3", "disable_padded_drafter_batch": True}, {},
+     r"disable_padded_drafter_batch=True with speculative_token_tree"),
+    ({"method": "eagle3", "num_speculative_tokens_policy": "goodput"}, {},
+     r"num_speculative_tokens_policy='goodput' with speculative_token_tree"),
+    ({"method": "eagle3"}, {"async_scheduling": True},
+     r"async_scheduling=True with speculative_token_tree"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, {},
+     r"is 2 deep and num_speculative_tokens=3"),
+])
+def test_what_a_tree_cannot_run_with_is_refused_by_name(spec, kw, match):
+    spec = {"num_speculative_tokens": 2, "speculative_token_tree": [(0,), (1,), (0, 0)], **spec}
+    with pytest.raises(ValueError, match=match):
+        LLM(speculative_config=spec, max_model_len=96, **kw)
+
+
+@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.2), ("min_tokens", 2),
+                                         ("presence_penalty", 0.5)])
+def test_penalties_with_a_tree_are_refused_by_name(field, value):
+    llm = build("eagle3")
+    with pytest.raises(ValueError, match=rf"{field}={value} with speculative_token_tree"):
+        llm.generate(TEXT[:1], SamplingParams(max_tokens=4, **{field: value}))
