@@ -150,3 +150,47 @@ def test_pick_is_a_seeded_shuffle_that_oversamples():
     assert datasets.pick(items, 5, 0) == datasets.pick(items, 5, 0) != datasets.pick(items, 5, 1)
     seven = datasets.pick(items, 7, 3)
     assert seven[5:] == seven[:2]
+
+
+# ---- the in-process bench over a dataset -------------------------------------------------
+def test_in_process_bench_runs_one_config_per_category(tmp_path):
+    """Each category is its own run: its rows only (their output_tokens), so its tok/s and
+    acceptance length are its own; a row too long for the model is left out and named."""
+    from rich.console import Console
+
+    from specdec.bench import itl, report
+    long = "x = 1\n" * 2000  # far over the embedded model's 1024 positions
+    f = jsonl(tmp_path / "c.jsonl", [
+        {"prompt": "def add(a, b):\n    return", "output_tokens": 3, "category": "short"},
+        {"prompt": "import os\nimport sys\n", "output_tokens": 3, "category": "short"},
+        {"prompt": "class Stack:\n    def push(self, x):", "output_tokens": 6, "category": "long"},
+        {"prompt": long, "category": "long"}])
+    sweep = itl.check_sweep(dict(methods=["none", "suffix"], modes=["padded"], k=[2],
+                                 concurrency=[2], output_len=[4], repeats=1, warmup=0,
+                                 dataset_name="custom", dataset_path=str(f)))
+    r = itl.run_sweep(sweep, Console(quiet=True))
+    got = {(c["method"], c["category"]): c for c in r["configs"]}
+    assert sorted(got) == [("none", "long"), ("none", "short"), ("suffix", "long"),
+                           ("suffix", "short")]
+    for (method, category), c in got.items():
+        assert c["status"] == "ok" and c["prompt_len"] == 0
+        assert c["name"] == (f"{'none' if method == 'none' else 'suffix-padded-k2'}-c2-dataset-"
+                             f"{category}-o4")
+        # two requests per run; "short" rows ask 3 tokens each, the one "long" row that fits 6
+        assert c["repeats"][0]["output_tokens"] == (6 if category == "short" else 12)
+    assert r["prompt_source"] == f"custom dataset {f}"
+    (warning,) = [w for w in r["warnings"] if "left out" in w]
+    assert f"1 rows too long left out: {f}:4: " in warning and "> max_model_len 1024" in warning
+    console = Console(record=True, width=200)
+    console.print(report.results_table(r))
+    lines = console.export_text().splitlines()
+    assert "category" in lines[2] and sum(" short " in x for x in lines) == 2
+
+
+def test_in_process_bench_dataset_refusals():
+    from specdec.bench import itl
+    with pytest.raises(UsageError, match="sweep --dataset-name custom reads --dataset-path"):
+        itl.check_sweep(dict(dataset_name="custom"))
+    with pytest.raises(UsageError, match="give dp=1 and no synthetic"):
+        itl.check_sweep(dict(dataset_name="custom", dataset_path=__file__,
+                             synthetic="llama-tiny"))

@@ -228,22 +228,30 @@ def read_spec_bench(path: Path) -> list[Conversation]:
     return out
 
 
-def load(name: str, path: str | None,
-         count_tokens: Callable[[str], int] | None = None) -> Dataset | None:
-    """``--dataset-name`` / ``--dataset-path`` -> the Dataset; None for ``random`` (the
-    generated prompts). UsageError when the pair does not fit or the file holds no prompt."""
+def check_pair(name: str, path: str | None) -> None:
+    """UsageError unless ``name`` is one of NAMES and ``path`` is a file given with a file
+    format (and only then)."""
     if name not in NAMES:
         raise UsageError(f"--dataset-name={name!r}: allowed {', '.join(NAMES)}")
     if name == "random":
         if path is not None:
             raise UsageError(f"--dataset-path={path!r} goes with --dataset-name custom, "
                              "sharegpt or spec_bench (random generates its prompts)")
-        return None
+        return
     if path is None:
         raise UsageError(f"--dataset-name {name} reads --dataset-path FILE: give one")
-    file = Path(path)
-    if not file.is_file():
+    if not Path(path).is_file():
         raise UsageError(f"--dataset-path={path!r} is not a file")
+
+
+def load(name: str, path: str | None,
+         count_tokens: Callable[[str], int] | None = None) -> Dataset | None:
+    """``--dataset-name`` / ``--dataset-path`` -> the Dataset; None for ``random`` (the
+    generated prompts). UsageError when the pair does not fit or the file holds no prompt."""
+    check_pair(name, path)
+    if name == "random":
+        return None
+    file = Path(path)
     skipped: list[str] = []
     if name == "custom":
         convs = read_custom(file)

@@ -32,6 +32,8 @@ def row_label(c: dict, varying: set[str]) -> str:
     if c["k"]:
         head += f" K={c['k']}"
     parts = [head, f"concurrency {c['concurrency']}"]
+    if c.get("category") is not None:
+        parts.append(f"category {c['category']}")
     if "prompt_len" in varying:
         parts.append(f"prompt {c['prompt_len']} tok")
     if "output_len" in varying:
@@ -125,17 +127,17 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
     groups: dict[tuple, list[dict]] = {}
     for c in ok:
-        groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"], c["mode"]),
-                          []).append(c)
+        groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"],
+                           c.get("category"), c["mode"]), []).append(c)
     palette = plt.get_cmap("tab20").colors  # pairs: dark (padded), light (ragged) of a hue
     for fname, ylabel, key in (("itl_vs_concurrency.png", "mean ITL (ms)", "itl_mean_ms"),
                                ("throughput_vs_concurrency.png", "output tokens/s",
                                 "output_tokens_per_s")):
         fig, ax = plt.subplots(figsize=(9, 5))
         hues = {}
-        for (method, k, p, o, mode), cs in groups.items():
+        for (method, k, p, o, category, mode), cs in groups.items():
             cs = sorted(cs, key=lambda c: c["concurrency"])
-            hue = hues.setdefault((method, k), len(hues) % 10)
+            hue = hues.setdefault((method, k, category), len(hues) % 10)
             label = row_label(dict(cs[0], concurrency=0), varying).replace(", concurrency 0", "")
             mid, band = percentile_band([c["summary"]["spread"][key] for c in cs])
             ax.errorbar([c["concurrency"] for c in cs], mid, yerr=band, capsize=3, label=label,
