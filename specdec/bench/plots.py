@@ -158,3 +158,40 @@ def write_plots(results: dict, out: Path) -> list[str]:
         fig.tight_layout()
         finish(fig, fname)
     return names
+
+
+def write_turn_plots(results: dict, out: Path) -> list[str]:
+    """``bench serve --multi-turn``: TTFT p50 (solid) and p99 (dashed), and output tokens/s,
+    by turn index, one colour per concurrency; -> the file name written under ``out``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c in results["configs"] if c["status"] == "ok" and c["turns"]]
+    if not configs:
+        return []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, c in enumerate(configs):
+        color = f"C{i % 10}"
+        turns = [row["turn"] for row in c["turns"]]
+        label = f"{c['method']}, {c['concurrency']} conversations"
+        ax1.plot(turns, [row["ttft_ms"]["p50"] for row in c["turns"]], "-o", color=color,
+                 label=f"{label}: p50")
+        ax1.plot(turns, [row["ttft_ms"]["p99"] for row in c["turns"]], "--s", color=color,
+                 label=f"{label}: p99")
+        ax2.plot(turns, [row["output_tokens_per_s"] for row in c["turns"]], "-o", color=color,
+                 label=label)
+    for ax, ylabel in ((ax1, "TTFT (ms)"), (ax2, "output tokens/s (the turn's round)")):
+        ax.set_xlabel("turn (its request holds every earlier turn and reply)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    server = results.get("server") or {}
+    fig.suptitle(f"multi-turn replay: {server.get('name', '?')} serving "
+                 f"{results['sweep'].get('model')!r} (client clock)", fontsize=10)
+    fig.tight_layout()
+    fig.text(0.005, 0.005, plot_footer(results), fontsize=6, color="0.35", ha="left",
+             va="bottom")
+    fig.savefig(out / "turns.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return ["turns.png"]

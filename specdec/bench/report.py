@@ -175,3 +175,37 @@ def skipped_lines(results: dict) -> list[str]:
     lines = [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
     return lines + [f"failed {c['name']}: {c['error']}" for c in results["configs"]
                     if c["status"] == "failed"]
+
+
+def turns_table(results: dict) -> Table:
+    """``bench serve --multi-turn``: one row per (concurrency, turn): requests, mean prompt
+    tokens, TTFT p50/p99, tokens/s, acceptance length and prefix-cache hit rate (n/a: the
+    server exports no prefix-cache counters)."""
+    sw = results["sweep"]
+    server = results.get("server") or {}
+    t = Table(title=f"multi-turn: {server.get('name', 'server')} serving {sw['model']!r}, up "
+                    f"to {sw['multi_turn']} turns, {sw['repeats']} repeats, client clock, ms",
+              caption="a turn's request holds every earlier turn and its reply; each turn "
+                      "index is one round (every conversation's turn t, then the next); "
+                      "hit %: prefix-cache hits / queries over the round; all figures in "
+                      "results.json", header_style="bold", box=box.SIMPLE_HEAD,
+              pad_edge=False, show_edge=False, collapse_padding=True)
+    for col in ("method", "conc", "turn", "reqs", "prompt\ntok", "TTFT\np50", "TTFT\np99",
+                "tok/s", "acc\nlen", "hit\n%"):
+        t.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    for c in results["configs"]:
+        for row in c["turns"]:
+            hit = row["prefix_cache_hit_rate"]
+            reqs = str(row["requests"]) + (f" ({row['failed']} failed)" if row["failed"] else "")
+            t.add_row(c["method"], str(c["concurrency"]), str(row["turn"]), reqs,
+                      _f(row["prompt_tokens_mean"], ".0f"), _f(row["ttft_ms"]["p50"], ".1f"),
+                      _f(row["ttft_ms"]["p99"], ".1f"), _f(row["output_tokens_per_s"], ".0f"),
+                      _f(row["acceptance_length"]), "n/a" if hit is None else f"{100 * hit:.0f}")
+    return t
+
+
+def failed_turn_lines(results: dict) -> list[str]:
+    """One line per turn index with failed requests, with the first errors."""
+    return [f"concurrency {c['concurrency']} turn {row['turn']}: {row['failed']} requests "
+            f"failed (their conversations ended): {'; '.join(row['errors'])}"
+            for c in results["configs"] for row in c["turns"] if row["failed"]]
