@@ -181,7 +181,9 @@ def write_turn_plots(results: dict, out: Path) -> list[str]:
                  label=f"{label}: p99")
         ax2.plot(turns, [row["output_tokens_per_s"] for row in c["turns"]], "-o", color=color,
                  label=label)
+    turns = sorted({row["turn"] for c in configs for row in c["turns"]})
     for ax, ylabel in ((ax1, "TTFT (ms)"), (ax2, "output tokens/s (the turn's round)")):
+        ax.set_xticks(turns)
         ax.set_xlabel("turn (its request holds every earlier turn and reply)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
