@@ -161,8 +161,8 @@ def test_one_failing_config_does_not_lose_the_sweep(tmp_path, monkeypatch):
     model = save_model(tmp_path / "model", heads=("mtp",))
     build = itl.build_engines
 
-    def build_with_a_broken_engine(sweep, configs):
-        engines, skipped = build(sweep, configs)
+    def build_with_a_broken_engine(sweep, configs, *dataset):
+        engines, skipped = build(sweep, configs, *dataset)
         broken = engines[("mtp", True, K)].llm
 
         def step():

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from specdec.bench.datasets import NAMES as DATASET_NAMES
 from specdec.bench.metrics import (DEFINITIONS, _dist, _ms, _spread, dist,  # noqa: F401
                                    repeat_figures, summarize)
 from specdec.bench.plots import (percentile_band, plot_footer, row_label,  # noqa: F401
@@ -40,10 +41,10 @@ from specdec.bench.plots import (percentile_band, plot_footer, row_label,  # noq
 from specdec.bench.report import (TABLE_COLUMNS, _f, k_schedule_lines,  # noqa: F401
                                   results_table, skipped_lines, slower_hint, table_title)
 from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # noqa: F401
-                                 QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig, Engine,
-                                 PromptSource, ReqStats, build_engines, check_sweep,
-                                 check_syncs, comparison_warnings, copy_bandwidth,
-                                 environment, expand, load_sweep, load_warnings, measure,
+                                 QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig,
+                                 DatasetPrompts, Engine, PromptSource, ReqStats,
+                                 build_engines, check_sweep, check_syncs,
+                                 comparison_warnings, copy_bandwidth, environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
                                  synthetic_model, weight_read)
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
@@ -130,6 +131,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per run, sent as bench serve sends them: a closed loop of "
                         "--concurrency in flight, a new one as one finishes (default: one "
                         "batch of --concurrency requests)")
+    p.add_argument("--dataset-name", dest="dataset_name", choices=DATASET_NAMES,
+                   help="prompts: random (generated, --workload) or a file's: custom (vLLM's "
+                        "JSONL: prompt, output_tokens, category), sharegpt (the first human "
+                        "turn; its reply's length as the output length), spec_bench "
+                        "(SpecBench's question.jsonl: category, turns); rows with a category "
+                        "run as one config per category (default: random)")
+    p.add_argument("--dataset-path", dest="dataset_path", metavar="FILE",
+                   help="the file of --dataset-name custom, sharegpt or spec_bench "
+                        "(default: none)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

@@ -32,6 +32,8 @@ def row_label(c: dict, varying: set[str]) -> str:
     if c["k"]:
         head += f" K={c['k']}"
     parts = [head, f"concurrency {c['concurrency']}"]
+    if c.get("category") is not None:
+        parts.append(f"category {c['category']}")
     if "prompt_len" in varying:
         parts.append(f"prompt {c['prompt_len']} tok")
     if "output_len" in varying:
@@ -125,17 +127,17 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
     groups: dict[tuple, list[dict]] = {}
     for c in ok:
-        groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"], c["mode"]),
-                          []).append(c)
+        groups.setdefault((c["method"], c["k"], c["prompt_len"], c["output_len"],
+                           c.get("category"), c["mode"]), []).append(c)
     palette = plt.get_cmap("tab20").colors  # pairs: dark (padded), light (ragged) of a hue
     for fname, ylabel, key in (("itl_vs_concurrency.png", "mean ITL (ms)", "itl_mean_ms"),
                                ("throughput_vs_concurrency.png", "output tokens/s",
                                 "output_tokens_per_s")):
         fig, ax = plt.subplots(figsize=(9, 5))
         hues = {}
-        for (method, k, p, o, mode), cs in groups.items():
+        for (method, k, p, o, category, mode), cs in groups.items():
             cs = sorted(cs, key=lambda c: c["concurrency"])
-            hue = hues.setdefault((method, k), len(hues) % 10)
+            hue = hues.setdefault((method, k, category), len(hues) % 10)
             label = row_label(dict(cs[0], concurrency=0), varying).replace(", concurrency 0", "")
             mid, band = percentile_band([c["summary"]["spread"][key] for c in cs])
             ax.errorbar([c["concurrency"] for c in cs], mid, yerr=band, capsize=3, label=label,
@@ -156,3 +158,42 @@ def write_plots(results: dict, out: Path) -> list[str]:
         fig.tight_layout()
         finish(fig, fname)
     return names
+
+
+def write_turn_plots(results: dict, out: Path) -> list[str]:
+    """``bench serve --multi-turn``: TTFT p50 (solid) and p99 (dashed), and output tokens/s,
+    by turn index, one colour per concurrency; -> the file name written under ``out``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c in results["configs"] if c["status"] == "ok" and c["turns"]]
+    if not configs:
+        return []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, c in enumerate(configs):
+        color = f"C{i % 10}"
+        turns = [row["turn"] for row in c["turns"]]
+        label = f"{c['method']}, {c['concurrency']} conversations"
+        ax1.plot(turns, [row["ttft_ms"]["p50"] for row in c["turns"]], "-o", color=color,
+                 label=f"{label}: p50")
+        ax1.plot(turns, [row["ttft_ms"]["p99"] for row in c["turns"]], "--s", color=color,
+                 label=f"{label}: p99")
+        ax2.plot(turns, [row["output_tokens_per_s"] for row in c["turns"]], "-o", color=color,
+                 label=label)
+    turns = sorted({row["turn"] for c in configs for row in c["turns"]})
+    for ax, ylabel in ((ax1, "TTFT (ms)"), (ax2, "output tokens/s (the turn's round)")):
+        ax.set_xticks(turns)
+        ax.set_xlabel("turn (its request holds every earlier turn and reply)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    server = results.get("server") or {}
+    fig.suptitle(f"multi-turn replay: {server.get('name', '?')} serving "
+                 f"{results['sweep'].get('model')!r} (client clock)", fontsize=10)
+    fig.tight_layout()
+    fig.text(0.005, 0.005, plot_footer(results), fontsize=6, color="0.35", ha="left",
+             va="bottom")
+    fig.savefig(out / "turns.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return ["turns.png"]

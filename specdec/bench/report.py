@@ -22,7 +22,8 @@ def _row(c: dict) -> dict:
     s = c["summary"]
     itl = s["itl_ms"]
     return {"method": c["method"], "mode": c["mode"], "K": str(c["k"] or "-"),
-            "conc": str(c["concurrency"]), "ITL\nmean": _f(itl["mean"]),
+            "conc": str(c["concurrency"]), "category": c.get("category") or "-",
+            "ITL\nmean": _f(itl["mean"]),
             "ITL\np99": _f(itl["p99"]), "TTFT\nmean": _f(s["ttft_ms"]["mean"], ".1f"),
             "tok/s": f"{s['output_tokens_per_s']:.0f}", "acc\nlen": _f(s["acceptance_length"]),
             RATES: " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
@@ -67,22 +68,35 @@ def results_table(results: dict, width: int | None = None):
                    "server's /metrics; mode: the drafter batch of a server the bench launched "
                    "(server: started elsewhere, not known); all figures in results.json")
     title = table_title(results)
-    full = _table(results, TABLE_COLUMNS, title, caption)
+    columns = with_category(results, TABLE_COLUMNS)
+    full = _table(results, columns, title, caption)
     if width is None or Console(width=10_000).measure(full).maximum <= width:
         return full
-    main = _table(results, [c for c in TABLE_COLUMNS if c != RATES], title, caption)
-    rates = _table(results, ("method", "mode", "K", "conc", RATES), None, None)
+    main = _table(results, [c for c in columns if c != RATES], title, caption)
+    rates = _table(results, with_category(results, ("method", "mode", "K", "conc", RATES)),
+                   None, None)
     return Group(main, rates)
+
+
+def with_category(results: dict, columns) -> tuple:
+    """``columns`` with a category column after conc when a config has a category (a
+    dataset's rows grouped by category: each category is its own run)."""
+    if not any(c.get("category") is not None for c in results["configs"]):
+        return tuple(columns)
+    at = list(columns).index("conc") + 1
+    return (*columns[:at], "category", *columns[at:])
 
 
 def slower_hint(results: dict) -> str | None:
     """One line when a speculative config had a higher mean ITL than plain decoding (method
     none) at the same concurrency and lengths in this run; None otherwise."""
     ok = [c for c in results["configs"] if c["status"] == "ok"]
-    plain = {(c["concurrency"], c["prompt_len"], c["output_len"]): c["summary"]["itl_ms"]["mean"]
-             for c in ok if c["method"] == "none"}
+    def run(c):
+        return c["concurrency"], c["prompt_len"], c["output_len"], c.get("category")
+
+    plain = {run(c): c["summary"]["itl_ms"]["mean"] for c in ok if c["method"] == "none"}
     slower = [(c, plain[key]) for c in ok if c["method"] != "none"
-              for key in [(c["concurrency"], c["prompt_len"], c["output_len"])]
+              for key in [run(c)]
               if plain.get(key) is not None and c["summary"]["itl_ms"]["mean"] is not None
               and c["summary"]["itl_ms"]["mean"] > plain[key]]
     if not slower:
@@ -118,13 +132,14 @@ def k_schedule_lines(results: dict) -> list[str]:
     """For a sweep run without a K schedule: per method and mode (and lengths), the schedule
     that picks this run's fastest K at each measured concurrency (plain decoding as K 0), as a
     ``--k-schedule`` value; nothing when plain decoding was not measured."""
-    if results["sweep"].get("k_schedule") is not None:
-        return []
+    if results["sweep"].get("k_schedule") is not None or any(
+            c.get("category") is not None for c in results["configs"]):
+        return []  # (per category, one schedule each would be noise: none is derived)
     dp = results["sweep"].get("dp", 1)
     ok = [c for c in results["configs"] if c["status"] == "ok"]
 
-    def run(c) -> tuple[int, int, int]:
-        return c["concurrency"], c["prompt_len"], c["output_len"]
+    def run(c) -> tuple:
+        return c["concurrency"], c["prompt_len"], c["output_len"], c.get("category")
 
     def batch(c) -> int:  # each rank picks K for its own batch: up to ceil(c / dp) requests
         return -(-c["concurrency"] // dp)
@@ -160,3 +175,37 @@ def skipped_lines(results: dict) -> list[str]:
     lines = [f"skipped {m} {mode} K={k}: {reason}" for (m, mode, k), reason in seen.items()]
     return lines + [f"failed {c['name']}: {c['error']}" for c in results["configs"]
                     if c["status"] == "failed"]
+
+
+def turns_table(results: dict) -> Table:
+    """``bench serve --multi-turn``: one row per (concurrency, turn): requests, mean prompt
+    tokens, TTFT p50/p99, tokens/s, acceptance length and prefix-cache hit rate (n/a: the
+    server exports no prefix-cache counters)."""
+    sw = results["sweep"]
+    server = results.get("server") or {}
+    t = Table(title=f"multi-turn: {server.get('name', 'server')} serving {sw['model']!r}, up "
+                    f"to {sw['multi_turn']} turns, {sw['repeats']} repeats, client clock, ms",
+              caption="a turn's request holds every earlier turn and its reply; each turn "
+                      "index is one round (every conversation's turn t, then the next); "
+                      "hit %: prefix-cache hits / queries over the round; all figures in "
+                      "results.json", header_style="bold", box=box.SIMPLE_HEAD,
+              pad_edge=False, show_edge=False, collapse_padding=True)
+    for col in ("method", "conc", "turn", "reqs", "prompt\ntok", "TTFT\np50", "TTFT\np99",
+                "tok/s", "acc\nlen", "hit\n%"):
+        t.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    for c in results["configs"]:
+        for row in c["turns"]:
+            hit = row["prefix_cache_hit_rate"]
+            reqs = str(row["requests"]) + (f" ({row['failed']} failed)" if row["failed"] else "")
+            t.add_row(c["method"], str(c["concurrency"]), str(row["turn"]), reqs,
+                      _f(row["prompt_tokens_mean"], ".0f"), _f(row["ttft_ms"]["p50"], ".1f"),
+                      _f(row["ttft_ms"]["p99"], ".1f"), _f(row["output_tokens_per_s"], ".0f"),
+                      _f(row["acceptance_length"]), "n/a" if hit is None else f"{100 * hit:.0f}")
+    return t
+
+
+def failed_turn_lines(results: dict) -> list[str]:
+    """One line per turn index with failed requests, with the first errors."""
+    return [f"concurrency {c['concurrency']} turn {row['turn']}: {row['failed']} requests "
+            f"failed (their conversations ended): {'; '.join(row['errors'])}"
+            for c in results["configs"] for row in c["turns"] if row["failed"]]

@@ -29,14 +29,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specdec.bench import metrics, plots, report
+from specdec.bench import datasets, metrics, plots, report
 from specdec.bench import sweep as bench_sweep
 from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments, ints,
                            speculation_from_args)
 
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
-                seed=0, request_rate=None, num_prompts=None)
+                seed=0, request_rate=None, num_prompts=None, dataset_name="random",
+                dataset_path=None, multi_turn=None)
 QUICK = dict(DEFAULTS, concurrency=[1, 4], prompt_len=32, output_len=32, repeats=4)
 DEFINITIONS = {
     **{k: v for k, v in metrics.DEFINITIONS.items() if k not in ("dp", "collectives_per_step")},
@@ -58,9 +59,10 @@ DEFINITIONS = {
 
 # ---- one request ----------------------------------------------------------------------------
 async def stream_one(session, url: str, body: dict) -> dict:
-    """POST a streaming completion; -> {send, chunks: [(arrival, tokens)], output_tokens}."""
+    """POST a streaming completion (or chat completion); -> {send, chunks: [(arrival,
+    tokens)], output_tokens, prompt_tokens (None without usage), text}."""
     send = time.perf_counter()
-    chunks, done_tokens, usage = [], 0, None
+    chunks, done_tokens, usage, text = [], 0, None, []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -75,17 +77,20 @@ async def stream_one(session, url: str, body: dict) -> dict:
             if not event.get("choices"):
                 continue
             choice = event["choices"][0]
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            text.append(piece)
             if usage is not None and event.get("usage"):
                 n = usage["completion_tokens"] - done_tokens
             elif "token_ids" in choice:
                 n = len(choice["token_ids"] or [])
             else:
-                n = 1 if choice.get("text") else 0
+                n = 1 if piece else 0
             if n > 0:
                 chunks.append((t, n))
                 done_tokens += n
     total = usage["completion_tokens"] if usage else done_tokens
-    return dict(send=send, chunks=chunks, output_tokens=total)
+    return dict(send=send, chunks=chunks, output_tokens=total, text="".join(text),
+                prompt_tokens=usage.get("prompt_tokens") if usage else None)
 
 
 def request_figures(rec: dict) -> dict:
@@ -100,7 +105,7 @@ def request_figures(rec: dict) -> dict:
                 output_tokens=rec["output_tokens"], chunk_tokens=[n for _, n in rec["chunks"]])
 
 
-async def run_once(base_url: str, body: dict, prompts: list[list[int]], concurrency: int,
+async def run_once(base_url: str, body: dict, prompts: list, concurrency: int,
                    request_rate: float | None, seed: int) -> tuple[list[dict], float, float]:
     """Send every prompt; -> (request records, first send, last arrival) in perf_counter s."""
     import aiohttp
@@ -109,10 +114,11 @@ async def run_once(base_url: str, body: dict, prompts: list[list[int]], concurre
     async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=600.0), read_bufsize=2**20,
             connector=aiohttp.TCPConnector(limit=concurrency + 4)) as session:
-        async def one(prompt):
+        async def one(prompt):  # token ids, or a dict of request fields (prompt, max_tokens)
+            fields = prompt if isinstance(prompt, dict) else {"prompt": prompt}
             async with sem:
                 return await stream_one(session, f"{base_url}/v1/completions",
-                                        {**body, "prompt": prompt})
+                                        {**body, **fields})
 
         tasks = []
         for prompt in prompts:
@@ -267,56 +273,89 @@ def endpoint_mode(spec: dict | None, launched: bool) -> str:
     return "ragged" if spec.get("disable_padded_drafter_batch") else "padded"
 
 
+def prompt_source(opts: dict, tok, max_model_len: int, k: int):
+    """The generated prompts (PromptSource), or the dataset's rows that fit the server's
+    ``max_model_len`` (DatasetPrompts)."""
+    data = datasets.load(opts["dataset_name"], opts["dataset_path"],
+                         lambda text: len(tok.encode(text).ids))
+    if data is None:
+        return bench_sweep.PromptSource(tok, tok.get_vocab_size())
+    return bench_sweep.DatasetPrompts(data, tok, max_model_len, opts["output_len"], k + 1)
+
+
+def server_max_model_len(base_url: str, model: str, tokenizer_dir: str | None) -> int:
+    """``max_model_len`` of the model in ``/v1/models`` (specdec and vLLM list it), else the
+    most the model folder's config allows."""
+    entry = next((m for m in served_models(base_url) if m.get("id") == model), {})
+    return entry.get("max_model_len") or bench_sweep.model_limit(tokenizer_dir)
+
+
 def bench(opts: dict, base_url: str, model: str, label: str, k: int,
           console: Console, mode: str = "server", server: dict | None = None) -> dict:
-    """Warm up, then the interleaved repeats over the concurrencies; -> results.json dict."""
+    """Warm up, then the interleaved repeats over the concurrencies (and a dataset's
+    categories: one run each); -> results.json dict."""
     from specdec.engine.llm import DEFAULT_MODEL
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
-    source = bench_sweep.PromptSource(tok, tok.get_vocab_size())
+    source = prompt_source(opts, tok, server_max_model_len(base_url, model, opts["tokenizer"]),
+                           k)
+    generated = bench_sweep.PromptSource(tok, tok.get_vocab_size())  # the warm-up's
+    dataset = isinstance(source, bench_sweep.DatasetPrompts)
     body = dict(model=model, max_tokens=opts["output_len"], temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True,
                                                      continuous_usage_stats=True))
-    concs = opts["concurrency"]
-    reps = {c: [] for c in concs}
+    runs = [(c, cat) for c in opts["concurrency"]
+            for cat in (source.dataset.categories if dataset else [None])]
+    reps = {run: [] for run in runs}
     phases, t_start = {}, time.perf_counter()
 
-    def one(c: int, prompt_seed: int) -> dict:
+    def one(c: int, category: str | None, prompt_seed: int, warm: bool = False) -> dict:
         n = opts["num_prompts"] or c
-        prompts = source.prompts(n, opts["prompt_len"], prompt_seed)
+        if dataset and not warm:
+            ids, max_tokens = source.prompts(n, category, prompt_seed)
+            prompts = [dict(prompt=p, max_tokens=m or opts["output_len"])
+                       for p, m in zip(ids, max_tokens)]
+        else:
+            prompts = generated.prompts(n, opts["prompt_len"], prompt_seed)
         before = scrape(base_url)
         records, start, end = asyncio.run(run_once(base_url, body, prompts, c,
                                                    opts["request_rate"], prompt_seed))
         return run_figures(records, start, end, engine_deltas(before, scrape(base_url)))
 
-    for w in range(opts["warmup"]):
-        for c in concs:
-            one(c, 10_000 + opts["seed"] + w)
+    for w in range(opts["warmup"]):  # generated prompts: a dataset's are not sent twice
+        for c in opts["concurrency"]:
+            one(c, None, 10_000 + opts["seed"] + w, warm=True)
     phases["warmup_s"] = time.perf_counter() - t_start
     t = time.perf_counter()
     for r in range(opts["repeats"]):
-        for c in concs if r % 2 == 0 else concs[::-1]:
-            reps[c].append(one(c, opts["seed"] + r))
-            rep = reps[c][-1]
-            console.print(f"repeat {r + 1}/{opts['repeats']} concurrency {c}: "
+        for c, cat in runs if r % 2 == 0 else runs[::-1]:
+            reps[c, cat].append(one(c, cat, opts["seed"] + r))
+            rep = reps[c, cat][-1]
+            console.print(f"repeat {r + 1}/{opts['repeats']} concurrency {c}"
+                          + (f" category {cat}" if cat is not None else "") + ": "
                           f"{rep['output_tokens_per_s']:.0f} tok/s, {rep['num_steps']} steps, "
                           f"{100 * rep['captured_share']:.0f}% captured", highlight=False)
     phases["measure_s"] = time.perf_counter() - t
     configs = []
-    for c in concs:
-        summary = metrics.summarize(reps[c])
-        summary["itl_chunk_ms"] = metrics.dist([x for r in reps[c] for x in r["itl_chunk_ms"]])
+    prompt_len = 0 if dataset else opts["prompt_len"]
+    for c, cat in runs:
+        summary = metrics.summarize(reps[c, cat])
+        summary["itl_chunk_ms"] = metrics.dist([x for r in reps[c, cat]
+                                                for x in r["itl_chunk_ms"]])
         summary["host_syncs_per_step"] = None  # an endpoint is timed, never checked
+        prompts = f"p{prompt_len}" if prompt_len else "dataset"
         configs.append(dict(
-            name=f"{label}-c{c}-p{opts['prompt_len']}-o{opts['output_len']}", method=label,
-            mode=mode, k=k, concurrency=c, prompt_len=opts["prompt_len"],
+            name=f"{label}-c{c}-{prompts}" + (f"-{cat}" if cat is not None else "")
+                 + f"-o{opts['output_len']}", method=label,
+            mode=mode, k=k, concurrency=c, prompt_len=prompt_len, category=cat,
             output_len=opts["output_len"], request_rate=opts["request_rate"], status="ok",
-            summary=summary, repeats=reps[c]))
+            summary=summary, repeats=reps[c, cat]))
     sweep = {**opts, "dp": 1, "base_url": base_url, "model": model}
     return dict(schema_version=SCHEMA_VERSION, kind="endpoint", server=server or {},
                 definitions=DEFINITIONS,
                 environment=bench_sweep.environment({"device": "cpu"}), sweep=sweep,
-                prompt_source=source.kind, phase_seconds=phases, configs=configs)
+                prompt_source=source.kind, phase_seconds=phases, configs=configs,
+                warnings=source.warnings() if dataset else [])
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -354,6 +393,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help=f"prompt seed (default {d['seed']})")
     p.add_argument("--tokenizer", metavar="PATH", help="folder with the tokenizer.json that "
                    "makes the prompts (default: --model's)")
+    p.add_argument("--dataset-name", choices=datasets.NAMES,
+                   help="prompts: random (generated), custom (vLLM's JSONL: prompt, "
+                        "output_tokens, category), sharegpt (human turns; a reply's length as "
+                        "the output length), spec_bench (SpecBench's question.jsonl: category, "
+                        "turns; specdec/bench/traces/agentic.jsonl too); with categories, one "
+                        "run per category (default: random)")
+    p.add_argument("--dataset-path", metavar="FILE", help="the file of --dataset-name custom, "
+                   "sharegpt or spec_bench")
+    p.add_argument("--multi-turn", type=int, metavar="N", help="replay conversations of up to "
+                   "N user turns through /v1/chat/completions (each turn sends the earlier "
+                   "turns with the server's replies; --concurrency: conversations in flight; "
+                   "--num-prompts: conversations; report per turn; default: single turns)")
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve; "
                              "refused with --base-url)")
     add_speculation_arguments(g)
@@ -401,7 +452,7 @@ def engine_flags(args) -> list[str]:
 def options(args) -> dict:
     opts = dict(QUICK if args.quick else DEFAULTS, tokenizer=args.tokenizer or args.model)
     for key in ("concurrency", "request_rate", "num_prompts", "prompt_len", "output_len",
-                "repeats", "warmup", "seed"):
+                "repeats", "warmup", "seed", "dataset_name", "dataset_path", "multi_turn"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     for key, low in (("prompt_len", 1), ("output_len", 2), ("repeats", 1), ("warmup", 0)):
@@ -413,6 +464,13 @@ def options(args) -> dict:
         raise UsageError(f"--num-prompts={opts['num_prompts']}: allowed an int >= 1")
     if opts["request_rate"] is not None and opts["request_rate"] <= 0:
         raise UsageError(f"--request-rate={opts['request_rate']}: allowed a number > 0")
+    datasets.check_pair(opts["dataset_name"], opts["dataset_path"])
+    if opts["multi_turn"] is not None:
+        if opts["multi_turn"] < 1:
+            raise UsageError(f"--multi-turn={opts['multi_turn']}: allowed an int >= 1")
+        if opts["request_rate"] is not None:
+            raise UsageError("--request-rate with --multi-turn: a conversation's next turn "
+                             "follows its reply (rounds), so there is no arrival rate to set")
     return opts
 
 
@@ -434,8 +492,13 @@ def run_from_args(args) -> int:
         if args.launch:
             spec = speculation_from_args(args)  # as specdec serve would take these flags
             k = spec["num_speculative_tokens"] if spec else 0
+            # a dataset's or a conversation's length is not known before it runs: the most
+            # the model allows
+            max_len = (bench_sweep.model_limit(args.model)
+                       if opts["multi_turn"] or opts["dataset_name"] != "random"
+                       else opts["prompt_len"] + opts["output_len"] + k + 1)
             serve_args = ["--method", "none", "--max-num-seqs", str(max(opts["concurrency"])),
-                          "--max-model-len", str(opts["prompt_len"] + opts["output_len"] + k + 1),
+                          "--max-model-len", str(max_len),
                           "--max-num-batched-tokens",
                           str(max(256, max(opts["concurrency"]) * (k + 1)))]
             if spec:
@@ -448,18 +511,27 @@ def run_from_args(args) -> int:
         model = args.served_model_name or served_model(base_url)
         label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
         server = server_info(base_url, model, args.launch)
-        results = bench(opts, base_url, model, label, k, console,
-                        mode=endpoint_mode(spec, args.launch), server=server)
+        if opts["multi_turn"]:
+            from specdec.bench import multiturn
+            run = multiturn.bench
+        else:
+            run = bench
+        results = run(opts, base_url, model, label, k, console,
+                      mode=endpoint_mode(spec, args.launch), server=server)
     finally:
         if proc is not None:
             stop(proc)
     results["launched_speculative_config"] = spec
     results["launched_engine_flags"] = launched_flags if args.launch else None
-    results["plots"] = plots.write_plots(results, out)
+    turns = results["kind"] == "multi_turn"
+    results["plots"] = (plots.write_turn_plots if turns else plots.write_plots)(results, out)
     results["wall_seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=1))
     out_console = Console()
-    out_console.print(report.results_table(results, out_console.width))
+    out_console.print(report.turns_table(results) if turns
+                      else report.results_table(results, out_console.width))
+    for line in results["warnings"] + (report.failed_turn_lines(results) if turns else []):
+        out_console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(f"wrote {out / 'results.json'} and {', '.join(results['plots'])} in "
                f"{results['wall_seconds']:.1f} s", markup=False, highlight=False, soft_wrap=True)
     return 0

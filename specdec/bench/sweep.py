@@ -18,6 +18,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specdec.bench import datasets
 from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
 from specdec.config import SpeculativeConfig
 from specdec.engine.config import DTYPES
@@ -40,7 +41,8 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
-                     k_schedule=None, draft_acceptance=None, num_prompts=None)
+                     k_schedule=None, draft_acceptance=None, num_prompts=None,
+                     dataset_name="random", dataset_path=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -57,8 +59,9 @@ class BenchConfig:
     padded: bool
     k: int  # 0 for "none"
     concurrency: int
-    prompt_len: int
-    output_len: int
+    prompt_len: int  # 0: a dataset's prompts (their own lengths)
+    output_len: int  # a dataset row's own output length overrides it
+    category: str | None = None  # a dataset's category: its rows only
 
     @property
     def mode(self) -> str:
@@ -71,7 +74,10 @@ class BenchConfig:
     @property
     def name(self) -> str:
         head = "none" if self.method == "none" else f"{self.method}-{self.mode}-k{self.k}"
-        return f"{head}-c{self.concurrency}-p{self.prompt_len}-o{self.output_len}"
+        prompts = f"p{self.prompt_len}" if self.prompt_len else "dataset"
+        if self.category is not None:
+            prompts += f"-{self.category}"
+        return f"{head}-c{self.concurrency}-{prompts}-o{self.output_len}"
 
 
 # ---- sweep ------------------------------------------------------------------------------------
@@ -143,6 +149,13 @@ def check_sweep(sweep: dict) -> dict:
                          "none (none: max(256, concurrency x (K + 1)))")
     if s["k_schedule"] is not None:
         check_k_schedule(s["k_schedule"], min(s["k"]))
+    try:
+        datasets.check_pair(s["dataset_name"], s["dataset_path"])
+    except UsageError as e:
+        raise UsageError(f"sweep {e}") from None
+    if s["dataset_name"] != "random" and (s["dp"] > 1 or s["synthetic"] is not None):
+        raise UsageError(f"sweep dataset_name={s['dataset_name']!r}: its prompts are text for "
+                         "the model's tokenizer on one rank: give dp=1 and no synthetic")
     if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -161,14 +174,17 @@ def check_k_schedule(schedule, k: int) -> None:
         raise UsageError(f"sweep k_schedule: {e} (the sweep's smallest K)") from None
 
 
-def expand(sweep: dict) -> list[BenchConfig]:
+def expand(sweep: dict, categories=(None,)) -> list[BenchConfig]:
     """The configurations of a checked sweep; "none" has no mode or K, so it appears once per
-    (concurrency, prompt_len, output_len)."""
+    (concurrency, prompt_len, output_len). With a dataset (prompt_len 0: its own prompts),
+    once per its ``categories`` too."""
     configs = []
+    lengths = [0] if sweep.get("dataset_name", "random") != "random" else sweep["prompt_len"]
     for method, mode, k in product(sweep["methods"], sweep["modes"], sweep["k"]):
-        for c, p, o in product(sweep["concurrency"], sweep["prompt_len"], sweep["output_len"]):
-            cfg = (BenchConfig("none", True, 0, c, p, o) if method == "none"
-                   else BenchConfig(method, mode == "padded", k, c, p, o))
+        for c, p, o, cat in product(sweep["concurrency"], lengths, sweep["output_len"],
+                                    categories):
+            cfg = (BenchConfig("none", True, 0, c, p, o, cat) if method == "none"
+                   else BenchConfig(method, mode == "padded", k, c, p, o, cat))
             if cfg not in configs:
                 configs.append(cfg)
     return configs
@@ -200,6 +216,81 @@ class PromptSource:
         return [w + w[:length - block] for w in windows]
 
 
+class DatasetPrompts:
+    """A dataset's single-turn rows as token ids, with their output lengths. Rows whose prompt
+    and output (the row's, else the largest ``output_len``) with ``spare`` more tokens (K + 1)
+    exceed ``max_model_len`` are left out, each listed in ``left_out`` as ``file:line: why``."""
+
+    def __init__(self, dataset: "datasets.Dataset", tokenizer, max_model_len: int,
+                 output_len: int, spare: int):
+        self.dataset, self.max_model_len = dataset, max_model_len
+        self.kind = f"{dataset.name} dataset {dataset.path}"
+        self.rows: list[tuple[list[int], int | None, str | None]] = []
+        self.left_out: list[str] = []
+        for conv in dataset.conversations:
+            ids = tokenizer.encode(conv.turns[0]).ids
+            need = len(ids) + (conv.max_tokens[0] or output_len) + spare
+            if need > max_model_len:
+                self.left_out.append(f"{conv.where}: {len(ids)} prompt tokens + "
+                                     f"{conv.max_tokens[0] or output_len} output + {spare} "
+                                     f"> max_model_len {max_model_len}")
+            else:
+                self.rows.append((ids, conv.max_tokens[0], conv.category))
+        if not self.rows:
+            raise UsageError(f"--dataset-path={dataset.path!r}: no prompt fits max_model_len "
+                             f"{max_model_len} (e.g. {self.left_out[0]})")
+
+    def longest(self, output_len: int) -> int:
+        """Tokens of the longest prompt and its output."""
+        return max(len(ids) + (mt or output_len) for ids, mt, _ in self.rows)
+
+    def prompts(self, n: int, category: str | None, seed: int) -> tuple[list, list[int | None]]:
+        """``n`` rows of ``category`` (every row for None), a seeded shuffle (``pick``); ->
+        (token ids per prompt, output length per prompt: None = the config's)."""
+        rows = [r for r in self.rows if category is None or r[2] == category]
+        if not rows:
+            raise UsageError(f"no prompt of category {category!r} fits max_model_len "
+                             f"{self.max_model_len}")
+        chosen = datasets.pick(rows, n, seed)
+        return [ids for ids, _, _ in chosen], [mt for _, mt, _ in chosen]
+
+    def warnings(self) -> list[str]:
+        """What was left out of the dataset, and why (the first 3 named)."""
+        out = []
+        for what, lines in (("entries without a prompt", self.dataset.skipped),
+                            ("rows too long", self.left_out)):
+            if lines:
+                out.append(f"{self.kind}: {len(lines)} {what} left out: " + "; ".join(lines[:3])
+                           + (" ..." if len(lines) > 3 else ""))
+        return out
+
+
+def model_limit(model) -> int:
+    """The most tokens the model folder's config allows (max_position_embeddings; 512, the
+    engine's default, when it names none)."""
+    from specdec.engine.config import DEFAULT_MAX_MODEL_LEN
+    from specdec.engine.llm import DEFAULT_MODEL
+    cfg = json.loads((Path(model or DEFAULT_MODEL) / "config.json").read_text())
+    return cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
+
+
+def dataset_prompts(sweep: dict) -> DatasetPrompts | None:
+    """The sweep's dataset read and tokenized with the model's tokenizer (before any engine is
+    built: a malformed file fails first); None for the generated prompts."""
+    if sweep["dataset_name"] == "random":
+        return None
+    from specdec.engine.llm import DEFAULT_MODEL
+    from specdec.models.checkpoint import load_tokenizer
+    tok = load_tokenizer(sweep["model"] or DEFAULT_MODEL)
+    if tok is None:
+        raise UsageError(f"sweep dataset_name={sweep['dataset_name']!r}: the model "
+                         f"{sweep['model']!r} has no tokenizer.json to encode the prompts")
+    data = datasets.load(sweep["dataset_name"], sweep["dataset_path"],
+                         lambda text: len(tok.encode(text).ids))
+    return DatasetPrompts(data, tok, model_limit(sweep["model"]), max(sweep["output_len"]),
+                          max(sweep["k"]) + 1)
+
+
 # ---- one run ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReqStats:
@@ -214,21 +305,27 @@ class ReqStats:
 
 
 def measure(llm, prompts: list[list[int]], output_len: int, temperature: float,
-            concurrency: int | None = None) -> dict:
+            concurrency: int | None = None, max_tokens: list[int | None] | None = None) -> dict:
     """Run the prompts to completion on a single-rank engine; -> raw figures (see
     run_figures). ``concurrency`` None: one batch, every prompt added at t0; else a closed
     loop, as ``bench serve`` sends them: ``concurrency`` prompts at t0, then one more each time
-    one finishes (added before the next step)."""
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
+    one finishes (added before the next step). ``max_tokens``: each prompt's output length
+    (None in it: ``output_len``)."""
+    def params(n):
+        return SamplingParams(max_tokens=n or output_len, temperature=temperature,
+                              ignore_eos=True)
+
     first_step = len(llm.steps)
-    waiting, running, sent = list(prompts), [], []  # sent: (request, seconds after t0)
+    waiting = list(zip(prompts, max_tokens or [None] * len(prompts)))
+    running, sent = [], []  # sent: (request, seconds after t0)
     limit = concurrency or len(prompts)
     t0 = time.perf_counter()
     times = []  # end of each step, seconds after t0
     while True:
         running = [r for r in running if r.status is not Status.FINISHED]
         while waiting and len(running) < limit:
-            running.append(llm.add_request(waiting.pop(0), params))
+            prompt, n = waiting.pop(0)
+            running.append(llm.add_request(prompt, params(n)))
             sent.append((running[-1], time.perf_counter() - t0))
         if llm.step() is None:
             break
@@ -368,8 +465,10 @@ def synthetic_model(sweep: dict, spec: dict | None) -> dict:
                             acceptance=sweep["draft_acceptance"])
 
 
-def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
-    """One engine per (method, mode, K), sized for its largest config; -> (engines, skip reasons)."""
+def build_engines(sweep: dict, configs: list[BenchConfig],
+                  dataset: DatasetPrompts | None = None) -> tuple[dict, dict]:
+    """One engine per (method, mode, K), sized for its largest config (with a dataset: its
+    longest prompt and output); -> (engines, skip reasons)."""
     engines, skipped = {}, {}
     for key in dict.fromkeys(c.engine_key for c in configs):
         method, padded, k = key
@@ -385,7 +484,9 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
             if "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
-                      max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
+                      max_model_len=max(c.prompt_len + (dataset.longest(c.output_len)
+                                                         if dataset else c.output_len)
+                                        for c in mine) + k + 1,
                       max_num_batched_tokens=sweep["max_num_batched_tokens"]
                       or max(256, conc * (k + 1)))
         try:
@@ -401,30 +502,31 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
     return engines, skipped
 
 
-def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: PromptSource,
-              prompt_seed: int, on_done) -> list[dict]:
+def run_round(sweep: dict, engines: dict, configs: list[BenchConfig],
+              source: PromptSource | DatasetPrompts, prompt_seed: int, on_done) -> list[dict]:
     """Run each config once, in the given order (one DP spawn for all under DP); -> raw figures
     in that order. ``on_done(config)`` is called as each finishes."""
     def job(c):
-        prompts = source.prompts(sweep["num_prompts"] or c.concurrency, c.prompt_len,
-                                 prompt_seed, sweep["workload"])
-        params = SamplingParams(max_tokens=c.output_len, temperature=sweep["temperature"],
-                                ignore_eos=True)
-        return prompts, params
+        n = sweep["num_prompts"] or c.concurrency
+        if isinstance(source, DatasetPrompts):
+            return source.prompts(n, c.category, prompt_seed)
+        return source.prompts(n, c.prompt_len, prompt_seed, sweep["workload"]), None
 
     if sweep["dp"] == 1:
         raws = []
         for c in configs:
-            prompts, params = job(c)
+            prompts, max_tokens = job(c)
             try:
                 raws.append(measure(engines[c.engine_key].llm, prompts, c.output_len,
-                                    sweep["temperature"], c.concurrency))
+                                    sweep["temperature"], c.concurrency, max_tokens))
             except Exception as e:  # one failing config must not lose the sweep
                 raws.append(dict(error=f"{type(e).__name__}: {e}"))
             on_done(c)
         return raws
     from specdec.engine.dp_engine import DPJob
-    jobs = [DPJob(engines[c.engine_key].kwargs, *job(c)) for c in configs]
+    params = {c: SamplingParams(max_tokens=c.output_len, temperature=sweep["temperature"],
+                                ignore_eos=True) for c in configs}  # dp > 1: no dataset
+    jobs = [DPJob(engines[c.engine_key].kwargs, job(c)[0], params[c]) for c in configs]
     raws = measure_dp(jobs, sweep["dp"])
     for c in configs:
         on_done(c)
@@ -432,7 +534,7 @@ def run_round(sweep: dict, engines: dict, configs: list[BenchConfig], source: Pr
 
 
 def check_syncs(sweep: dict, engines: dict, configs: list[BenchConfig],
-                source: PromptSource) -> dict:
+                source: PromptSource | DatasetPrompts) -> dict:
     """One separate, untimed pass per config with the host-sync check on (never the timed
     runs): {config: host syncs per step, or an error string}."""
     checked = {c.engine_key: replace(e, kwargs={**e.kwargs, "check_host_syncs": True})
@@ -482,11 +584,12 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     load_start = list(os.getloadavg())
     phases = {}
     torch.manual_seed(sweep["seed"])
-    configs = expand(sweep)
-    engines, skipped = build_engines(sweep, configs)
+    dataset = dataset_prompts(sweep)
+    configs = expand(sweep, dataset.dataset.categories if dataset else (None,))
+    engines, skipped = build_engines(sweep, configs, dataset)
     ok = [c for c in configs if c.engine_key in engines]
-    source = None
-    if engines:
+    source = dataset
+    if engines and dataset is None:
         llm = next(iter(engines.values())).llm
         source = PromptSource(llm.tokenizer, llm.target.config.vocab_size)
     phases["build_s"] = time.perf_counter() - start
@@ -518,7 +621,7 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     results = []
     for c in configs:
         entry = dict(name=c.name, method=c.method, mode=c.mode, k=c.k, concurrency=c.concurrency,
-                     prompt_len=c.prompt_len, output_len=c.output_len)
+                     prompt_len=c.prompt_len, output_len=c.output_len, category=c.category)
         if c in failed:
             entry.update(status="failed", error=failed[c])
         elif c in reps:
@@ -538,7 +641,8 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     return dict(schema_version=SCHEMA_VERSION, definitions=DEFINITIONS, environment=env,
                 weights=weights, sweep={**sweep, "model": str(sweep["model"] or DEFAULT_MODEL)},
                 prompt_source=source.kind if source else None, phase_seconds=phases,
-                configs=results, warnings=load_warnings(env) + comparison_warnings(results))
+                configs=results, warnings=load_warnings(env) + comparison_warnings(results)
+                + (dataset.warnings() if dataset else []))
 
 
 def load_warnings(env: dict) -> list[str]:
@@ -557,7 +661,7 @@ def comparison_warnings(configs: list[dict]) -> list[str]:
     """A padded/ragged pair whose mean-ITL difference is within either one's spread (the std
     of its per-repeat means) is not a measured difference."""
     by_key = {(c["method"], c["k"], c["concurrency"], c["prompt_len"], c["output_len"],
-               c["mode"]): c for c in configs if c["status"] == "ok"}
+               c.get("category"), c["mode"]): c for c in configs if c["status"] == "ok"}
     out = []
     for key, padded in by_key.items():
         ragged = by_key.get(key[:-1] + ("ragged",))
@@ -567,7 +671,9 @@ def comparison_warnings(configs: list[dict]) -> list[str]:
         diff = abs(a["mean"] - b["mean"])
         spread = max(a["std"], b["std"])
         if spread > diff:
-            out.append(f"{padded['method']} K={key[1]} conc={key[2]}: padded vs ragged mean ITL "
+            where = f" category {key[5]}" if key[5] is not None else ""
+            out.append(f"{padded['method']} K={key[1]} conc={key[2]}{where}: padded vs ragged "
+                       "mean ITL "
                        f"differ by {diff:.3f} ms, less than the spread over repeats "
                        f"({spread:.3f} ms std): no measured difference")
     return out

@@ -1,0 +1,150 @@
+"""``specdec bench serve`` over datasets and ``--multi-turn`` against a live ``specdec serve
+--stub-engine`` (its step echoes the prompt's ids: a reply shows what the server rendered)."""
+
+import asyncio
+import json
+import pytest
+
+from specdec.bench import multiturn
+from specdec.bench import serve as bench_serve
+from specdec.bench.datasets import Conversation
+from specdec.engine.chat_template import load_chat_template
+from specdec.engine.llm import DEFAULT_MODEL
+from specdec.models.checkpoint import load_tokenizer
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("aiohttp")
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def stub_url():
+    proc, url = bench_serve.launch(["--stub-engine", "4", "--max-num-seqs", "4",
+                                    "--max-model-len", str(MAX_MODEL_LEN)])
+    yield url
+    bench_serve.stop(proc)
+
+
+def replay(url, convs, concurrency=2, output_len=7):
+    body = dict(model=bench_serve.served_model(url), temperature=0.0, stream=True,
+                ignore_eos=True, stream_options=dict(include_usage=True,
+                                                     continuous_usage_stats=True))
+    points = []
+    rounds = asyncio.run(multiturn.replay(url, body, convs, concurrency, output_len,
+                                          points.append))
+    return rounds, points
+
+
+def test_turn_n_sends_the_earlier_turns_with_their_replies(stub_url):
+    """Turn t's messages = user 1, reply 1, ..., user t, the replies being what the server
+    streamed; the server saw exactly those (usage.prompt_tokens = the rendered template's
+    tokens, and the stub's reply echoes that prompt's first ids)."""
+    convs = [Conversation(["def add(a, b):", "now type it", "and test it"], [6, 5, None], None,
+                          "a"),
+             Conversation(["import os", "list a folder"], [None, 9], None, "b"),
+             Conversation(["class Stack:"], [3], None, "c")]
+    rounds, points = replay(stub_url, convs)
+    assert [[r["conversation"] for r in recs] for recs in rounds] == [[0, 1, 2], [0, 1], [0]]
+    assert points == [0, 1, 2, 3]  # a /metrics scrape before each round and after the last
+    tok, render = load_tokenizer(DEFAULT_MODEL), load_chat_template(DEFAULT_MODEL)
+    replies = {}  # (conversation, turn) -> the reply streamed
+    for t, recs in enumerate(rounds, start=1):
+        for rec in recs:
+            i = rec["conversation"]
+            assert "error" not in rec and rec["turn"] == t
+            expected = []
+            for j in range(1, t):
+                expected += [{"role": "user", "content": convs[i].turns[j - 1]},
+                             {"role": "assistant", "content": replies[i, j]}]
+            expected.append({"role": "user", "content": convs[i].turns[t - 1]})
+            assert rec["messages"] == expected
+            ids = tok.encode(render(expected), add_special_tokens=False).ids
+            n = convs[i].max_tokens[t - 1] or 7
+            assert rec["prompt_tokens"] == len(ids) and rec["output_tokens"] == n
+            assert rec["text"] == tok.decode(ids[:n])
+            replies[i, t] = rec["text"]
+
+
+def test_a_conversation_that_outgrows_the_server_ends_there(stub_url):
+    big = "x = 1\n" * 400  # over 512 tokens with its reply
+    convs = [Conversation(["hi", big, "after"], [4, 4, 4], None, "a"),
+             Conversation(["ok", "fine", "good"], [4, 4, 4], None, "b")]
+    rounds, _ = replay(stub_url, convs)
+    assert [[r["conversation"] for r in recs] for recs in rounds] == [[0, 1], [0, 1], [1]]
+    failed = rounds[1][0]
+    assert "HTTP 400" in failed["error"]
+    s = multiturn.turn_summary(2, [multiturn.round_figures(rounds[1], {}, {})])
+    assert (s["requests"], s["failed"]) == (1, 1) and "HTTP 400" in s["errors"][0]
+    assert s["prefix_cache_hit_rate"] is None  # the stub exports no prefix-cache counters
+
+
+def test_prefix_cache_hit_rate_from_the_counters():
+    """Counters in /metrics (vLLM's names, ``_total`` samples) -> hits / queries per round;
+    a server without them: None (shown as n/a)."""
+    def scrape(q, h):
+        return {("vllm:prefix_cache_queries_total", None): q,
+                ("vllm:prefix_cache_hits_total", None): h}
+
+    assert multiturn.prefix_cache_counts(scrape(10, 4)) == (10, 4)
+    assert multiturn.prefix_cache_counts({("specdec:step_seconds_count", None): 3}) is None
+    rec = dict(conversation=0, turn=1, messages=[], send=0.0, chunks=[(0.01, 1), (0.02, 3)],
+               output_tokens=4, prompt_tokens=20, text="abcd")
+    rounds = [multiturn.round_figures([rec], scrape(100, 0), scrape(160, 45)),
+              multiturn.round_figures([rec], scrape(160, 45), scrape(200, 75))]
+    s = multiturn.turn_summary(2, rounds)
+    assert s["prefix_cache_hit_rate"] == pytest.approx((45 + 30) / (60 + 40))
+    assert s["output_tokens_per_s"] == pytest.approx(4 / 0.02)
+    assert s["ttft_ms"]["p50"] == pytest.approx(10.0) and s["prompt_tokens_mean"] == 20
+
+
+def run_cli(url, tmp_path, capsys, *flags):
+    from specdec.commands.cli import main
+    code = main(["bench", "serve", "--base-url", url, "--repeats", "1", "--warmup", "1",
+                 "--output-len", "5", "--out", str(tmp_path), *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    return out, json.loads((tmp_path / "results.json").read_text())
+
+
+def test_multi_turn_command_reports_per_turn(stub_url, tmp_path, capsys):
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in [
+        {"category": "a", "turns": ["one", "two", "three"]},
+        {"category": "b", "turns": ["alpha", "beta"]}]) + "\n")
+    out, r = run_cli(stub_url, tmp_path, capsys, "--multi-turn", "2", "--concurrency", "2",
+                     "--dataset-name", "spec_bench", "--dataset-path", str(f))
+    assert r["kind"] == "multi_turn" and r["plots"] == ["turns.png"]
+    (c,) = r["configs"]
+    # --multi-turn 2: the first conversation's third turn is never sent
+    assert [(t["turn"], t["requests"], t["failed"]) for t in c["turns"]] == [(1, 2, 0), (2, 2, 0)]
+    assert all(t["output_tokens"] == 2 * 5 for t in c["turns"])
+    assert c["turns"][1]["prompt_tokens_mean"] > c["turns"][0]["prompt_tokens_mean"]
+    assert [x["messages"] for x in c["repeats"][0][1]["requests_sent"]] == [3, 3]
+    assert "turn" in out and "n/a" in out and (tmp_path / "turns.png").stat().st_size > 0
+
+
+def test_dataset_categories_are_one_run_each(stub_url, tmp_path, capsys):
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "def f(x):", "output_tokens": 3, "category": "code"},
+        {"prompt": "The sky is", "output_tokens": 6, "category": "prose"},
+        {"prompt": "y = " * 600, "category": "prose"}]) + "\n")  # too long for 512
+    out, r = run_cli(stub_url, tmp_path, capsys, "--concurrency", "2", "--dataset-name",
+                     "custom", "--dataset-path", str(f))
+    got = {c["category"]: c for c in r["configs"]}
+    assert sorted(got) == ["code", "prose"]
+    for cat, n in (("code", 3), ("prose", 6)):  # each run sends its category's rows only
+        assert [q["output_tokens"] for q in got[cat]["repeats"][0]["requests"]] == [n, n]
+    assert "category" in out and f"{f}:3: " in " ".join(r["warnings"])
+
+
+def test_multi_turn_refusals(tmp_path, capsys):
+    from specdec.commands.cli import main
+    for flags, match in ((["--multi-turn", "0"], "--multi-turn=0: allowed an int >= 1"),
+                         (["--multi-turn", "2", "--request-rate", "5"], "no arrival rate"),
+                         (["--dataset-name", "sharegpt"], "reads --dataset-path FILE")):
+        code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--out",
+                     str(tmp_path), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and match in err, err
