@@ -1,0 +1,149 @@
+"""Draft trees against chains on the embedded model's trained heads (issue 53), on this CPU.
+
+fit:    one run with a wide static tree (``WIDE``: every path of child ranks summing to <= 2,
+        depth <= 5, and rank 3 at depth 1; 56 drafts) counts how often each node ends on
+        the accepted path; a node's rate bounds its subtree's, so the N most often accepted
+        nodes form a tree (``fitted``): the static tree of N drafts with the most expected
+        acceptance under the run's own statistics (restricted to top-k <= K and depth <= D
+        for the shapes below). Fitted on prompts ``--fit-seed`` (held-out stdlib windows),
+        measured on other ones (``--seed``).
+accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=5 and of
+        the fitted trees of 8 and 16 drafts at top-k 2 / 4 and depth 3 / 5, greedy, for
+        EAGLE-3 and MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
+speed:  output tokens/s at one request (``--speed-prompts`` prompts one after another),
+        ``--graph-backend`` (compile_dynamic: the draft step and target step compiled) for the
+        best chain and the best tree of each method, best of ``--repeats``.
+
+    python -m benchmarks.bench_tree [--num-prompts 64] [--prompt-len 64] [--output-len 64]
+        [--methods eagle3 mtp] [--graph-backend compile_dynamic] [--skip-speed]
+"""
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench.sweep import PromptSource
+from specdec.engine.draft_tree import StaticTree
+
+WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
+               if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
+SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (16, 4, 3)]
+
+
+def engine(method: str, k: int, tree=None, **kw) -> LLM:
+    spec = {"method": method, "num_speculative_tokens": k}
+    if tree is not None:
+        spec["speculative_token_tree"] = [list(p) for p in tree]
+    return LLM(speculative_config=spec, max_num_seqs=16, max_model_len=256, **kw)
+
+
+def run(llm: LLM, prompts, output_len: int, on_step=None, concurrency: int = 16) -> dict:
+    """Greedy, ``concurrency`` requests at a time (closed loop) -> acceptance figures."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    waiting, running, done = list(prompts), [], []
+    start = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            running.append(llm.add_request(waiting.pop(0), params))
+        llm.step()
+        if on_step is not None:
+            on_step(llm)
+        done += [r for r in running if r.finish_reason]
+        running = [r for r in running if not r.finish_reason]
+    seconds = time.perf_counter() - start
+    steps = sum(r.num_steps_decoding for r in done)
+    accepted = [sum(r.num_accepted[j] for r in done if j < len(r.num_accepted))
+                for j in range(max(len(r.num_accepted) for r in done))]
+    return {"acceptance_length": 1 + sum(accepted) / steps,
+            "accepted_per_depth": [round(a / steps, 3) for a in accepted],
+            "tokens_per_s": sum(len(r.output_token_ids) for r in done) / seconds}
+
+
+def fit(method: str, prompts, output_len: int) -> dict:
+    """Node -> how often it ended on the accepted path, per verify step (``WIDE``)."""
+    llm = engine(method, 5, WIDE)
+    tree, hits, steps = llm.spec.tree, [0] * len(WIDE), [0]
+
+    def count(llm):
+        path = llm.runner.tree_path[:len(llm.scheduler.scheduled)].tolist()
+        for s, nodes in zip(llm.scheduler.scheduled, path):
+            if s.spec_token_ids:
+                steps[0] += 1
+                for node in nodes:
+                    if node > 0:
+                        hits[node - 1] += 1
+    run(llm, prompts, output_len, count)
+    return {p: h / steps[0] for p, h in zip(tree.paths, hits)}
+
+
+def fitted(rates: dict, size: int, top_k: int, depth: int) -> list[tuple[int, ...]]:
+    """The ``size`` most accepted paths with ranks < top_k and at most ``depth`` long (their
+    parents come first: a parent is accepted whenever its child is)."""
+    allowed = [p for p in rates if len(p) <= depth and max(p) < top_k]
+    chosen = sorted(allowed, key=lambda p: (-rates[p], len(p), p))[:size]
+    StaticTree.from_paths(chosen)  # a tree: every parent chosen
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fit-seed", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=["eagle3", "mtp"])
+    ap.add_argument("--graph-backend", default="compile_dynamic")
+    ap.add_argument("--speed-prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    base = LLM(speculative_config=None, max_model_len=256)
+    source = PromptSource(base.tokenizer, base.vocab_size)
+    prompts = source.prompts(args.num_prompts, args.prompt_len, args.seed)
+    fit_prompts = source.prompts(args.num_prompts, args.prompt_len, args.fit_seed)
+    out = {}
+    for method in args.methods:
+        rates = fit(method, fit_prompts, args.output_len)
+        rows = {f"chain K={k}": (k, None) for k in (3, 5)}
+        for size, top_k, depth in SHAPES:
+            tree = fitted(rates, size, top_k, depth)
+            rows[f"tree {size} top-{top_k} depth<={depth}"] = (max(map(len, tree)), tree)
+        figures = {}
+        for name, (k, tree) in rows.items():
+            figures[name] = run(engine(method, k, tree), prompts, args.output_len)
+            figures[name]["tree"] = tree
+            print(f"{method:7s} {name:26s} AL {figures[name]['acceptance_length']:.2f} "
+                  f"per depth {figures[name]['accepted_per_depth']} "
+                  f"({figures[name]['tokens_per_s']:.0f} tok/s at 16, eager)", flush=True)
+        chain = max((f for n, f in figures.items() if n.startswith("chain")),
+                    key=lambda f: f["acceptance_length"])
+        best = max((f for n, f in figures.items() if n.startswith("tree")),
+                   key=lambda f: f["acceptance_length"])
+        print(f"{method}: best tree / chain K=3 AL "
+              f"{best['acceptance_length'] / figures['chain K=3']['acceptance_length']:.2f}")
+        out[method] = {"rows": figures}
+        if args.skip_speed:
+            continue
+        speed = {}
+        for name, f in (("chain", chain), ("tree", best)):
+            k = len(f["accepted_per_depth"])
+            llm = engine(method, k, f["tree"], graph_backend=args.graph_backend)
+            speed[name] = max(run(llm, prompts[:args.speed_prompts], args.output_len,
+                                  concurrency=1)["tokens_per_s"] for _ in range(args.repeats))
+        print(f"{method}: 1 request, {args.graph_backend}: tree {speed['tree']:.0f} tok/s, "
+              f"chain {speed['chain']:.0f} tok/s, ratio {speed['tree'] / speed['chain']:.2f}")
+        out[method]["speed_1_request"] = speed
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=list)
+
+
+if __name__ == "__main__":
+    main()
