@@ -69,6 +69,12 @@ class SpeculativeConfig:
     # num_speculative_tokens its depth. Static: vLLM's key, the tree's paths of child ranks
     # (e.g. "[(0,), (1,), (0, 0)]"), the same tree every step. None: a chain of K drafts
     speculative_token_tree: str | list | None = None
+    # Dynamic (EAGLE-2; SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens,
+    # num_speculative_tokens its --speculative-num-steps): each step the head's tree_topk
+    # best children per frontier node, and the num_draft_tokens best scored nodes verified,
+    # the root (the last known token) included, as SGLang counts them. Both or neither
+    tree_topk: int | None = None
+    num_draft_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -241,32 +247,62 @@ class SpeculativeConfig:
         """speculative_token_tree: a tree of paths (``StaticTree.from_paths``) whose depth is
         num_speculative_tokens, for the methods that draft on the device with a head; refused
         with what it cannot run with."""
-        if self.speculative_token_tree is None:
+        if self.tree_topk is not None or self.num_draft_tokens is not None:
+            self._check_dynamic_tree()
+        elif self.speculative_token_tree is None:
             return
-        from specdec.engine.draft_tree import StaticTree
-        tree = StaticTree.from_paths(self.speculative_token_tree)
-        name = "speculative_token_tree"
+        name = ("speculative_token_tree" if self.speculative_token_tree is not None
+                else "tree_topk")
         if self.method not in TREE_METHODS:
             raise ValueError(f"{name} with method={self.method!r}: no tree drafting for it; "
                              f"allowed methods: {TREE_METHODS}")
-        if tree.max_depth != self.num_speculative_tokens:
-            raise ValueError(f"{name} is {tree.max_depth} deep and num_speculative_tokens="
-                             f"{self.num_speculative_tokens}: num_speculative_tokens is the "
-                             f"tree's depth; give {tree.max_depth}")
         for key, why in (("disable_padded_drafter_batch", "the ragged drafter drafts chains"),
                          ("num_speculative_tokens_per_batch_size", "a tree has one shape"),
                          ("num_speculative_tokens_policy", "the policy picks chain lengths")):
             if getattr(self, key):
                 raise ValueError(f"{key}={getattr(self, key)!r} with {name} ({why}); "
                                  f"allowed: {False if key.startswith('disable') else None}")
+        if self.speculative_token_tree is None:
+            return
+        from specdec.engine.draft_tree import StaticTree
+        tree = StaticTree.from_paths(self.speculative_token_tree)
+        if tree.max_depth != self.num_speculative_tokens:
+            raise ValueError(f"{name} is {tree.max_depth} deep and num_speculative_tokens="
+                             f"{self.num_speculative_tokens}: num_speculative_tokens is the "
+                             f"tree's depth; give {tree.max_depth}")
         self.speculative_token_tree = [tuple(p) for p in tree.paths]
+
+    def _check_dynamic_tree(self) -> None:
+        """tree_topk and num_draft_tokens: both ints, a tree of at most MAX_TREE_NODES nodes
+        the candidates can fill, no static tree beside them."""
+        from specdec.engine.draft_tree import MAX_TREE_NODES, DynamicTree
+        k, n, depth = self.tree_topk, self.num_draft_tokens, self.num_speculative_tokens
+        if self.speculative_token_tree is not None:
+            raise ValueError("tree_topk / num_draft_tokens (a dynamic tree) with "
+                             "speculative_token_tree (a static one): give one of them")
+        for key, value in (("tree_topk", k), ("num_draft_tokens", n)):
+            if value is None or not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{key}={value!r}: a dynamic tree needs tree_topk and "
+                                 "num_draft_tokens, ints")
+        shape = DynamicTree(k, n, depth)
+        if k < 1 or 1 + shape.head_rows > MAX_TREE_NODES:
+            raise ValueError(f"tree_topk={k}: allowed 1 <= tree_topk and (num_speculative_"
+                             f"tokens - 1) * tree_topk <= {MAX_TREE_NODES - 1}")
+        if not 2 <= n <= min(MAX_TREE_NODES, 1 + shape.num_candidates):
+            raise ValueError(f"num_draft_tokens={n}: the root and its drafts; allowed 2 .. "
+                             f"{min(MAX_TREE_NODES, 1 + shape.num_candidates)} (tree_topk={k},"
+                             f" num_speculative_tokens={depth} give {shape.num_candidates} "
+                             "candidates)")
 
     @property
     def tree(self):
-        """The ``StaticTree`` each step verifies, or None (a chain)."""
+        """The ``StaticTree`` or ``DynamicTree`` each step verifies, or None (a chain)."""
+        from specdec.engine.draft_tree import DynamicTree, StaticTree
+        if self.tree_topk is not None:
+            return DynamicTree(self.tree_topk, self.num_draft_tokens,
+                               self.num_speculative_tokens)
         if self.speculative_token_tree is None:
             return None
-        from specdec.engine.draft_tree import StaticTree
         return StaticTree.from_paths(self.speculative_token_tree)
 
     @property

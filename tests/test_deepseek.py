@@ -404,14 +404,17 @@ def test_deepseek_mtp_speculative_greedy_equals_plain(k, ragged, backend, ds_dir
     assert sum(sum(o.num_drafted) for o in outs) > 0
 
 
-@pytest.mark.parametrize("backend", [None, "replay"])
-def test_deepseek_mtp_draft_tree_greedy_equals_plain(backend, ds_dir, ds_plain):
+@pytest.mark.parametrize("backend,tree", [
+    (None, {"speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]}),
+    ("replay", {"speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]}),
+    (None, {"tree_topk": 2, "num_draft_tokens": 5})], ids=["static", "static-replay", "dynamic"])
+def test_deepseek_mtp_draft_tree_greedy_equals_plain(backend, tree, ds_dir, ds_plain):
     """MLA target and MTP head verifying and drafting a tree (the latent cache's accepted rows
     moved after the root)."""
     llm = LLM(model=str(ds_dir("deepseek_v3_mtp")), max_num_seqs=4, max_model_len=256,
               graph_backend=backend, check_host_syncs=True,
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2,
-                                  "speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]})
+                                  **tree})
     outs = llm.generate(PROMPTS, max_tokens=MAX_NEW, ignore_eos=True)
     assert [o.token_ids for o in outs] == ds_plain
     assert sum(sum(o.num_accepted) for o in outs) > 0

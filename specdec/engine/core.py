@@ -20,6 +20,7 @@ from specdec.distributed import TPContext
 from specdec.dp import DPContext
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
+from specdec.engine.draft_tree import DynamicTree, node_shapes
 from specdec.engine.k_policy import GoodputPolicy
 from specdec.engine.outputs import STEP_GRAPHS, StepRecord
 from specdec.engine.rejection_sampler import valid_tokens
@@ -97,6 +98,7 @@ class EngineCore:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.allocator,
             num_speculative_tokens=k, fill_drafts=self.padded and backend.fixed_shapes,
             pick_k=self._pick_k(k), reserve_ahead=1 + k if async_scheduling else 0,
+            draft_rows=k if self.tree is None else self.tree.max_depth + self.tree.head_rows,
             on_finish=None if self.proposer is None else self._on_finish)
         use_cpu_gemm_layout(target, head)  # before graph capture / compilation
         self.runner = ModelRunner(
@@ -397,7 +399,7 @@ class EngineCore:
                 emitted, reason = emitted - dropped, "stop"
         if d:  # an accepted draft counts once the request kept it (not past its end)
             r.num_steps_decoding += 1
-            depth = d if self.tree is None else self.tree.depth[d]  # positions drafted
+            depth = d if self.tree is None else max(node_shapes([-1, *r.spec_parents[:d]])[0])
             while len(r.num_drafted) < depth:
                 r.num_drafted.append(0)
                 r.num_accepted.append(0)
@@ -411,6 +413,11 @@ class EngineCore:
         # size holds; 0: no search): the device's, or a host drafter's from the tokens
         r.spec_token_ids = ([] if self.proposer is None else
                             self.proposer.next_drafts(r, draft, self.scheduler.step_k))
+        if isinstance(self.tree, DynamicTree):  # the drafts, then their parents
+            n = self.tree.num_nodes - 1
+            r.spec_token_ids, r.spec_parents = r.spec_token_ids[:n], r.spec_token_ids[n:]
+        elif self.tree is not None:
+            r.spec_parents = list(self.tree.parent[1:])
         return emitted
 
     def _stop_string(self, r: Request, emitted: int) -> int | None:

@@ -98,3 +98,45 @@ class StaticTree:
         def rep(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device).repeat(num_reqs)
         return TreeMask(rep(range(self.num_nodes)), rep(self.depth), rep(self.ancestors))
+
+    @property
+    def head_rows(self) -> int:
+        """Head K/V rows a step's draft tree writes after the root's (its nodes')."""
+        return self.num_nodes - 1
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree (SGLang's ``topk`` / ``num_steps`` / ``num_draft_tokens``), chosen per
+    request per step on the device: the root's ``top_k`` most likely children are the first
+    frontier; each of ``max_depth - 1`` head forwards ranks the ``top_k`` children of each
+    frontier node, scored by cumulative draft log-probability, and the ``top_k`` best of those
+    ``top_k**2`` are the next frontier. Of all ``num_candidates`` candidates the
+    ``num_nodes - 1`` best scored are the drafts (a child scores at most its parent, so they
+    form a tree), in candidate order (by depth: parents first). The head runs its frontier
+    nodes only: ``head_rows`` K/V rows after the root's.
+
+    Example: top_k 2, max_depth 3, num_nodes 6 -> candidates 2 + 2 * 4 = 10; head forwards
+    over 2 nodes at depths 1 and 2; 5 drafts verified per request."""
+
+    top_k: int
+    num_nodes: int  # the root and its drafts: tokens verified per request per step
+    max_depth: int
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + (self.max_depth - 1) * self.top_k ** 2
+
+    @property
+    def head_rows(self) -> int:
+        return (self.max_depth - 1) * self.top_k
+
+
+def node_shapes(parents) -> tuple[list[int], list[int]]:
+    """(depth, ancestors bitmask) of each node of a tree given its nodes' parents, the root's
+    -1 first (parents before children). E.g. [-1, 0, 0, 1] -> [0, 1, 1, 2], [1, 3, 5, 11]."""
+    depth, ancestors = [0], [1]
+    for k, up in enumerate(parents[1:], start=1):
+        depth.append(depth[up] + 1)
+        ancestors.append(ancestors[up] | (1 << k))
+    return depth, ancestors

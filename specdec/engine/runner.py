@@ -33,7 +33,7 @@ from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.penalties import process_logits
-from specdec.engine.draft_tree import StaticTree
+from specdec.engine.draft_tree import DynamicTree, StaticTree, node_shapes
 from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
                                               rejection_sample, target_probs, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
@@ -135,7 +135,7 @@ class ModelRunner:
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  backend: Backend = EAGER, seed: int = 0,
                  tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None,
-                 tree: StaticTree | None = None):
+                 tree: StaticTree | DynamicTree | None = None):
         self.target = target
         self.proposer = proposer
         # the drafter's step follows the target's (a host drafter, ngram / suffix, has none)
@@ -255,7 +255,8 @@ class ModelRunner:
             h["positions"][lo:hi] = pos
             h["slot_mapping"][lo:hi] = blocks[pos // bs] * bs + pos % bs
             if self.tree is not None:
-                self._fill_tree(h, lo, hi, start if d or f else None)
+                self._fill_tree(h, i, lo, hi, start, [-1, *r.spec_parents[:d]] + [0] * f
+                                if d or f else None)
             qsl[i + 1] = hi
             h["seq_lens"][i] = start + n
             h["logits_indices"][i] = hi - 1 - d - f + np.minimum(np.arange(k + 1), d)
@@ -275,7 +276,7 @@ class ModelRunner:
         h["positions"][n:np_] = 0
         h["slot_mapping"][n:np_] = -1
         if self.tree is not None:
-            self._fill_tree(h, n, np_, None)
+            self._fill_tree(h, slice(b, bp), n, np_, 0, None)
         if bp > b:  # padding tokens past the last request's end stay unowned otherwise
             qsl[b + 1:bp + 1] = np.minimum(n + (np.arange(b, bp) + 1 - b) * (1 + k), np_)
             qsl[bp] = np_
@@ -290,8 +291,6 @@ class ModelRunner:
         h["rng_key"][b:bp] = 0
         self._fill_processing(h, slice(b, bp), None)
         h["cu_num_draft_tokens"][:bp] = np.cumsum(fed)
-        if self.tree is not None:
-            h["tree_parents"][:bp] = self.tree.parent
         self.buffers.copy_to_device()
         max_seq_len = int(h["seq_lens"][:bp].max())
         if self.backend.dynamic:
@@ -308,18 +307,21 @@ class ModelRunner:
                          sampling_variant([s.request for s in scheduled], self.vocab_size), rows,
                          self.graph_num_rows(plan))
 
-    def _fill_tree(self, h: dict, lo: int, hi: int, start: int | None) -> None:
-        """Tokens lo..hi-1 of the step: a decode's tree nodes from ``start`` (its root's
-        position; node k at depth d gets position start + d, its slot stays start + k's), or
-        (None) plain causal tokens."""
-        t, n = self.tree, hi - lo
-        if start is None:
+    def _fill_tree(self, h: dict, i: int | slice, lo: int, hi: int, start: int,
+                   parents: list[int] | None) -> None:
+        """Batch row(s) ``i``, tokens lo..hi-1: a decode's tree nodes, each node's parent
+        given (``parents``, the root's -1 first; node k at depth d gets position start + d,
+        its slot stays start + k's), or (None) plain causal tokens."""
+        h["tree_parents"][i] = -1
+        if parents is None:
             h["tree_node"][lo:hi], h["tree_depth"][lo:hi], h["tree_ancestors"][lo:hi] = 0, 0, 1
             return
-        h["tree_node"][lo:hi] = np.arange(n)
-        h["tree_depth"][lo:hi] = t.depth[:n]
-        h["tree_ancestors"][lo:hi] = t.ancestors[:n]
-        h["positions"][lo:hi] = start + np.asarray(t.depth[:n])
+        depth, ancestors = node_shapes(parents)
+        h["tree_parents"][i, :len(parents)] = parents
+        h["tree_node"][lo:hi] = np.arange(hi - lo)
+        h["tree_depth"][lo:hi] = depth
+        h["tree_ancestors"][lo:hi] = ancestors
+        h["positions"][lo:hi] = start + np.asarray(depth)
 
     def _fill_processing(self, h: dict, i: int | slice, r) -> None:
         """The processed variant's inputs of batch row(s) ``i``: request ``r``'s, or None:

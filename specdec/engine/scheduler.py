@@ -41,12 +41,15 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
                  fill_drafts: bool = False, on_finish=None, pick_k=None,
-                 reserve_ahead: int = 0):
+                 reserve_ahead: int = 0, draft_rows: int | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.allocator = allocator
-        self.num_speculative_tokens = num_speculative_tokens  # draft-loop KV beyond the chunk
+        self.num_speculative_tokens = num_speculative_tokens
+        # the drafter's K/V rows past a step's tokens: K (a chain's loop), or a tree's depth
+        # and its head rows (its first pass ends up to depth rows later)
+        self.draft_rows = num_speculative_tokens if draft_rows is None else draft_rows
         self.fill_drafts = fill_drafts  # a decode with < K drafts still feeds 1 + K tokens
         self.on_finish = on_finish  # called with each running request that ends, any reason
         # (batch size, decode-only step) -> the step's K (None: num_speculative_tokens
@@ -127,8 +130,7 @@ class Scheduler:
     def reserve(self, req: Request, num_tokens: int) -> None:
         """KV blocks for ``num_tokens`` more fed tokens, the drafts after them and
         ``reserve_ahead`` (capped at max_model_len)."""
-        end = (req.num_computed_tokens + num_tokens + self.num_speculative_tokens
-               + self.reserve_ahead)
+        end = req.num_computed_tokens + num_tokens + self.draft_rows + self.reserve_ahead
         self.allocator.ensure(req.block_ids, min(end, self.max_model_len))
 
     def abort(self, req: Request, reason: str) -> None:

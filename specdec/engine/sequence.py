@@ -165,6 +165,8 @@ class Request:
     row: int = -1  # row in the device token table / block table, -1 while waiting
     num_computed_tokens: int = 0  # tokens whose KV is final in the target cache
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    # a draft tree's: each draft's parent node (0 the root, draft i node i + 1)
+    spec_parents: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "eos", "stop", "length", "error" or "abort"

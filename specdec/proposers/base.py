@@ -33,6 +33,7 @@ padded step runs it compiled, with its own bounds, in two graphs: ``padded_first
 ``padded_loop``). The ragged path reuses the first pass and the draft loop.
 """
 
+import functools
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ import torch
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
+from specdec.engine.draft_tree import DynamicTree, StaticTree
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import (
     DraftStep,
@@ -213,7 +215,7 @@ class HeadProposer(PaddedProposer):
         if self.tree is not None and self.draft_profile is not None:
             raise ValueError("speculative_token_tree with a synthetic head's draft "
                              "acceptance profile (it sets a chain's rates); allowed: one")
-        if self.tree is not None:
+        if isinstance(self.tree, StaticTree):
             self.tree_ancestors = torch.tensor(self.tree.ancestors, device=self.device)
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
                           self.device)
@@ -334,8 +336,8 @@ class HeadProposer(PaddedProposer):
         if num_drafts == 0:
             return x.sampled.new_zeros((x.sampled.shape[0], 0))
         if self.tree is not None:
-            return self.padded_tree(token, hidden, positions, num_rejected, x.seq_lens,
-                                    x.num_reqs, x.block_table, loop_seq_len)
+            return self.padded_tree(token, hidden, positions, x.num_reqs, x.block_table,
+                                    loop_seq_len)
         drafts = [token] + self.draft_loop_steps(
             token, hidden, positions, x.seq_lens, num_rejected, x.num_reqs, x.block_table,
             loop_seq_len, num_drafts - 1)
@@ -482,66 +484,119 @@ class HeadProposer(PaddedProposer):
         return drafts
 
     # ---- a draft tree -------------------------------------------------------------------------
-    def top_tokens(self, logits_hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """The head's ``k`` most likely tokens [rows, k] int32 in the target vocabulary,
-        most likely first (k = 1: ``sample``'s argmax)."""
-        if k == 1:
-            return self.sample(logits_hidden)[:, None]
-        ids = self.head.compute_logits(logits_hidden).topk(k, dim=-1).indices
-        return self.head.draft_to_target_ids(ids).to(torch.int32)
-
     def padded_tree(self, logits_hidden: torch.Tensor, hidden: torch.Tensor,
-                    positions: torch.Tensor, num_rejected: torch.Tensor,
-                    seq_lens: torch.Tensor, num_reqs: int | torch.Tensor,
+                    positions: torch.Tensor, num_reqs: int | torch.Tensor,
                     block_table: torch.Tensor, loop_seq_len: int) -> torch.Tensor:
-        """The static tree's drafts [Bp, nodes - 1] int32 in node order, from the first
-        pass's outputs at each request's sample index (logits_hidden, hidden [Bp, H],
-        positions [Bp] int64 there: the root's head row p) and the target step's seq_lens
-        - num_rejected (= p + 1).
+        """A tree's drafts from the first pass's outputs at each request's sample index
+        (logits_hidden, hidden [Bp, H]; positions [Bp] int64 there: the root's head row p)
+        -> [Bp, nodes - 1] int32 in node order (a dynamic tree: then each one's parent
+        node, [Bp, 2 * (nodes - 1)]).
 
-        Node k's children are the top ranks of the head's logits at k: the root's from the
-        first pass, a depth-d node's from one head forward over the depth-d nodes of every
-        request (d = 1..depth-1; input: its token, its parent's output hidden state; position
-        p + d; its head K/V at key p + k, seen by its descendants: ``TreeMask``). A request
-        past max_model_len there, or a padding row, writes nothing (slot -1) and drafts junk
-        the scheduler never verifies."""
+        A node's children are the top ranks of the head's logits at it: the root's from the
+        first pass, a depth-d node's from one head forward over depth d's nodes of every
+        request (``_tree_level``). A request past max_model_len there, or a padding row,
+        writes nothing and drafts junk the scheduler never verifies."""
+        p = positions.to(torch.int64)[:, None]
+        rows = torch.arange(p.shape[0], device=p.device)
+        level = functools.partial(self._tree_level, p=p, rows=rows, num_reqs=num_reqs,
+                                  block_table=block_table, loop_seq_len=loop_seq_len)
+        if isinstance(self.tree, DynamicTree):
+            return self._dynamic_tree(logits_hidden, hidden, level)
+        return self._static_tree(logits_hidden, hidden, level)
+
+    def _static_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
+        """``padded_tree`` of a ``StaticTree``: node k is rank ``t.rank[k]`` of its parent's
+        logits; every node above the leaves runs the head (its K/V at key p + k)."""
         t, bp = self.tree, logits_hidden.shape[0]
-        device = logits_hidden.device
-        p = positions.to(torch.int64)[:, None]  # the root's head row
-        rows = torch.arange(bp, device=device)
-        tokens = [torch.zeros(bp, dtype=torch.int32, device=device)] * t.num_nodes
+        tokens = [torch.zeros(bp, dtype=torch.int32, device=hidden.device)] * t.num_nodes
         outputs = {0: (logits_hidden, hidden)}  # node -> its head outputs [Bp, H] each
-        for level in range(1, t.max_depth + 1):
-            nodes = [k for k in range(t.num_nodes) if t.depth[k] == level]
+        for depth in range(1, t.max_depth + 1):
+            nodes = [k for k in range(t.num_nodes) if t.depth[k] == depth]  # a range
             for u in sorted({t.parent[k] for k in nodes}):  # rank each parent's logits once
                 kids = [k for k in nodes if t.parent[k] == u]
-                top = self.top_tokens(outputs[u][0], 1 + max(t.rank[k] for k in kids))
+                top = self.top_tokens(outputs[u][0], 1 + max(t.rank[k] for k in kids))[1]
                 for k in kids:
                     tokens[k] = top[:, t.rank[k]]
-            if level == t.max_depth:
+            if depth == t.max_depth:
                 break
-            outputs.update(self._tree_level(
-                nodes, torch.stack([tokens[k] for k in nodes], dim=1),
-                torch.stack([outputs[t.parent[k]][1] for k in nodes], dim=1), p, rows,
-                num_reqs, block_table, loop_seq_len))
+            index = torch.arange(nodes[0], nodes[-1] + 1, device=hidden.device)
+            logits_h, out = level(
+                torch.stack([tokens[k] for k in nodes], dim=1),
+                torch.stack([outputs[t.parent[k]][1] for k in nodes], dim=1), depth, index,
+                self.tree_ancestors[index][None].expand(bp, -1))
+            outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(nodes)})
         return torch.stack(tokens[1:], dim=1)
 
-    def _tree_level(self, nodes: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
-                    p: torch.Tensor, rows: torch.Tensor, num_reqs: int | torch.Tensor,
-                    block_table: torch.Tensor, loop_seq_len: int) -> dict:
-        """One head forward over the tree nodes ``nodes`` (one depth, in node order) of every
-        request: tokens [Bp, m] int32, hidden [Bp, m, H] (their parents' outputs), p [Bp, 1]
-        the root's head row -> node -> (logits hidden, hidden) [Bp, H] each."""
-        t, (bp, m) = self.tree, tokens.shape
-        index = torch.arange(nodes[0], nodes[-1] + 1, device=p.device)  # one depth: a range
-        level = t.depth[nodes[0]]
-        key = p + index[None]  # [Bp, m] head K/V rows
-        inactive = (rows >= num_reqs)[:, None] | (p + nodes[-1] >= self.max_model_len)
-        pos = torch.where(inactive, level, p + level).expand(bp, m)
-        slots = self._slots(block_table, key.clamp(max=self.max_model_len - 1))
-        seq_lens = torch.where(inactive[:, 0], nodes[-1] + 1, p[:, 0] + nodes[-1] + 1)
-        tree = TreeMask(index.repeat(bp), index.new_full((bp * m,), level),
-                        self.tree_ancestors[index].repeat(bp))
+    def _dynamic_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
+        """``padded_tree`` of a ``DynamicTree`` (its docstring): candidates in depth order
+        (c_1 = the root's top k, then each depth's k x k), each with its token, cumulative
+        log-probability and parent candidate (-1: the root). Frontier node j of depth d is
+        head row 1 + (d - 1) k + j."""
+        t, bp = self.tree, logits_hidden.shape[0]
+        k, device = t.top_k, hidden.device
+        score, token = self.top_tokens(logits_hidden, k)  # [Bp, k]
+        tokens, scores, parents = [token], [score], [torch.full((bp, k), -1, device=device)]
+        frontier = torch.arange(k, device=device).expand(bp, k)  # candidate of each node
+        parent_out = hidden[:, None].expand(bp, k, -1)  # the hidden state each one reads
+        row = 1 + torch.arange(k, device=device)
+        ancestors = (1 | (1 << row))[None].expand(bp, k)
+        for depth in range(1, t.max_depth):
+            logits_h, out = level(token, parent_out, depth, row, ancestors)
+            child_score, child = self.top_tokens(logits_h.flatten(0, 1), k)
+            child_score = (score[..., None] + child_score.view(bp, k, k)).flatten(1)
+            tokens.append(child.view(bp, k * k))
+            scores.append(child_score)
+            parents.append(frontier[..., None].expand(bp, k, k).flatten(1))
+            best = child_score.topk(k, dim=1).indices  # the next frontier, [Bp, k]
+            up = best // k  # its parents' places in this frontier
+            first = k + (depth - 1) * k * k  # this depth's first candidate
+            frontier, score = first + best, child_score.gather(1, best)
+            token = tokens[-1].gather(1, best)
+            parent_out = out.gather(1, up[..., None].expand(-1, -1, out.shape[-1]))
+            row = 1 + depth * k + torch.arange(k, device=device)
+            ancestors = ancestors.gather(1, up) | (1 << row)[None]
+        tokens, scores, parents = (torch.cat(c, dim=1) for c in (tokens, scores, parents))
+        # a child scores at most its parent; a tie goes to the shallower (the parent)
+        depth_of = torch.cat([torch.zeros(k, device=device)] + [
+            torch.full((k * k,), float(d), device=device) for d in range(1, t.max_depth)])
+        chosen = (scores - 1e-6 * depth_of).topk(t.num_nodes - 1, dim=1).indices.sort(
+            dim=1).values
+        node_of = torch.zeros_like(parents).scatter(
+            1, chosen, 1 + torch.arange(t.num_nodes - 1, device=device).expand_as(chosen)
+            .to(parents.dtype))
+        up = parents.gather(1, chosen)
+        node_parents = torch.where(up < 0, 0, node_of.gather(1, up.clamp(min=0)))
+        return torch.cat([tokens.gather(1, chosen), node_parents.to(torch.int32)], dim=1)
+
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's ``k`` most likely tokens at each row -> (their log-probabilities [rows,
+        k] float32, the tokens [rows, k] int32 in the target vocabulary), most likely first
+        (k = 1: the token is ``sample``'s argmax)."""
+        logp = torch.log_softmax(self.head.compute_logits(logits_hidden).float(), dim=-1)
+        if k == 1:
+            token = self.sample(logits_hidden)[:, None]
+            return logp.amax(dim=-1, keepdim=True), token
+        top = logp.topk(k, dim=-1)
+        return top.values, self.head.draft_to_target_ids(top.indices).to(torch.int32)
+
+    def _tree_level(self, tokens: torch.Tensor, hidden: torch.Tensor, depth: int,
+                    head_rows: torch.Tensor, ancestors: torch.Tensor, *, p: torch.Tensor,
+                    rows: torch.Tensor, num_reqs: int | torch.Tensor,
+                    block_table: torch.Tensor, loop_seq_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over m tree nodes of one depth of every request: tokens [Bp, m]
+        int32, hidden [Bp, m, H] (their parents' outputs), head_rows [m] int64 (ascending;
+        node j's K/V at key p + head_rows[j], p [Bp, 1] the root's), ancestors [Bp, m] int64
+        (``TreeMask``'s over head rows) -> (logits hidden, hidden) [Bp, m, H] each."""
+        bp, m = tokens.shape
+        last = p + head_rows[-1]
+        inactive = (rows >= num_reqs)[:, None] | (last >= self.max_model_len)
+        pos = torch.where(inactive, depth, p + depth).expand(bp, m)
+        slots = self._slots(block_table, (p + head_rows[None]).clamp(max=self.max_model_len - 1))
+        seq_lens = torch.where(inactive, head_rows[-1] + 1, last + 1)[:, 0]
+        tree = TreeMask(head_rows.repeat(bp), head_rows.new_full((bp * m,), depth),
+                        ancestors.flatten())
         meta = AttentionMetadata(torch.where(inactive, -1, slots).flatten(),
                                  torch.arange(0, bp * m + 1, m, dtype=torch.int32,
                                               device=p.device),
@@ -549,8 +604,7 @@ class HeadProposer(PaddedProposer):
                                  max_query_len=m, tree=tree)
         logits_h, out = self.head(tokens.flatten(), pos.flatten(), hidden.flatten(0, 1),
                                   kv=self.kv.bind(meta))
-        logits_h, out = logits_h.view(bp, m, -1), out.view(bp, m, -1)
-        return {k: (logits_h[:, i], out[:, i]) for i, k in enumerate(nodes)}
+        return logits_h.view(bp, m, -1), out.view(bp, m, -1)
 
     def _slots(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """[Bp, J] int64 slots of head rows ``pos`` [Bp, J] of each request."""
@@ -565,7 +619,11 @@ class HeadProposer(PaddedProposer):
         tokens, then the step's K-1 loop forwards over Bp rows. Every KV write goes to slot
         -1."""
         self._dummy_forward(plan.num_tokens_padded)
-        if self.tree is not None:  # one forward per depth below the leaves
+        if isinstance(self.tree, DynamicTree):  # one forward per depth below the leaves
+            for _ in range(1, self.tree.max_depth):
+                self._dummy_forward(plan.num_reqs_padded * self.tree.top_k)
+            return
+        if self.tree is not None:
             for level in range(1, self.tree.max_depth):
                 self._dummy_forward(plan.num_reqs_padded * self.tree.depth.count(level))
             return
