@@ -70,10 +70,13 @@ def document_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(method: str, k: int, padded: bool, override: str | None = None,
-                       draft_model: str | None = None, k_given: bool = True) -> dict | None:
+                       draft_model: str | None = None, k_given: bool = True,
+                       tree: dict | None = None) -> dict | None:
     """The vLLM-style dict for ``--method/-k/--no-padded/--draft-model``, updated by the
     ``override`` JSON (K from ``k`` when the JSON gives none, whatever the model). ``k_given``
     False (no -k): method suffix takes K = its max tree depth, as vLLM and ``LLM`` do.
+    ``tree``: the draft-tree keys the flags gave (``tree_keys``); without -k a static tree's
+    K is its depth.
 
     ``speculative_config("torchair-mtp", 2, True)`` ->
     ``{"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": False,
@@ -100,6 +103,18 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
     if spec is not None and spec.get("method") == "suffix" and not k_given:
         depth = "suffix_decoding_max_tree_depth"  # K = the depth, as vLLM
         spec["num_speculative_tokens"] = spec.get(depth, config.SUFFIX_KEYS[depth][0])
+    if tree:
+        if spec is None:
+            raise UsageError(f"--{next(iter(tree)).replace('_', '-')} sets the drafter's tree, "
+                             "and no drafter runs here; give --method (mtp, eagle, eagle3)")
+        spec.update(tree)
+        if not k_given and "speculative_token_tree" in tree:
+            from specdec.engine.draft_tree import StaticTree  # torch: only when asked
+            try:
+                spec["num_speculative_tokens"] = StaticTree.from_paths(
+                    tree["speculative_token_tree"]).max_depth
+            except ValueError as e:
+                raise UsageError(f"--speculative-token-tree: {e}") from None
     if draft_model is not None:
         if spec is None or spec.get("method") != "draft_model":
             raise UsageError(f"--draft-model={draft_model!r} is method draft_model's folder; "
@@ -134,9 +149,17 @@ def speculation_from_args(args) -> dict | None:
     method, k = default_method(args.model) if args.method is None else (args.method, DEFAULT_K)
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
-                              args.draft_model, args.num_speculative_tokens is not None)
+                              args.draft_model, args.num_speculative_tokens is not None,
+                              tree_keys(args))
     refuse_drafter_flags_without_a_drafter(args, spec)
     return spec
+
+
+def tree_keys(args) -> dict:
+    """The speculative-config keys of the draft-tree flags given (``add_speculation_arguments``)."""
+    keys = {"speculative_token_tree": args.speculative_token_tree,
+            "tree_topk": args.tree_topk, "num_draft_tokens": args.num_draft_tokens}
+    return {key: value for key, value in keys.items() if value is not None}
 
 
 def refuse_drafter_flags_without_a_drafter(args, spec: dict | None) -> None:
@@ -172,6 +195,17 @@ def add_speculation_arguments(
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="method draft_model: the folder of a small causal LM with the target's "
                         "tokenizer (speculative_config.model; default: none)")
+    p.add_argument("--speculative-token-tree", default=None, metavar="PATHS",
+                   help="a static draft tree: vLLM's paths of child ranks, e.g. "
+                        "'[(0,), (1,), (0, 0)]' (the root's top 2, then the first one's top 1); "
+                        "-k is its depth, its depth when -k is not given (default: a chain)")
+    p.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                   help="a dynamic draft tree (EAGLE-2): each frontier node's K most likely "
+                        "children ranked per depth, -k depths; with --num-draft-tokens "
+                        "(default: a chain)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="a dynamic draft tree's tokens verified per request per step, the "
+                        "root included (SGLang's count; default: a chain)")
     p.add_argument("--no-padded", action="store_true",
                    help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
                         "default: padded)")

@@ -163,3 +163,33 @@ def test_penalties_with_a_tree_are_refused_by_name(field, value):
     llm = build("eagle3")
     with pytest.raises(ValueError, match=rf"{field}={value} with speculative_token_tree"):
         llm.generate(TEXT[:1], SamplingParams(max_tokens=4, **{field: value}))
+
+
+def test_tree_flags_reach_every_command(capsys, tmp_path):
+    """--speculative-token-tree (K its depth when -k is not given), --tree-topk and
+    --num-draft-tokens: generate runs the tree, serve and bench serve --launch build the
+    config with it (bench serve hands it to the server), bench labels its rows with it;
+    without a drafter they are refused."""
+    from specdec.bench import serve as bench_serve
+    from specdec.commands import cli as specdec_cli
+    from specdec.flags import speculation_from_args
+    code = specdec_cli.main(["generate", "--prompt", "def f(x):", "--method", "mtp",
+                             "--speculative-token-tree", "[(0,), (1,), (0, 0)]",
+                             "--max-tokens", "8"])
+    assert code == 0 and "mtp accept rate per draft position 1-2" in capsys.readouterr().out
+    parser = specdec_cli.build_parser()
+    for argv in (["serve"], ["bench", "serve", "--launch"]):
+        args = parser.parse_args([*argv, "--method", "eagle3", "-k", "4", "--tree-topk", "3",
+                                  "--num-draft-tokens", "9"])
+        spec = speculation_from_args(args)
+        assert (spec["tree_topk"], spec["num_draft_tokens"], spec["num_speculative_tokens"]) \
+            == (3, 9, 4)
+    assert bench_serve.fed_drafts(spec) == 8
+    code = specdec_cli.main(["bench", "--methods", "eagle3", "--speculative-token-tree",
+                             "[(0,), (1,), (0, 0)]", "--concurrency", "1", "--prompt-len", "8",
+                             "--output-len", "8", "--repeats", "1", "--warmup", "0",
+                             "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "padded, static 3 drafts d2" in out
+    code = specdec_cli.main(["generate", "--prompt", "x", "--method", "none", "--tree-topk", "2"])
+    assert code == 2 and "--tree-topk sets the drafter's tree" in capsys.readouterr().err

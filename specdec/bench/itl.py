@@ -47,7 +47,9 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  comparison_warnings, copy_bandwidth, environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
                                  synthetic_model, weight_read)
+from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
+from specdec.engine.draft_tree import StaticTree
 from specdec.engine.inputs import checkpoint_dtype
 from specdec.flags import UsageError, default_device, floats, ints, words
 from specdec.graphs import BACKENDS
@@ -140,6 +142,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-path", dest="dataset_path", metavar="FILE",
                    help="the file of --dataset-name custom, sharegpt or spec_bench "
                         "(default: none)")
+    p.add_argument("--speculative-token-tree", metavar="PATHS",
+                   help="every speculative engine drafts this static tree (vLLM's paths of "
+                        "child ranks, e.g. '[(0,), (1,), (0, 0)]'; -k: its depth, the default); "
+                        "methods default to none and the tree drafters, modes to padded "
+                        "(default: chains)")
+    p.add_argument("--tree-topk", type=int, metavar="K",
+                   help="every speculative engine drafts a dynamic tree (EAGLE-2) of -k depths, "
+                        "each frontier node's K best children; with --num-draft-tokens "
+                        "(default: chains)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="the dynamic tree's tokens verified per request per step, the root "
+                        "included (default: chains)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")
@@ -153,6 +167,18 @@ def sweep_from_args(args) -> dict:
         v = getattr(args, key, None)
         if v is not None:
             sweep[key] = v
+    tree = {key: getattr(args, key) for key in ("speculative_token_tree", "tree_topk",
+                                                 "num_draft_tokens")
+            if getattr(args, key, None) is not None}
+    if tree:  # the drafters that draft trees, padded; a static tree's depth as K
+        sweep["tree"] = tree
+        sweep.setdefault("methods", ["none", *TREE_METHODS])
+        sweep.setdefault("modes", ["padded"])
+        if "speculative_token_tree" in tree and "k" not in sweep:
+            try:
+                sweep["k"] = [StaticTree.from_paths(tree["speculative_token_tree"]).max_depth]
+            except ValueError as e:
+                raise UsageError(f"--speculative-token-tree: {e}") from None
     sweep.setdefault("device", default_device())  # LLM's rule: the accelerator if present
     sweep["dtype"] = resolve_dtype(sweep)
     return check_sweep(sweep)

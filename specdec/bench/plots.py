@@ -31,6 +31,8 @@ def row_label(c: dict, varying: set[str]) -> str:
     head = c["method"] if c["mode"] in ("-", None) else f"{c['method']} {c['mode']}"
     if c["k"]:
         head += f" K={c['k']}"
+    if c.get("tree"):
+        head += f" ({c['tree']})"
     parts = [head, f"concurrency {c['concurrency']}"]
     if c.get("category") is not None:
         parts.append(f"category {c['category']}")

@@ -21,7 +21,8 @@ def _row(c: dict) -> dict:
     """One ok config's table cells, by column."""
     s = c["summary"]
     itl = s["itl_ms"]
-    return {"method": c["method"], "mode": c["mode"], "K": str(c["k"] or "-"),
+    mode = c["mode"] if c.get("tree") is None else f"{c['mode']}, {c['tree']}"
+    return {"method": c["method"], "mode": mode, "K": str(c["k"] or "-"),
             "conc": str(c["concurrency"]), "category": c.get("category") or "-",
             "ITL\nmean": _f(itl["mean"]),
             "ITL\np99": _f(itl["p99"]), "TTFT\nmean": _f(s["ttft_ms"]["mean"], ".1f"),
@@ -132,6 +133,8 @@ def k_schedule_lines(results: dict) -> list[str]:
     """For a sweep run without a K schedule: per method and mode (and lengths), the schedule
     that picks this run's fastest K at each measured concurrency (plain decoding as K 0), as a
     ``--k-schedule`` value; nothing when plain decoding was not measured."""
+    if results["sweep"].get("tree") is not None:  # a tree has one shape: no K schedule
+        return []
     if results["sweep"].get("k_schedule") is not None or any(
             c.get("category") is not None for c in results["configs"]):
         return []  # (per category, one schedule each would be noise: none is derived)

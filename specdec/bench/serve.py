@@ -31,6 +31,7 @@ from rich.console import Console
 
 from specdec.bench import datasets, metrics, plots, report
 from specdec.bench import sweep as bench_sweep
+from specdec.config import SpeculativeConfig
 from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments, ints,
                            speculation_from_args)
 
@@ -400,7 +401,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "turns; specdec/bench/traces/agentic.jsonl too); with categories, one "
                         "run per category (default: random)")
     p.add_argument("--dataset-path", metavar="FILE", help="the file of --dataset-name custom, "
-                   "sharegpt or spec_bench")
+                   "sharegpt or spec_bench (default: none)")
     p.add_argument("--multi-turn", type=int, metavar="N", help="replay conversations of up to "
                    "N user turns through /v1/chat/completions (each turn sends the earlier "
                    "turns with the server's replies; --concurrency: conversations in flight; "
@@ -420,7 +421,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # by argument name; the speculation ones reach it as one --speculative-config
 SPECULATION_FLAGS = {"method": "--method", "num_speculative_tokens": "-k",
                      "speculative_config": "--speculative-config",
-                     "draft_model": "--draft-model", "no_padded": "--no-padded"}
+                     "draft_model": "--draft-model", "no_padded": "--no-padded",
+                     "speculative_token_tree": "--speculative-token-tree",
+                     "tree_topk": "--tree-topk", "num_draft_tokens": "--num-draft-tokens"}
 ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--graph-backend",
                 "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling",
                 "enforce_eager": "--enforce-eager",
@@ -430,6 +433,17 @@ ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--gr
                 "enable_expert_parallel": "--enable-expert-parallel",
                 "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
+
+
+def fed_drafts(spec: dict | None) -> int:
+    """The tokens a decode of this speculative config feeds past its last known one: K, or
+    a draft tree's nodes past its root (0 without one); UsageError for a bad config."""
+    if spec is None:
+        return 0
+    try:
+        return SpeculativeConfig.from_dict(dict(spec)).num_fed_drafts
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--speculative-config: {e}") from None
 
 
 def engine_flags(args) -> list[str]:
@@ -492,15 +506,16 @@ def run_from_args(args) -> int:
         if args.launch:
             spec = speculation_from_args(args)  # as specdec serve would take these flags
             k = spec["num_speculative_tokens"] if spec else 0
+            fed = fed_drafts(spec)  # a decode's tokens past its last known one
             # a dataset's or a conversation's length is not known before it runs: the most
             # the model allows
             max_len = (bench_sweep.model_limit(args.model)
                        if opts["multi_turn"] or opts["dataset_name"] != "random"
-                       else opts["prompt_len"] + opts["output_len"] + k + 1)
+                       else opts["prompt_len"] + opts["output_len"] + fed + 1)
             serve_args = ["--method", "none", "--max-num-seqs", str(max(opts["concurrency"])),
                           "--max-model-len", str(max_len),
                           "--max-num-batched-tokens",
-                          str(max(256, max(opts["concurrency"]) * (k + 1)))]
+                          str(max(256, max(opts["concurrency"]) * (fed + 1)))]
             if spec:
                 serve_args += ["--speculative-config", json.dumps(spec)]
             if args.model:

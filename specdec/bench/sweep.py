@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specdec.bench import datasets
 from specdec.bench.metrics import DEFINITIONS, repeat_figures, summarize
-from specdec.config import SpeculativeConfig
+from specdec.config import TREE_METHODS, SpeculativeConfig
 from specdec.engine.config import DTYPES
 from specdec.engine.llm import DEFAULT_MODEL, LLM
 from specdec.engine.sequence import SamplingParams, Status
@@ -41,7 +41,7 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
-                     k_schedule=None, draft_acceptance=None, num_prompts=None,
+                     k_schedule=None, draft_acceptance=None, num_prompts=None, tree=None,
                      dataset_name="random", dataset_path=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
@@ -149,6 +149,8 @@ def check_sweep(sweep: dict) -> dict:
                          "none (none: max(256, concurrency x (K + 1)))")
     if s["k_schedule"] is not None:
         check_k_schedule(s["k_schedule"], min(s["k"]))
+    if s["tree"] is not None:
+        check_tree(s)
     try:
         datasets.check_pair(s["dataset_name"], s["dataset_path"])
     except UsageError as e:
@@ -163,6 +165,33 @@ def check_sweep(sweep: dict) -> dict:
     except (ValueError, TypeError) as e:
         raise UsageError(f"sweep device={s['device']!r}: {e}") from None
     return s
+
+
+def check_tree(sweep: dict) -> None:
+    """The sweep's ``tree`` (speculative_config's draft-tree keys, for every speculative
+    engine): the methods that draft trees, padded, each K a depth it holds."""
+    tree = sweep["tree"]
+    keys = ("speculative_token_tree", "tree_topk", "num_draft_tokens")
+    if not isinstance(tree, dict) or not tree or set(tree) - set(keys):
+        raise UsageError(f"sweep tree={tree!r}: allowed a mapping of {list(keys)}")
+    if bad := [m for m in sweep["methods"] if m != "none" and m not in TREE_METHODS]:
+        raise UsageError(f"sweep tree= with methods {bad}: they draft chains; allowed methods "
+                         f"{['none', *TREE_METHODS]}")
+    if "ragged" in sweep["modes"]:
+        raise UsageError("sweep tree= with mode ragged (its drafter drafts chains); allowed "
+                         "modes: ['padded']")
+    for k in sweep["k"]:
+        try:
+            SpeculativeConfig("mtp", k, **tree)
+        except ValueError as e:
+            raise UsageError(f"sweep tree= at K={k}: {e}") from None
+
+
+def tree_label(sweep: dict) -> str | None:
+    """The sweep's draft tree for a report (e.g. "static 6 drafts d3"); None: chains."""
+    if sweep.get("tree") is None:
+        return None
+    return SpeculativeConfig("mtp", sweep["k"][0], **sweep["tree"]).tree.label
 
 
 def check_k_schedule(schedule, k: int) -> None:
@@ -478,6 +507,10 @@ def build_engines(sweep: dict, configs: list[BenchConfig],
                                   if method == "draft_model" else None)
         if spec is not None and sweep["k_schedule"] is not None:
             spec["num_speculative_tokens_per_batch_size"] = sweep["k_schedule"]
+        fed = k  # the drafts a decode feeds: a tree's nodes past its root
+        if spec is not None and sweep["tree"] is not None:
+            spec.update(sweep["tree"])
+            fed = SpeculativeConfig.from_dict(spec).num_fed_drafts
         # padded steps run through the graph backend (None: the device's default, cuda_graph
         # on CUDA); ragged ones eager, the reference (their shapes come from a host read)
         backend = (sweep["graph_backend"] if padded else "eager") \
@@ -486,9 +519,9 @@ def build_engines(sweep: dict, configs: list[BenchConfig],
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + (dataset.longest(c.output_len)
                                                          if dataset else c.output_len)
-                                        for c in mine) + k + 1,
+                                        for c in mine) + fed + 1,
                       max_num_batched_tokens=sweep["max_num_batched_tokens"]
-                      or max(256, conc * (k + 1)))
+                      or max(256, conc * (fed + 1)))
         try:
             llm = build_llm(sweep["model"], spec, **kwargs, **synthetic_model(sweep, spec))
         except UsageError as e:
@@ -621,7 +654,8 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     results = []
     for c in configs:
         entry = dict(name=c.name, method=c.method, mode=c.mode, k=c.k, concurrency=c.concurrency,
-                     prompt_len=c.prompt_len, output_len=c.output_len, category=c.category)
+                     prompt_len=c.prompt_len, output_len=c.output_len, category=c.category,
+                     tree=tree_label(sweep) if c.method != "none" else None)
         if c in failed:
             entry.update(status="failed", error=failed[c])
         elif c in reps:

@@ -12,7 +12,8 @@ from rich.table import Table
 from specdec.config import default_aux_layer_ids
 from specdec.flags import (DEFAULT_K, DEFAULT_METHOD, UsageError, add_engine_arguments,
                            add_speculation_arguments, build_llm, default_method, engine_kwargs,
-                           ints, refuse_drafter_flags_without_a_drafter, speculative_config)
+                           ints, refuse_drafter_flags_without_a_drafter, speculative_config,
+                           tree_keys)
 
 
 def method_label(spec: dict | None) -> tuple[str, str, str]:
@@ -134,7 +135,8 @@ def cmd_generate(args) -> int:
         k = 1  # the only K it runs with
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else k
     spec = speculative_config(method, k, not args.no_padded, args.speculative_config,
-                              args.draft_model, args.num_speculative_tokens is not None)
+                              args.draft_model, args.num_speculative_tokens is not None,
+                              tree_keys(args))
     refuse_drafter_flags_without_a_drafter(args, spec)
     extracting = spec is not None and spec.get("method") == "extract_hidden_states"
     for flag, given in (("--output-dir", args.output_dir is not None),

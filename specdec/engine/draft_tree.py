@@ -104,6 +104,11 @@ class StaticTree:
         """Head K/V rows a step's draft tree writes after the root's (its nodes')."""
         return self.num_nodes - 1
 
+    @property
+    def label(self) -> str:
+        """E.g. "static 6 drafts d3" (a report's row)."""
+        return f"static {self.num_nodes - 1} drafts d{self.max_depth}"
+
 
 @dataclass(frozen=True)
 class DynamicTree:
@@ -130,6 +135,11 @@ class DynamicTree:
     @property
     def head_rows(self) -> int:
         return (self.max_depth - 1) * self.top_k
+
+    @property
+    def label(self) -> str:
+        """E.g. "top-2 5 drafts d3" (a report's row)."""
+        return f"top-{self.top_k} {self.num_nodes - 1} drafts d{self.max_depth}"
 
 
 def node_shapes(parents) -> tuple[list[int], list[int]]:
