@@ -83,10 +83,13 @@ class EngineCore:
         sizes = StepSizes.of(self.padder, k, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                              cfg.max_model_len)
         num_blocks = cfg.num_kv_blocks
-        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         self.proposer, aux_ids = (None, ()) if spec is None else build_proposer(
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
+        # a cached block's key reads the tokens after it that the drafter's KV depends on
+        self.allocator = BlockAllocator(
+            num_blocks, cfg.block_size, caching=cfg.enable_prefix_caching,
+            lookahead=getattr(self.proposer, "cache_lookahead", 0))
         self._warming_up = False  # throwaway requests run (no drafter keeps anything of them)
         # a padded batch whose uniform decodes run a captured or compiled step feeds every
         # decode 1 + K tokens (filler after fewer drafts: the step keeps its shape); eager
@@ -173,6 +176,7 @@ class EngineCore:
         finally:
             self._warming_up = False
         self.steps.clear()
+        self.allocator.forget()  # real requests hit nothing of the throwaway ones
         return time.perf_counter() - start
 
     def _count_graphs(self) -> tuple[int, ...]:
@@ -243,7 +247,8 @@ class EngineCore:
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
         for s in scheduled:
-            if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
+            # first chunk (after the prefix the cache held): the prompt joins the table
+            if s.request.num_computed_tokens == s.request.num_cached_tokens:
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
         plan = self.runner.plan(scheduled, self.scheduler.step_k)  # the one DP all-reduce
         if plan.num_spec_tokens < self.scheduler.step_k:  # DP: another rank's K is smaller
@@ -262,7 +267,9 @@ class EngineCore:
             return rec
         batch = self.runner.prepare(scheduled, plan)
         self.runner.send_step(batch)  # the one TP broadcast of the step's host inputs
-        return self._execute(Launched(scheduled, batch, start, ncoll))
+        return self._execute(Launched(scheduled, batch, start, ncoll,
+                                      cache=(self.scheduler.cache_queries,
+                                             self.scheduler.cache_hits)))
 
     def _execute(self, launched: "Launched") -> "Launched":
         syncs = None
@@ -344,7 +351,7 @@ class EngineCore:
                          launched.draft_seconds, launched.host_syncs,
                          len(self.dp.collectives) - launched.ncoll, new_tokens,
                          plan.capturable, self._new_graphs(), plan.num_spec_tokens,
-                         launched.overlapped)
+                         launched.overlapped, *launched.cache)
         if self.k_policy is not None and not self._warming_up:
             self.k_policy.observe(len(scheduled), plan.num_spec_tokens,
                                   rec.seconds if all(decoding) else None,
@@ -454,4 +461,5 @@ class Launched:
     host_syncs: int | None = None
     draft_seconds: float = 0.0
     copied: "torch.cuda.Event | None" = None  # async on CUDA: recorded after the host copy
+    cache: tuple[int, int] = (0, 0)  # its schedule's prefix-cache (tokens queried, hit)
 

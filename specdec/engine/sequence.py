@@ -166,6 +166,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is final in the target cache
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     block_ids: list[int] = field(default_factory=list)
+    # prefix cache: the entry ids of its registered (or hit) full blocks, in order, and the
+    # prompt tokens it found cached when admitted
+    block_entries: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "eos", "stop", "length", "error" or "abort"
     error: str | None = None  # what failed, for finish_reason "error"
