@@ -83,10 +83,11 @@ class Simulation:
                                reserve_ahead=1 + K)
         self.kv = {}  # slot -> the tokens its KV was computed from, or "junk"
         self.entries = {}  # entry id -> key, every one ever registered
-        self.rng, self.la, self.n = rng, lookahead, 0
+        self.rng, self.la, self.n, self.prompts = rng, lookahead, 0, []
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         self.n += 1
+        self.prompts.append(prompt)
         self.sched.add(Request(str(self.n), list(prompt), len(prompt),
                                SamplingParams(max_tokens=max_tokens)))
 
@@ -165,6 +166,7 @@ PROMPTS = st.builds(lambda base, cut, tail: BASES[base][:cut] + tail, st.integer
                     st.integers(0, 18), st.lists(st.integers(0, 2), min_size=1, max_size=4))
 OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), PROMPTS, st.integers(1, 6)),
+    st.tuples(st.just("again"), st.integers(1, 12)),  # an earlier request's prompt again
     st.tuples(st.just("abort"), st.integers(1, 12)),
     st.tuples(st.just("step"))), max_size=40)
 
@@ -176,6 +178,8 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, ops, see
     for op in ops:
         if op[0] == "add":
             sim.add(op[1], op[2])
+        elif op[0] == "again" and op[1] <= sim.n:
+            sim.add(sim.prompts[op[1] - 1], 3)
         elif op[0] == "abort":
             sim.sched.abort_by_id(str(op[1]))
             sim.check()

@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per run, sent as bench serve sends them: a closed loop of "
                         "--concurrency in flight, a new one as one finishes (default: one "
                         "batch of --concurrency requests)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV blocks of prompt prefixes across requests "
+                   "(the engines' default: on)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

@@ -40,7 +40,8 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      warmup=1, seed=0, temperature=0.0, model=None, dp=1, device="cpu",
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
-                     k_schedule=None, draft_acceptance=None, num_prompts=None)
+                     k_schedule=None, draft_acceptance=None, num_prompts=None,
+                     enable_prefix_caching=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -143,6 +144,9 @@ def check_sweep(sweep: dict) -> dict:
                          "none (none: max(256, concurrency x (K + 1)))")
     if s["k_schedule"] is not None:
         check_k_schedule(s["k_schedule"], min(s["k"]))
+    if not (s["enable_prefix_caching"] is None or isinstance(s["enable_prefix_caching"], bool)):
+        raise UsageError(f"sweep enable_prefix_caching={s['enable_prefix_caching']!r}: allowed "
+                         "true, false or none (none: LLM's default, on)")
     if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -267,6 +271,8 @@ def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
         host_syncs=sum(s.host_syncs for s in steps) if steps and all(
             s.host_syncs is not None for s in steps) else None,
         collectives=sum(s.collectives for s in steps),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in steps),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in steps),
         verify_steps=sum(r.verify_steps for r in reqs),
         drafted=[sum(r.drafted[j] for r in reqs if j < len(r.drafted)) for j in range(k)],
         accepted=[sum(r.accepted[j] for r in reqs if j < len(r.accepted)) for j in range(k)])
@@ -282,7 +288,8 @@ def merge_ranks(raws: list[dict]) -> dict:
     for key in ("itl_s", "ttft_s", "e2e_s", "tpot_s"):
         out[key] = [x for r in raws for x in r[key]]
     for key in ("output_tokens", "decode_time_s", "num_steps", "step_seconds", "draft_seconds",
-                "captured_steps", "spec_tokens", "collectives", "verify_steps"):
+                "captured_steps", "spec_tokens", "collectives", "verify_steps",
+                "prefix_cache_queries", "prefix_cache_hits"):
         out[key] = sum(r[key] for r in raws)
     syncs = [r["host_syncs"] for r in raws]
     out["host_syncs"] = None if None in syncs else sum(syncs)
@@ -384,6 +391,7 @@ def build_engines(sweep: dict, configs: list[BenchConfig]) -> tuple[dict, dict]:
         backend = (sweep["graph_backend"] if padded else "eager") \
             if "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
+                      enable_prefix_caching=sweep["enable_prefix_caching"],
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + c.output_len for c in mine) + k + 1,
                       max_num_batched_tokens=sweep["max_num_batched_tokens"]
