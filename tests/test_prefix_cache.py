@@ -171,3 +171,50 @@ def test_on_by_default_and_a_bad_value_names_the_field(target):
     assert llm.startup is None  # nothing to say at start-up
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         make_llm(target, None, 0, True, enable_prefix_caching="yes")
+
+
+@pytest.mark.parametrize("given,value", [([], None), (["--enable-prefix-caching"], True),
+                                         (["--no-enable-prefix-caching"], False)])
+def test_the_flag_reaches_every_command(given, value):
+    """generate and serve pass it to LLM, bench serve --launch to the server it starts, bench
+    to its engines (None: the flag not given, LLM's default)."""
+    from specdec.bench import itl
+    from specdec.bench import serve as bench_serve
+    from specdec.bench.sweep import build_engines, expand
+    from specdec.commands.cli import build_parser
+    from specdec.flags import engine_kwargs
+    parse = build_parser().parse_args
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert engine_kwargs(parse([*command, *given])).get("enable_prefix_caching") == value
+    launch = parse(["bench", "serve", "--launch", *given])
+    assert bench_serve.engine_flags(launch) == given
+    sweep = itl.sweep_from_args(parse(["bench", "--methods", "none", "--concurrency", "1",
+                                       "--prompt-len", "4", "--output-len", "2", *given]))
+    engines, _ = build_engines(sweep, expand(sweep))
+    (engine,) = engines.values()
+    assert engine.kwargs["enable_prefix_caching"] is value
+    assert engine.llm.config.enable_prefix_caching is (value is not False)
+
+
+def test_metrics_count_prefix_cache_tokens_under_vllms_names():
+    """Queries: the prompt tokens of requests looked up at admission; hits: those cached."""
+    import httpx
+
+    from specdec.entrypoints.serve import build_server_app
+    from helpers import ServerThread, metrics
+    llm = LLM(max_model_len=128, max_num_seqs=2)
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)" * 2
+    n = len(llm.tokenizer.encode(prompt).ids)
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        for _ in range(2):
+            httpx.post(f"{server.url}/v1/completions", json=dict(
+                model="tiny", prompt=prompt, max_tokens=2), timeout=60)
+        m = metrics(server.url)
+    finally:
+        server.close()
+    lab = '{"engine": "0", "model_name": "tiny"}'
+    assert m["vllm:prefix_cache_queries_total" + lab] == m["specdec:prefix_cache_queries_total"] \
+        == 2 * n
+    assert m["vllm:prefix_cache_hits_total" + lab] == m["specdec:prefix_cache_hits_total"] \
+        == (n - 1) // BLOCK * BLOCK > 0
