@@ -104,8 +104,3 @@ class BlockAllocator:
                 found = self.cached[key] = (block_ids[i], next(self._entry_ids))
                 self.key_of[block_ids[i]] = key
             entries.append(found[1])
-
-    def forget(self) -> None:
-        """Drop every cache entry (blocks stay where they are)."""
-        self.cached.clear()
-        self.key_of.clear()

@@ -152,6 +152,8 @@ class EngineCore:
         sampling variant, on throwaway requests before the first real one (``warmup_phases``);
         a DP rank's paths compile at their first use. -> seconds spent."""
         start, self._warming_up = time.perf_counter(), True
+        # the phases repeat their prompts: hits would skip the step shapes they are made of
+        caching, self.allocator.caching = self.allocator.caching, False
         # an eager forward first (an idle DP rank's): what a layer keeps from its first eager
         # call (the rotary tables) is then there for every compile, so no later eager call (a
         # ragged draft, another engine in this process) fails the graphs' guards
@@ -174,9 +176,8 @@ class EngineCore:
                     while self.scheduler.has_unfinished():
                         self.step()
         finally:
-            self._warming_up = False
+            self._warming_up, self.allocator.caching = False, caching
         self.steps.clear()
-        self.allocator.forget()  # real requests hit nothing of the throwaway ones
         return time.perf_counter() - start
 
     def _count_graphs(self) -> tuple[int, ...]:
