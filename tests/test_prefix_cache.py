@@ -40,14 +40,15 @@ def draft_lm():
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
 
 
-def build(target, draft_lm, method, cache: bool, **kw) -> LLM:
+def build(target, draft_lm, method, cache: bool, padded: bool = True, **kw) -> LLM:
     kw.update(enable_prefix_caching=cache, max_num_seqs=3)
     if method == "draft_model":  # the draft model object stands for its folder
-        spec = {"method": method, "num_speculative_tokens": 3, "model": "draft"}
+        spec = {"method": method, "num_speculative_tokens": 3, "model": "draft",
+                "disable_padded_drafter_batch": not padded}
         return LLM(target=target, draft_head=DraftLM(draft_lm), speculative_config=spec,
                    dtype=torch.float64, max_num_batched_tokens=16, max_model_len=64, **kw)
     head = tiny_head(method, target) if method in ("mtp", "eagle", "eagle3") else None
-    return make_llm(target, method, 3, True, head=head, **kw)
+    return make_llm(target, method, 3, padded, head=head, **kw)
 
 
 def run(llm: LLM) -> tuple[dict, dict]:
@@ -89,6 +90,13 @@ def test_cache_hits_equal_no_cache(target, draft_lm, method, backend):
     assert not any(s.prefix_cache_queries for s in plain.steps)
     if backend == "replay":
         assert any(s.captured for s in cached.steps)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_ragged_drafter_hits_equal_no_cache(target, draft_lm, method):
+    """disable_padded_drafter_batch=True: the head's first pass runs over the kept tokens."""
+    runs = [run(build(target, draft_lm, method, cache, padded=False)) for cache in (True, False)]
+    assert runs[0] == runs[1]
 
 
 def test_async_scheduling_hits_equal_no_cache(target, draft_lm):

@@ -426,4 +426,3 @@ def no_prefix_caching(target, drafter) -> str | None:
         return ("method='extract_hidden_states' saves the target's hidden states at every "
                 "prompt position, and a cache hit computes none of them")
     return None
-
