@@ -3,8 +3,9 @@ in one run: two engines, one with the cache and one without, their runs interlea
 off, on, ...) so the machine's drift hits both alike.
 
 no-hit:   ``--num-prompts`` random-token prompts of ``--prompt-len`` tokens (nothing shared:
-          every lookup misses), one batch, ``--output-len`` tokens each -> output tok/s, the
-          cost of looking up and registering blocks. Ratio on / off: 1 = no cost.
+          every lookup misses), one batch, ``--output-len`` tokens each -> output tok/s (mean,
+          and min-max over the repeats: the noise), the cost of looking up and registering
+          blocks. Ratio on / off: 1 = no cost.
 prefix:   a closed loop of one request at a time, each a fresh ``--prompt-len``-token shared
           prefix (new per repeat) plus 8 tokens of its own -> mean TTFT (the first request of
           a repeat misses, the others hit all but their tail). Ratio on / off < 1: TTFT falls.
@@ -56,14 +57,17 @@ def main() -> None:
                     runs[kind, on].append(raw)
     figures = {}
     for (kind, on), raws in runs.items():
+        tok_s = [x["output_tokens"] / x["wall_s"] for x in raws]
         figures[f"{kind} {'on' if on else 'off'}"] = dict(
-            tok_s=statistics.mean(x["output_tokens"] / x["wall_s"] for x in raws),
+            tok_s=statistics.mean(tok_s), tok_s_min=min(tok_s), tok_s_max=max(tok_s),
             ttft_ms=1e3 * statistics.mean(t for x in raws for t in x["ttft_s"]),
             queries=sum(x["prefix_cache_queries"] for x in raws),
             hits=sum(x["prefix_cache_hits"] for x in raws))
-    print(f"{'run':<12}{'tok/s':>9}{'TTFT ms':>10}{'queries':>9}{'hits':>8}")
+    print(f"{'run':<12}{'tok/s':>9}{'(min-max)':>14}{'TTFT ms':>10}{'queries':>9}{'hits':>8}")
     for name, f in figures.items():
-        print(f"{name:<12}{f['tok_s']:>9.1f}{f['ttft_ms']:>10.1f}{f['queries']:>9}{f['hits']:>8}")
+        spread = f"{f['tok_s_min']:.1f}-{f['tok_s_max']:.1f}"
+        print(f"{name:<12}{f['tok_s']:>9.1f}{spread:>14}{f['ttft_ms']:>10.1f}{f['queries']:>9}"
+              f"{f['hits']:>8}")
     ratios = {"no-hit tok/s on/off": figures["no-hit on"]["tok_s"] / figures["no-hit off"]["tok_s"],
               "prefix TTFT on/off": figures["prefix on"]["ttft_ms"] / figures["prefix off"]["ttft_ms"]}
     for name, value in ratios.items():
