@@ -51,7 +51,9 @@ def main() -> None:
     for r in range(-1, a.repeats):  # repeat -1: warm-up, not kept
         for kind, concurrency in (("no-hit", None), ("prefix", 1)):
             for on in ((True, False) if r % 2 else (False, True)):
-                batch = prompts(kind, a.num_prompts, a.prompt_len, 1000 * r + 7, vocab)
+                # a seed per repeat and kind: no run shares a prompt with another
+                seed = 1000 * r + (kind == "prefix")
+                batch = prompts(kind, a.num_prompts, a.prompt_len, seed, vocab)
                 raw = measure(engines[on], batch, a.output_len, 0.0, concurrency)
                 if r >= 0:
                     runs[kind, on].append(raw)
