@@ -226,3 +226,18 @@ def test_metrics_count_prefix_cache_tokens_under_vllms_names():
         == 2 * n
     assert m["vllm:prefix_cache_hits_total" + lab] == m["specdec:prefix_cache_hits_total"] \
         == (n - 1) // BLOCK * BLOCK > 0
+
+
+def test_each_data_parallel_rank_keeps_its_own_cache(target):
+    """Rank 0 runs A+x then A+y (the second hits A), rank 1 A+z then B: A is cached on rank 0
+    only, so rank 1's first request misses; the tokens equal one rank's without the cache."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    batch = [COMMON + [1, 2], COMMON + [3], COMMON + [4, 5], COMMON[::-1] + [6]]
+    kw = dict(target=target, dtype=torch.float64, max_model_len=64, max_num_seqs=1)
+    (run,) = run_data_parallel([DPJob(kw, batch, GREEDY, [[0, 1], [2, 3]])], 2, engine=LLM,
+                               timeout=120)
+    hits = [[s.prefix_cache_hits for s in rank.steps if s.prefix_cache_queries]
+            for rank in run.ranks]
+    assert hits == [[0, 2 * BLOCK], [0, 0]]
+    plain = LLM(**kw, enable_prefix_caching=False).generate(batch, GREEDY)
+    assert [o.token_ids for o in run.outputs] == [o.token_ids for o in plain]
