@@ -214,7 +214,8 @@ def add_speculation_arguments(
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --graph-backend, --compile-backend, --async-scheduling,
     --enforce-eager, --gpu-memory-utilization, --tensor-parallel-size, --data-parallel-size,
-    --enable-expert-parallel (generate, serve, bench serve --launch)."""
+    --enable-expert-parallel, --enable-prefix-caching / --no-enable-prefix-caching (generate,
+    serve, bench serve --launch)."""
     from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
@@ -252,6 +253,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="a MoE model's routed experts split whole over the data x tensor "
                         "parallel ranks (vLLM's flag; default: by expert over the DP ranks, by "
                         "width over the TP ranks); refused for a dense model")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="reuse the KV blocks of prompt prefixes across requests (vLLM's flag; "
+                        "default: on, off for hybrid linear-attention models and "
+                        "extract_hidden_states)")
 
 
 def engine_kwargs(args) -> dict:
@@ -275,6 +281,8 @@ def engine_kwargs(args) -> dict:
             kw[dest] = size
     if args.enable_expert_parallel:
         kw["enable_expert_parallel"] = True
+    if args.enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 

@@ -360,6 +360,7 @@ def test_compile_dynamic_warms_up_the_serving_paths_and_equals_eager(warmed, tar
     wrapper, and tokens, drafts and acceptance equal the eager engine's."""
     llm, compiled = warmed(method)
     assert llm.core.graph_warmup_seconds > 0
+    assert not llm.allocator.cached  # the warm-up's repeated prompts ran with the cache off
     assert sum(g.graphs for g in step_graphs(llm)) == compiled > 0
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     calls, first = graph_calls(llm), len(llm.steps)

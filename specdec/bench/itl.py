@@ -154,6 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, metavar="N",
                    help="the dynamic tree's tokens verified per request per step, the root "
                         "included (default: chains)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV blocks of prompt prefixes across requests "
+                   "(the engines' default: on)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

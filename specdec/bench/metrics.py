@@ -22,6 +22,9 @@ DEFINITIONS = {
     "host_syncs_per_step": "host-device syncs inside the device part of a step (padded: 0), "
                            "from one separate untimed pass per config with the check on",
     "collectives_per_step": "DP collectives issued per step",
+    "prefix_cache": "prefix_cache_queries: prompt tokens of the requests admitted (looked up in "
+                    "the prefix cache), prefix_cache_hits: how many it held (vLLM's "
+                    "prefix_cache_queries / _hits); hit rate = hits / queries",
     "captured_share": "steps whose target step replayed a captured (or compiled) graph / steps",
     "mean_step_k": "mean over steps of the step's K (with a K schedule, its batch size's; 0 "
                    "for plain decoding)",
@@ -61,6 +64,8 @@ def repeat_figures(raw: dict) -> dict:
         spec_tokens=raw["spec_tokens"], mean_step_k=raw["spec_tokens"] / steps,
         collectives_per_step=raw["collectives"] / steps,
         drafter_share=raw["draft_seconds"] / raw["step_seconds"] if raw["step_seconds"] else 0.0,
+        prefix_cache_queries=raw["prefix_cache_queries"],
+        prefix_cache_hits=raw["prefix_cache_hits"],
         num_drafted=raw["drafted"], num_accepted=raw["accepted"], verify_steps=vs,
         acceptance_length=1.0 + sum(raw["accepted"]) / vs if vs else 1.0,
         acceptance_rate=accepted / drafted if drafted else None,
@@ -98,6 +103,9 @@ def summarize(reps: list[dict]) -> dict:
         collectives=sum(r["collectives"] for r in reps),
         collectives_per_step=sum(r["collectives"] for r in reps) / max(steps, 1),
         drafter_share=sum(r["draft_seconds"] for r in reps) / step_s if step_s else 0.0,
+        prefix_cache_queries=(queries := sum(r["prefix_cache_queries"] for r in reps)),
+        prefix_cache_hits=(hits := sum(r["prefix_cache_hits"] for r in reps)),
+        prefix_cache_hit_rate=hits / queries if queries else None,
         num_drafted=sum(drafted), num_accepted=sum(accepted), verify_steps=vs,
         num_drafted_per_position=drafted, num_accepted_per_position=accepted,
         acceptance_length=1.0 + sum(accepted) / vs if vs else 1.0,

@@ -11,10 +11,10 @@ def _f(x, fmt=".2f") -> str:
 
 # headers stack on two lines so the numbers set the widths; every other figure is in results.json
 TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s",
-                 "acc\nlen", "acc rate per\nposition", "syncs\n/step", "capt\n%")
+                 "acc\nlen", "acc rate per\nposition", "syncs\n/step", "capt\n%", "hit\n%")
 RATES = "acc rate per\nposition"
 NUMERIC = ("K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s", "acc\nlen", "syncs\n/step",
-           "capt\n%")
+           "capt\n%", "hit\n%")
 
 
 def _row(c: dict) -> dict:
@@ -29,7 +29,9 @@ def _row(c: dict) -> dict:
             "tok/s": f"{s['output_tokens_per_s']:.0f}", "acc\nlen": _f(s["acceptance_length"]),
             RATES: " ".join(_f(x) for x in s["per_position_acceptance_rate"]) or "-",
             "syncs\n/step": _f(s["host_syncs_per_step"], ".1f"),
-            "capt\n%": _f(100 * s["captured_share"], ".0f")}
+            "capt\n%": _f(100 * s["captured_share"], ".0f"),
+            # prefix-cache hit rate: hit prompt tokens / prompt tokens looked up
+            "hit\n%": _f(s["prefix_cache_hit_rate"] and 100 * s["prefix_cache_hit_rate"], ".0f")}
 
 
 def table_title(results: dict) -> str:

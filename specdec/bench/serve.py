@@ -173,6 +173,8 @@ def engine_deltas(before: dict, after: dict) -> dict:
                 draft_seconds=d("specdec:step_draft_seconds_total"),
                 captured_steps=int(d("specdec:captured_steps_total")), collectives=0,
                 spec_tokens=int(d("specdec:step_spec_tokens_total")),
+                prefix_cache_queries=int(d("vllm:prefix_cache_queries_total")),
+                prefix_cache_hits=int(d("vllm:prefix_cache_hits_total")),
                 verify_steps=int(drafts), drafted=drafted, accepted=accepted)
 
 
@@ -431,6 +433,7 @@ ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--gr
                 "tensor_parallel_size": "--tensor-parallel-size",
                 "data_parallel_size": "--data-parallel-size",
                 "enable_expert_parallel": "--enable-expert-parallel",
+                "enable_prefix_caching": "--enable-prefix-caching",  # False: --no-...
                 "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
 
@@ -447,10 +450,12 @@ def fed_drafts(spec: dict | None) -> int:
 
 
 def engine_flags(args) -> list[str]:
-    """The engine flags given (not None / False) -> the launched ``specdec serve``'s
-    arguments; UsageError naming them when there is no server to launch (--base-url)."""
+    """The engine flags given (not None; a switch: not False, --no-enable-prefix-caching
+    given) -> the launched ``specdec serve``'s arguments; UsageError naming them when there is
+    no server to launch (--base-url)."""
     given = {dest: getattr(args, dest) for dest in [*SPECULATION_FLAGS, *ENGINE_FLAGS]
-             if getattr(args, dest) is not None and getattr(args, dest) is not False}
+             if getattr(args, dest) is not None and (getattr(args, dest) is not False
+                                                     or dest == "enable_prefix_caching")}
     if given and not args.launch:
         names = [{**SPECULATION_FLAGS, **ENGINE_FLAGS}[dest] for dest in given]
         raise UsageError(f"{', '.join(names)}: the launched server's engine flags; with "
@@ -459,7 +464,9 @@ def engine_flags(args) -> list[str]:
     out = []
     for dest, flag in ENGINE_FLAGS.items():
         if dest in given:
-            out += [flag] if given[dest] is True else [flag, str(given[dest])]
+            value = given[dest]
+            out += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False
+                    else [flag, str(value)])
     return out
 
 

@@ -42,7 +42,8 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      dtype="float32", synthetic=None, graph_backend=None,
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
                      k_schedule=None, draft_acceptance=None, num_prompts=None, tree=None,
-                     dataset_name="random", dataset_path=None)
+                     dataset_name="random", dataset_path=None,
+                     enable_prefix_caching=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -158,6 +159,9 @@ def check_sweep(sweep: dict) -> dict:
     if s["dataset_name"] != "random" and (s["dp"] > 1 or s["synthetic"] is not None):
         raise UsageError(f"sweep dataset_name={s['dataset_name']!r}: its prompts are text for "
                          "the model's tokenizer on one rank: give dp=1 and no synthetic")
+    if not (s["enable_prefix_caching"] is None or isinstance(s["enable_prefix_caching"], bool)):
+        raise UsageError(f"sweep enable_prefix_caching={s['enable_prefix_caching']!r}: allowed "
+                         "true, false or none (none: LLM's default, on)")
     if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -393,6 +397,8 @@ def run_figures(reqs: list[ReqStats], steps: list, times: list[float]) -> dict:
         host_syncs=sum(s.host_syncs for s in steps) if steps and all(
             s.host_syncs is not None for s in steps) else None,
         collectives=sum(s.collectives for s in steps),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in steps),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in steps),
         verify_steps=sum(r.verify_steps for r in reqs),
         drafted=[sum(r.drafted[j] for r in reqs if j < len(r.drafted)) for j in range(k)],
         accepted=[sum(r.accepted[j] for r in reqs if j < len(r.accepted)) for j in range(k)])
@@ -408,7 +414,8 @@ def merge_ranks(raws: list[dict]) -> dict:
     for key in ("itl_s", "ttft_s", "e2e_s", "tpot_s"):
         out[key] = [x for r in raws for x in r[key]]
     for key in ("output_tokens", "decode_time_s", "num_steps", "step_seconds", "draft_seconds",
-                "captured_steps", "spec_tokens", "collectives", "verify_steps"):
+                "captured_steps", "spec_tokens", "collectives", "verify_steps",
+                "prefix_cache_queries", "prefix_cache_hits"):
         out[key] = sum(r[key] for r in raws)
     syncs = [r["host_syncs"] for r in raws]
     out["host_syncs"] = None if None in syncs else sum(syncs)
@@ -516,6 +523,7 @@ def build_engines(sweep: dict, configs: list[BenchConfig],
         backend = (sweep["graph_backend"] if padded else "eager") \
             if "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
+                      enable_prefix_caching=sweep["enable_prefix_caching"],
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + (dataset.longest(c.output_len)
                                                          if dataset else c.output_len)

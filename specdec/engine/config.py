@@ -55,6 +55,9 @@ class EngineConfig:
     # accelerators: the share of the device's memory the weights and the KV cache may take;
     # max_num_seqs None: the most request rows that share holds (size_kv_cache)
     gpu_memory_utilization: float | None = None
+    # reuse the KV blocks of prompt prefixes across requests (vLLM's flag); None: on where the
+    # model and drafter allow it (``resolve_prefix_caching``)
+    enable_prefix_caching: bool | None = None
     dtype_auto: bool = field(init=False, default=False)  # dtype was "auto"
     device_auto: bool = field(init=False, default=False)  # device was None
 
@@ -67,6 +70,8 @@ class EngineConfig:
                 check_int(name, getattr(self, name), lo=1)
         check_int("seed", self.seed, lo=0, hi=SEED_MAX)
         check_bool("sequence_parallel", self.sequence_parallel)
+        if self.enable_prefix_caching is not None:
+            check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.capture_sizes is not None:
             if not isinstance(self.capture_sizes, (list, tuple)):
                 raise TypeError(f"capture_sizes={self.capture_sizes!r}: must be a list of ints")
@@ -125,6 +130,20 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 + k:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be "
                              f">= 1 + num_speculative_tokens ({1 + k})")
+
+    def resolve_prefix_caching(self, why_not: str | None) -> str | None:
+        """Settle ``enable_prefix_caching`` once the model and drafter are known; ``why_not``:
+        what rules prefix caching out for them (None: nothing). Asked for explicitly it is then
+        a ValueError; left at None it is turned off -> the start-up note saying so."""
+        if why_not is None:
+            if self.enable_prefix_caching is None:
+                self.enable_prefix_caching = True
+            return None
+        if self.enable_prefix_caching:
+            raise ValueError(f"enable_prefix_caching=True: {why_not}; allowed: False or None")
+        off = self.enable_prefix_caching is None
+        self.enable_prefix_caching = False
+        return f"prefix caching off: {why_not}" if off else None
 
     def check_model(self, config: ModelConfig) -> None:
         """max_model_len is bounded by the positions the target was built for (None becomes

@@ -86,10 +86,13 @@ class EngineCore:
         sizes = StepSizes.of(self.padder, k, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                              cfg.max_model_len)
         num_blocks = cfg.num_kv_blocks
-        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
         self.proposer, aux_ids = (None, ()) if spec is None else build_proposer(
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
+        # a cached block's key reads the tokens after it that the drafter's KV depends on
+        self.allocator = BlockAllocator(
+            num_blocks, cfg.block_size, caching=cfg.enable_prefix_caching,
+            lookahead=getattr(self.proposer, "cache_lookahead", 0))
         self._warming_up = False  # throwaway requests run (no drafter keeps anything of them)
         # a padded batch whose uniform decodes run a captured or compiled step feeds every
         # decode 1 + K tokens (filler after fewer drafts: the step keeps its shape); eager
@@ -154,6 +157,8 @@ class EngineCore:
         sampling variant, on throwaway requests before the first real one (``warmup_phases``);
         a DP rank's paths compile at their first use. -> seconds spent."""
         start, self._warming_up = time.perf_counter(), True
+        # the phases repeat their prompts: hits would skip the step shapes they are made of
+        caching, self.allocator.caching = self.allocator.caching, False
         # an eager forward first (an idle DP rank's): what a layer keeps from its first eager
         # call (the rotary tables) is then there for every compile, so no later eager call (a
         # ragged draft, another engine in this process) fails the graphs' guards
@@ -176,7 +181,7 @@ class EngineCore:
                     while self.scheduler.has_unfinished():
                         self.step()
         finally:
-            self._warming_up = False
+            self._warming_up, self.allocator.caching = False, caching
         self.steps.clear()
         return time.perf_counter() - start
 
@@ -248,7 +253,8 @@ class EngineCore:
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
         for s in scheduled:
-            if s.request.num_computed_tokens == 0:  # first chunk: the prompt joins the table
+            # first chunk (after the prefix the cache held): the prompt joins the table
+            if s.request.num_computed_tokens == s.request.num_cached_tokens:
                 self.runner.write_prompt(s.request.row, s.request.token_ids)
         plan = self.runner.plan(scheduled, self.scheduler.step_k)  # the one DP all-reduce
         if plan.num_spec_tokens < self.scheduler.step_k:  # DP: another rank's K is smaller
@@ -267,7 +273,9 @@ class EngineCore:
             return rec
         batch = self.runner.prepare(scheduled, plan)
         self.runner.send_step(batch)  # the one TP broadcast of the step's host inputs
-        return self._execute(Launched(scheduled, batch, start, ncoll))
+        return self._execute(Launched(scheduled, batch, start, ncoll,
+                                      cache=(self.scheduler.cache_queries,
+                                             self.scheduler.cache_hits)))
 
     def _execute(self, launched: "Launched") -> "Launched":
         syncs = None
@@ -349,7 +357,7 @@ class EngineCore:
                          launched.draft_seconds, launched.host_syncs,
                          len(self.dp.collectives) - launched.ncoll, new_tokens,
                          plan.capturable, self._new_graphs(), plan.num_spec_tokens,
-                         launched.overlapped)
+                         launched.overlapped, *launched.cache)
         if self.k_policy is not None and not self._warming_up:
             self.k_policy.observe(len(scheduled), plan.num_spec_tokens,
                                   rec.seconds if all(decoding) else None,
@@ -465,4 +473,5 @@ class Launched:
     host_syncs: int | None = None
     draft_seconds: float = 0.0
     copied: "torch.cuda.Event | None" = None  # async on CUDA: recorded after the host copy
+    cache: tuple[int, int] = (0, 0)  # its schedule's prefix-cache (tokens queried, hit)
 

@@ -50,7 +50,8 @@ class LLM:
                  graph_backend: str | None = None, compile_backend: str | None = None,
                  check_host_syncs: bool | None = None, async_scheduling: bool = False,
                  enforce_eager: bool = False, gpu_memory_utilization: float | None = None,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False,
+                 enable_prefix_caching: bool | None = None):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
         dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``).
@@ -61,7 +62,11 @@ class LLM:
         ``enforce_eager=True``: ``graph_backend="eager"`` (vLLM's name).
         ``enable_expert_parallel`` (vLLM's name): a MoE target's routed experts are split whole
         over the data x tensor parallel ranks (else by expert over the DP ranks, by width over
-        the TP ranks; ``models.layers.parallel.ExpertPlacement``)."""
+        the TP ranks; ``models.layers.parallel.ExpertPlacement``).
+        ``enable_prefix_caching`` (vLLM's name; None: on): requests reuse the KV blocks (the
+        target's and the drafter's) of prompt prefixes computed before (``block_allocator``);
+        refused when True for a hybrid linear-attention target or extract_hidden_states, which
+        None turns off (``startup`` says so)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -79,7 +84,7 @@ class LLM:
             max_model_len, max_num_seqs, max_num_batched_tokens, block_size, dtype, device,
             seed, capture_sizes, tensor_parallel_size, sequence_parallel, data_parallel_size,
             data_parallel_timeout, checkpoint_dtype(model) if target is None else None,
-            gpu_memory_utilization)
+            gpu_memory_utilization, enable_prefix_caching)
         # the ranks take what was chosen here
         self.init_kwargs.update(device=str(cfg.device), dtype=cfg.dtype)
         self.role = parallel_role(cfg, dp, tp)
@@ -110,6 +115,7 @@ class LLM:
                              f"{tensor_parallel_size}: not supported yet; allowed: 1 (data "
                              "parallelism is)")
         self.target = target.eval()
+        self.prefix_caching_note = cfg.resolve_prefix_caching(no_prefix_caching(target, drafter))
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
         head = None
@@ -237,9 +243,11 @@ class LLM:
     @property
     def startup(self) -> str | None:
         """What start-up spent on step graphs, printed once by the commands, e.g.
-        ``"cuda_graph: 6 step graphs captured in 1.9 s"``; None when none were captured or
-        compiled then (eager; a DP/TP launcher, whose ranks build the engines)."""
-        return self.core.startup if self.core is not None else None
+        ``"cuda_graph: 6 step graphs captured in 1.9 s"``, and prefix caching turned off
+        (``prefix_caching_note``); None when there is neither (eager; a DP/TP launcher,
+        whose ranks build the engines, has only the note)."""
+        graphs = self.core.startup if self.core is not None else None
+        return "; ".join(x for x in (graphs, self.prefix_caching_note) if x) or None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -433,3 +441,14 @@ class LLM:
         ids = [self._prompt_ids(self.tokenizer.encode(text, add_special_tokens=False).ids,
                                 name) for name, text in zip(names, texts)]
         return self._generate(ids, per_prompt, texts)
+
+
+def no_prefix_caching(target, drafter) -> str | None:
+    """Why prefix caching cannot run with this target and drafter class; None: it can."""
+    if any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec()):
+        return (f"{type(target).__name__} has linear-attention layers, whose recurrent state "
+                "cannot be rebuilt from cached KV blocks")
+    if drafter is not None and drafter.reads_prompt_states:
+        return ("method='extract_hidden_states' saves the target's hidden states at every "
+                "prompt position, and a cache hit computes none of them")
+    return None

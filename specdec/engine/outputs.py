@@ -112,3 +112,7 @@ class StepRecord:
     # async scheduling: launched before the previous step's results were read (its host
     # work ran while that step executed)
     overlapped: bool = False
+    # prefix cache: prompt tokens of the requests the step admitted, and how many of them
+    # were found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

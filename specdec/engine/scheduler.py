@@ -7,6 +7,12 @@ schedule or policy (``pick_k``) it follows the step's batch size, drafts past it
 verified. A prefill chunk that stops short of the
 prompt's end makes a *discarded* request: its sampled token is junk, but the drafter still
 runs on it.
+
+With prefix caching (the allocator's ``caching``), an admitted request first takes the cached
+blocks of its prompt's longest cached prefix (``admit``): those tokens count as computed, and its
+first chunk starts after them; at least its last prompt token is always computed (its logits are
+sampled). A running request's final full blocks are registered at the start of each schedule and
+when it finishes (not after a failed step: reason "error").
 """
 
 from collections import deque
@@ -63,6 +69,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.scheduled: list[ScheduledRequest] = []  # the last schedule()'s requests
+        # the last schedule()'s prefix-cache lookups: prompt tokens queried, tokens hit
+        self.cache_queries = self.cache_hits = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,6 +83,9 @@ class Scheduler:
         # kept (and filled as it is built) so that a failed step knows whom it touched
         self.scheduled = scheduled = []
         k = self.step_k = self.pick_step_k()
+        self.cache_queries = self.cache_hits = 0
+        for req in self.running:
+            self.register(req)
         for req in self.running:
             if budget == 0:
                 break
@@ -97,7 +108,8 @@ class Scheduler:
             req.row = self.free_rows.pop()
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_tokens, budget)
+            self.admit(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled.append(ScheduledRequest(req, n, []))
             self.reserve(req, n)
             budget -= n
@@ -127,6 +139,26 @@ class Scheduler:
         decode_only = not admitted and not any(r.is_prefilling for r in self.running)
         return self.pick_k(len(self.running) + admitted, decode_only)
 
+    def admit(self, req: Request) -> None:
+        """A newly running request takes the cached blocks of its prompt's longest cached
+        prefix, keeping its last token (and a drafter's lookahead token after each block) to
+        compute. A request asking for prompt log-probabilities reads nothing from the cache
+        (they are computed for every prompt position, as vLLM)."""
+        a = self.allocator
+        if not a.caching or req.params.prompt_logprobs is not None:
+            return
+        usable = (req.num_tokens - max(a.lookahead, 1)) // a.block_size
+        req.block_ids, req.block_entries = a.hit(req.token_ids, usable)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * a.block_size
+        self.cache_queries += req.num_tokens
+        self.cache_hits += req.num_cached_tokens
+
+    def register(self, req: Request) -> None:
+        """Put the request's final full blocks in the prefix cache (no-op without caching)."""
+        if self.allocator.caching:
+            self.allocator.register(req.block_ids, req.block_entries, req.token_ids,
+                                    req.num_computed_tokens)
+
     def reserve(self, req: Request, num_tokens: int) -> None:
         """KV blocks for ``num_tokens`` more fed tokens, the drafts after them and
         ``reserve_ahead`` (capped at max_model_len)."""
@@ -145,6 +177,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.running.remove(req)
+        if reason != "error":  # a failed step's request: nothing more is trusted
+            self.register(req)
         self.allocator.release(req.block_ids)
         self.free_rows.append(req.row)
         if self.on_finish is not None:

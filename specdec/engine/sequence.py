@@ -168,6 +168,10 @@ class Request:
     # a draft tree's: each draft's parent node (0 the root, draft i node i + 1)
     spec_parents: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # prefix cache: the entry ids of its registered (or hit) full blocks, in order, and the
+    # prompt tokens it found cached when admitted
+    block_entries: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "eos", "stop", "length", "error" or "abort"
     error: str | None = None  # what failed, for finish_reason "error"

@@ -5,7 +5,10 @@ prefix, and the counters vLLM has under vLLM's own names too (``vllm:``, labels 
 ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total``
 (finished_reason "eos" counted as vLLM's "stop"), ``vllm:spec_decode_num_drafts_total``,
 ``vllm:spec_decode_num_draft_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_total`` and
-``vllm:spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``, 0 = the first draft).
+``vllm:spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``, 0 = the first draft),
+``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (as vLLM: the prompt
+tokens of requests that looked the prefix cache up when admitted, and how many of them it held;
+hits / queries = the hit rate).
 
 Per-step figures (tokens, step time, drafter time, host syncs, step graphs compiled or captured
 after start-up) update after every step; the speculative counters per draft position update
@@ -64,6 +67,10 @@ class ServerMetrics:
                                   ["graph"], registry=r)
         for name in STEP_GRAPHS:  # exported as 0 until one is made
             self.new_graphs.labels(name)
+        self.cache_queries = Counter("specdec:prefix_cache_queries", "prompt tokens looked "
+                                     "up in the prefix cache (at admission)", registry=r)
+        self.cache_hits = Counter("specdec:prefix_cache_hits", "prompt tokens the prefix "
+                                  "cache held", registry=r)
         self.host_syncs = Counter("specdec:host_syncs", "host-device syncs inside steps "
                                   "(counted on the ragged path; padded: 0 by construction)",
                                   registry=r)
@@ -109,7 +116,10 @@ class ServerMetrics:
             accepted_tokens=counter("vllm:spec_decode_num_accepted_tokens",
                                     "draft tokens accepted"),
             accepted_per_pos=counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                     "accepted tokens per draft position", ["position"]))
+                                     "accepted tokens per draft position", ["position"]),
+            cache_queries=counter("vllm:prefix_cache_queries",
+                                  "prompt tokens looked up in the prefix cache"),
+            cache_hits=counter("vllm:prefix_cache_hits", "prompt tokens the prefix cache held"))
         self._vllm_labels = labels
 
     def mean_acceptance_length(self) -> float:
@@ -130,6 +140,10 @@ class ServerMetrics:
             self.host_syncs.inc(rec.host_syncs)
         self.generation_tokens.inc(sum(rec.new_tokens.values()))
         self.vllm["generation_tokens"].inc(sum(rec.new_tokens.values()))
+        for name, n in (("cache_queries", rec.prefix_cache_queries),
+                        ("cache_hits", rec.prefix_cache_hits)):
+            getattr(self, name).inc(n)
+            self.vllm[name].inc(n)
 
     def on_finish(self, req) -> None:
         """A request left the engine (finished or aborted): its prompt and draft counts."""

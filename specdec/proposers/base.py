@@ -71,6 +71,9 @@ class Proposer:
     # its padded drafts can feed the next step on the device (async scheduling)
     feeds_next_step = False
     tensor_parallel = True  # runs under tensor parallelism (its model replicated or sharded)
+    # prefix caching: tokens past a cached KV block that the drafter's KV in it depends on
+    cache_lookahead = 0
+    reads_prompt_states = False  # it needs the target's states at every prompt position
 
     @classmethod
     def head_folder(cls, spec: SpeculativeConfig, model_dir: Path | None) -> Path | None:
@@ -185,6 +188,8 @@ class HeadProposer(PaddedProposer):
     layout, then K-1 times."""
 
     feeds_next_step = True
+    # the head's KV at position p is computed from the target's state at p and token p + 1
+    cache_lookahead = 1
 
     @classmethod
     def head_folder(cls, spec: SpeculativeConfig, model_dir: Path | None) -> Path:

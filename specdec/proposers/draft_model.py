@@ -28,6 +28,7 @@ from specdec.proposers.inputs import DraftInputs, PaddedStepInputs
 
 class DraftLMProposer(HeadProposer):
     tensor_parallel = False  # the draft LM is not sharded yet (data parallelism runs it)
+    cache_lookahead = 0  # its KV at position p is computed from tokens 0..p, as the target's
 
     @classmethod
     def head_folder(cls, spec, model_dir: Path | None) -> Path:

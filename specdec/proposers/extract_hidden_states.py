@@ -51,6 +51,8 @@ def check_output_dir(config) -> Path:
 
 
 class ExtractHiddenStatesProposer(PaddedProposer):
+    reads_prompt_states = True  # so no prefix caching: a hit computes no prompt state
+
     @classmethod
     def head_folder(cls, spec, model_dir: Path | None) -> None:
         """No draft model; the output folder is checked instead (before anything is built)."""

@@ -1,0 +1,243 @@
+"""Prefix caching end to end: a run that hits the cache equals a run without it, token for token
+and draft for draft (plain, EAGLE, EAGLE-3, MTP, draft model, ngram, suffix; eager and captured
+through replay; greedy and seeded sampling), requests that end early leave no block held, and
+what cannot be cached is refused by name."""
+
+import pytest
+import torch
+
+from specdec.engine.llm import LLM
+from specdec.engine.sequence import SamplingParams
+from specdec.models.config import ModelConfig
+from specdec.models.draft_lm import DraftLM
+from specdec.models.llama import LlamaForCausalLM
+
+from helpers import VOCAB, make_llm, tiny_head, tiny_target
+
+BLOCK = 16
+# two 16-token blocks in common; the token after them (the head's lookahead) differs
+COMMON = [(i * 5 + 3) % (VOCAB - 1) for i in range(2 * BLOCK)]
+BATCHES = [  # repeats within a batch and across the two batches
+    [COMMON + [1, 2, 3], COMMON + [4, 5], COMMON + [1, 2, 3], COMMON[:20] + [9]],
+    [COMMON + [4, 5], COMMON + [1, 2, 3, 6], COMMON[:BLOCK] + [7, 8], COMMON + [1]],
+]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def draft_lm():
+    """A second tiny Llama on the target's vocabulary: method draft_model's own model."""
+    torch.manual_seed(5)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      eos_token_id=VOCAB - 1)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def build(target, draft_lm, method, cache: bool, padded: bool = True, **kw) -> LLM:
+    kw.update(enable_prefix_caching=cache, max_num_seqs=3)
+    if method == "draft_model":  # the draft model object stands for its folder
+        spec = {"method": method, "num_speculative_tokens": 3, "model": "draft",
+                "disable_padded_drafter_batch": not padded}
+        return LLM(target=target, draft_head=DraftLM(draft_lm), speculative_config=spec,
+                   dtype=torch.float64, max_num_batched_tokens=16, max_model_len=64, **kw)
+    head = tiny_head(method, target) if method in ("mtp", "eagle", "eagle3") else None
+    return make_llm(target, method, 3, padded, head=head, **kw)
+
+
+def run(llm: LLM) -> tuple[dict, dict]:
+    """The batches one after the other, greedy and seeded requests alternating -> (request id
+    -> output tokens, request id -> the drafts it was given at each length of its tokens)."""
+    outs, drafts = {}, {}
+    for batch in BATCHES:
+        reqs = [llm.add_request(p, GREEDY if i % 2 else SEEDED) for i, p in enumerate(batch)]
+        while llm.step() is not None:
+            for r in llm.scheduler.running:
+                if not r.is_prefilling:
+                        drafts.setdefault(r.request_id, {})[r.num_tokens] = tuple(
+                        r.spec_token_ids)
+        outs.update((r.request_id, r.output_token_ids) for r in reqs)
+    assert llm.allocator.ref == [0] * llm.allocator.num_blocks
+    assert len(llm.allocator.free) == llm.allocator.num_blocks
+    return outs, drafts
+
+
+@pytest.mark.parametrize("backend", ["eager", "replay"])
+@pytest.mark.parametrize("method", [None, "eagle", "eagle3", "mtp", "draft_model", "ngram",
+                                    "suffix"])
+def test_cache_hits_equal_no_cache(target, draft_lm, method, backend):
+    """The drafter's KV is reused with the target's: its drafts are those of a run that
+    computes every prompt (suffix's drafts also read the other requests' outputs in the order
+    they finish, which the cache changes: its greedy tokens are compared)."""
+    cached = build(target, draft_lm, method, True, graph_backend=backend)
+    plain = build(target, draft_lm, method, False, graph_backend=backend)
+    (outs, drafts), (want, want_drafts) = run(cached), run(plain)
+    if method == "suffix":  # other drafts: other samples of the seeded requests
+        outs, want = ({i: o for i, o in x.items() if int(i) % 2} for x in (outs, want))
+    else:
+        assert drafts == want_drafts
+    assert outs == want
+    hits = sum(s.prefix_cache_hits for s in cached.steps)
+    queries = sum(s.prefix_cache_queries for s in cached.steps)
+    assert queries == sum(map(len, BATCHES[0] + BATCHES[1]))
+    assert hits >= 6 * BLOCK  # within the first batch, and across
+    assert not any(s.prefix_cache_queries for s in plain.steps)
+    if backend == "replay":
+        assert any(s.captured for s in cached.steps)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_ragged_drafter_hits_equal_no_cache(target, draft_lm, method):
+    """disable_padded_drafter_batch=True: the head's first pass runs over the kept tokens."""
+    runs = [run(build(target, draft_lm, method, cache, padded=False)) for cache in (True, False)]
+    assert runs[0] == runs[1]
+
+
+def test_async_scheduling_hits_equal_no_cache(target, draft_lm):
+    """Async scheduling reserves a decode ahead and writes junk KV past the accepted tokens:
+    never into a registered block."""
+    outs = [run(build(target, draft_lm, "eagle", cache, async_scheduling=True,
+                      graph_backend="replay")) for cache in (True, False)]
+    assert outs[0] == outs[1]
+
+
+def test_aborted_and_finished_requests_hold_no_block(target, draft_lm):
+    """Requests aborted waiting, mid-prefill and mid-decode give their blocks back (their final
+    blocks stay cached, and later requests hitting them equal an uncached run)."""
+    llm = build(target, draft_lm, "eagle3", True)
+    reqs = [llm.add_request(p, GREEDY) for p in BATCHES[0]]
+    llm.step()
+    assert llm.abort_request(reqs[0].request_id)  # mid-prefill
+    for _ in range(4):
+        llm.step()
+    assert llm.abort_request(reqs[1].request_id)  # mid-decode
+    assert llm.abort_request(reqs[3].request_id)
+    while llm.step() is not None:
+        pass
+    assert llm.allocator.ref == [0] * llm.allocator.num_blocks and llm.allocator.cached
+    outs, _ = run(llm)
+    assert list(outs.values()) == list(run(build(target, draft_lm, "eagle3", False))[0].values())
+
+
+def test_prompt_logprobs_requests_read_nothing_from_the_cache(target):
+    """Their every prompt position is computed (as vLLM), and they query nothing."""
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2)
+    outs = []
+    for cache in (True, False):
+        llm = make_llm(target, None, 0, True, enable_prefix_caching=cache)
+        llm.generate(BATCHES[0][:1], max_tokens=4)
+        outs.append(llm.generate(BATCHES[0][:1], params))
+        assert not sum(s.prefix_cache_queries for s in llm.steps[-10:])
+    assert outs[0][0].prompt_logprobs == outs[1][0].prompt_logprobs
+
+
+def hybrid_target():
+    """A tiny Qwen3.5 (linear attention, then full attention) on random weights."""
+    from specdec.models.qwen3_5 import Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, layer_types=["linear_attention", "full_attention"],
+                      extra=dict(linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                          linear_value_head_dim=8, linear_num_key_heads=2,
+                          linear_num_value_heads=2, partial_rotary_factor=0.25))
+    return Qwen3_5ForCausalLM(cfg).to(torch.float64).eval()
+
+
+def test_hybrid_models_refuse_it_by_name_and_default_to_off():
+    target = hybrid_target()
+    with pytest.raises(ValueError, match=r"enable_prefix_caching=True: Qwen3_5ForCausalLM has "
+                                         r"linear-attention layers.*allowed: False or None"):
+        make_llm(target, None, 0, True, enable_prefix_caching=True)
+    llm = make_llm(target, None, 0, True)
+    assert llm.config.enable_prefix_caching is False and not llm.allocator.caching
+    assert llm.startup.startswith("prefix caching off: Qwen3_5ForCausalLM has linear")
+    assert make_llm(target, None, 0, True, enable_prefix_caching=False).startup is None
+
+
+def test_extract_hidden_states_refuses_it_and_defaults_to_off(target, tmp_path):
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"output_dir": str(tmp_path),
+                                   "eagle_aux_hidden_state_layer_ids": [1, 2]}}
+    kw = dict(target=target, speculative_config=spec, dtype=torch.float64, max_model_len=64)
+    with pytest.raises(ValueError, match="enable_prefix_caching=True: method="
+                                         "'extract_hidden_states' saves"):
+        LLM(**kw, enable_prefix_caching=True)
+    llm = LLM(**kw)
+    assert not llm.allocator.caching and "prefix caching off" in llm.startup
+
+
+def test_on_by_default_and_a_bad_value_names_the_field(target):
+    llm = make_llm(target, None, 0, True)
+    assert llm.config.enable_prefix_caching is True and llm.allocator.caching
+    assert llm.startup is None  # nothing to say at start-up
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        make_llm(target, None, 0, True, enable_prefix_caching="yes")
+
+
+@pytest.mark.parametrize("given,value", [([], None), (["--enable-prefix-caching"], True),
+                                         (["--no-enable-prefix-caching"], False)])
+def test_the_flag_reaches_every_command(given, value):
+    """generate and serve pass it to LLM, bench serve --launch to the server it starts, bench
+    to its engines (None: the flag not given, LLM's default)."""
+    from specdec.bench import itl
+    from specdec.bench import serve as bench_serve
+    from specdec.bench.sweep import build_engines, expand
+    from specdec.commands.cli import build_parser
+    from specdec.flags import engine_kwargs
+    parse = build_parser().parse_args
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert engine_kwargs(parse([*command, *given])).get("enable_prefix_caching") == value
+    launch = parse(["bench", "serve", "--launch", *given])
+    assert bench_serve.engine_flags(launch) == given
+    sweep = itl.sweep_from_args(parse(["bench", "--methods", "none", "--concurrency", "1",
+                                       "--prompt-len", "4", "--output-len", "2", *given]))
+    engines, _ = build_engines(sweep, expand(sweep))
+    (engine,) = engines.values()
+    assert engine.kwargs["enable_prefix_caching"] is value
+    assert engine.llm.config.enable_prefix_caching is (value is not False)
+
+
+def test_metrics_count_prefix_cache_tokens_under_vllms_names():
+    """Queries: the prompt tokens of requests looked up at admission; hits: those cached."""
+    import httpx
+
+    from specdec.entrypoints.serve import build_server_app
+    from helpers import ServerThread, metrics
+    llm = LLM(max_model_len=128, max_num_seqs=2)
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)" * 2
+    n = len(llm.tokenizer.encode(prompt).ids)
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        for _ in range(2):
+            httpx.post(f"{server.url}/v1/completions", json=dict(
+                model="tiny", prompt=prompt, max_tokens=2), timeout=60)
+        m = metrics(server.url)
+    finally:
+        server.close()
+    lab = '{"engine": "0", "model_name": "tiny"}'
+    assert m["vllm:prefix_cache_queries_total" + lab] == m["specdec:prefix_cache_queries_total"] \
+        == 2 * n
+    assert m["vllm:prefix_cache_hits_total" + lab] == m["specdec:prefix_cache_hits_total"] \
+        == (n - 1) // BLOCK * BLOCK > 0
+
+
+def test_each_data_parallel_rank_keeps_its_own_cache(target):
+    """Rank 0 runs A+x then A+y (the second hits A), rank 1 A+z then B: A is cached on rank 0
+    only, so rank 1's first request misses; the tokens equal one rank's without the cache."""
+    from specdec.engine.dp_engine import DPJob, run_data_parallel
+    batch = [COMMON + [1, 2], COMMON + [3], COMMON + [4, 5], COMMON[::-1] + [6]]
+    kw = dict(target=target, dtype=torch.float64, max_model_len=64, max_num_seqs=1)
+    (run,) = run_data_parallel([DPJob(kw, batch, GREEDY, [[0, 1], [2, 3]])], 2, engine=LLM,
+                               timeout=120)
+    hits = [[s.prefix_cache_hits for s in rank.steps if s.prefix_cache_queries]
+            for rank in run.ranks]
+    assert hits == [[0, 2 * BLOCK], [0, 0]]
+    plain = LLM(**kw, enable_prefix_caching=False).generate(batch, GREEDY)
+    assert [o.token_ids for o in run.outputs] == [o.token_ids for o in plain]
