@@ -7,9 +7,11 @@ fit:    one run with a wide static tree (``WIDE``: every path of child ranks sum
         acceptance under the run's own statistics (restricted to top-k <= K and depth <= D
         for the shapes below). Fitted on prompts ``--fit-seed`` (held-out stdlib windows),
         measured on other ones (``--seed``).
-accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=5 and of
-        the fitted trees of 8 and 16 drafts at top-k 2 / 4 and depth 3 / 5, greedy, for
-        EAGLE-3 and MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
+accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=5, of the
+        fitted static trees of 8 and 16 drafts at top-k 2 / 4 and depth 3 / 5, and of the
+        dynamic trees (EAGLE-2: ``tree_topk`` 2 / 4, depth 3 / 5, 8 and 16 drafts, i.e.
+        num_draft_tokens 9 and 17, and SGLang's 8 with its root), greedy, for EAGLE-3 and
+        MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
 speed:  output tokens/s at one request (``--speed-prompts`` prompts one after another),
         ``--graph-backend`` (compile_dynamic: the draft step and target step compiled) for the
         best chain and the best tree of each method, best of ``--repeats``.
@@ -32,11 +34,15 @@ from specdec.engine.draft_tree import StaticTree
 WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
 SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (16, 4, 3)]
+DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (7, 4, 5)]
 
 
 def engine(method: str, k: int, tree=None, **kw) -> LLM:
+    """``tree``: a static tree's paths, or a dynamic tree's (tree_topk, num_draft_tokens)."""
     spec = {"method": method, "num_speculative_tokens": k}
-    if tree is not None:
+    if isinstance(tree, dict):
+        spec.update(tree)
+    elif tree is not None:
         spec["speculative_token_tree"] = [list(p) for p in tree]
     return LLM(speculative_config=spec, max_num_seqs=16, max_model_len=256, **kw)
 
@@ -115,25 +121,32 @@ def main() -> None:
         for size, top_k, depth in SHAPES:
             tree = fitted(rates, size, top_k, depth)
             rows[f"tree {size} top-{top_k} depth<={depth}"] = (max(map(len, tree)), tree)
+        for size, top_k, depth in DYNAMIC:
+            rows[f"dynamic {size} top-{top_k} depth {depth}"] = (
+                depth, {"tree_topk": top_k, "num_draft_tokens": size + 1})
         figures = {}
         for name, (k, tree) in rows.items():
             figures[name] = run(engine(method, k, tree), prompts, args.output_len)
-            figures[name]["tree"] = tree
+            figures[name].update(tree=tree, depth=k)
             print(f"{method:7s} {name:26s} AL {figures[name]['acceptance_length']:.2f} "
                   f"per depth {figures[name]['accepted_per_depth']} "
                   f"({figures[name]['tokens_per_s']:.0f} tok/s at 16, eager)", flush=True)
         chain = max((f for n, f in figures.items() if n.startswith("chain")),
                     key=lambda f: f["acceptance_length"])
-        best = max((f for n, f in figures.items() if n.startswith("tree")),
+        for kind in ("tree", "dynamic"):
+            for size in (8, 16):
+                best = max((f for n, f in figures.items() if n.startswith(f"{kind} {size} ")),
+                           key=lambda f: f["acceptance_length"])
+                print(f"{method}: best {kind} of {size} drafts / chain K=3 AL "
+                      f"{best['acceptance_length'] / figures['chain K=3']['acceptance_length']:.2f}")
+        best = max((f for n, f in figures.items() if n.split()[1] == "8"),
                    key=lambda f: f["acceptance_length"])
-        print(f"{method}: best tree / chain K=3 AL "
-              f"{best['acceptance_length'] / figures['chain K=3']['acceptance_length']:.2f}")
         out[method] = {"rows": figures}
         if args.skip_speed:
             continue
         speed = {}
         for name, f in (("chain", chain), ("tree", best)):
-            k = len(f["accepted_per_depth"])
+            k = f["depth"]
             llm = engine(method, k, f["tree"], graph_backend=args.graph_backend)
             speed[name] = max(run(llm, prompts[:args.speed_prompts], args.output_len,
                                   concurrency=1)["tokens_per_s"] for _ in range(args.repeats))
