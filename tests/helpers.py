@@ -61,12 +61,14 @@ def dense_greedy(target: LlamaForCausalLM, prompt: list[int], max_tokens: int,
 
 
 def make_llm(target, method, k, padded, head=None, tree=None, **kw):
-    """``tree``: a speculative_token_tree of depth ``k``."""
+    """``tree``: a speculative_token_tree of depth ``k``, or a dynamic tree's keys."""
     spec = None
     if method is not None:
         spec = {"method": method, "num_speculative_tokens": k,
                 "disable_padded_drafter_batch": not padded}
-        if tree is not None:
+        if isinstance(tree, dict):
+            spec.update(tree)
+        elif tree is not None:
             spec["speculative_token_tree"] = tree
         if method == "eagle3":
             spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}

@@ -92,6 +92,17 @@ def test_cache_hits_equal_no_cache(target, draft_lm, method, backend):
         assert any(s.captured for s in cached.steps)
 
 
+@pytest.mark.parametrize("tree", [{"speculative_token_tree": [(0,), (1,), (0, 0), (0, 0, 0)]},
+                                  {"tree_topk": 2, "num_draft_tokens": 6}],
+                         ids=["static", "dynamic"])
+def test_draft_tree_hits_equal_no_cache(target, draft_lm, tree):
+    """A tree step's accepted path is moved into place in the step that verifies it, before
+    its blocks can be registered: hits equal a run without the cache, drafts included."""
+    cached, plain = (build(target, draft_lm, "eagle3", c, tree=tree) for c in (True, False))
+    assert run(cached) == run(plain)
+    assert sum(s.prefix_cache_hits for s in cached.steps) >= 6 * BLOCK
+
+
 @pytest.mark.parametrize("method", ["eagle", "draft_model"])
 def test_ragged_drafter_hits_equal_no_cache(target, draft_lm, method):
     """disable_padded_drafter_batch=True: the head's first pass runs over the kept tokens."""
