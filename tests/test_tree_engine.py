@@ -5,6 +5,8 @@ counters, greedy and sampled; a windowed target; a request's sampled tokens do n
 on its batch; what a tree cannot run with is refused by name. DeepSeek MLA + MTP:
 test_deepseek.py; DP: test_dp.py ("mtp-tree")."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from specdec.engine import core
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
 
-from helpers import PROMPTS, VOCAB, make_llm, tiny_head
+from helpers import PROMPTS, VOCAB, make_llm, tiny_head, tiny_target
 
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]  # depth 3, 6 drafts
 # the shapes a test runs: the static tree above, and a dynamic one (EAGLE-2: top 2 per
@@ -193,3 +195,30 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
     assert code == 0 and "padded, static 3 drafts d2" in out
     code = specdec_cli.main(["generate", "--prompt", "x", "--method", "none", "--tree-topk", "2"])
     assert code == 2 and "--tree-topk sets the drafter's tree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_dynamic_trees_drafts_are_the_heads_along_each_path(method):
+    """Every candidate of a dynamic tree is its parent's top-k under the head run along the
+    parent's own path: with every candidate verified (top 2, depth 3: 2 + 2 x 4 = 10 drafts),
+    its depth-2 nodes equal the full binary static tree's, and the children of its two
+    frontier nodes equal that tree's children of the same nodes (the static tree runs the
+    head on every node: a frontier node's hidden state, position or mask gone wrong differs)."""
+    target = tiny_target()
+    head = tiny_head(method, target)
+    full = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]
+
+    def drafts(tree):
+        llm = make_llm(target, method, 3, True, head=head, tree=tree)
+        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        while req.is_prefilling:
+            llm.step()
+        return req.spec_token_ids, req.spec_parents
+    static, _ = drafts(full)
+    dynamic, parents = drafts({"tree_topk": 2, "num_draft_tokens": 11})
+    assert dynamic[:6] == static[:6] and parents[:6] == [0, 0, 1, 1, 2, 2]
+    for i, up in enumerate(parents[6:]):
+        assert 3 <= up <= 6  # a depth-2 node (nodes 3..6) of the frontier
+        rank = i % 2
+        assert dynamic[6 + i] == static[6 + 2 * (up - 3) + rank]
+    assert len(set(parents[6:])) == 2
