@@ -197,3 +197,23 @@ def test_async_scheduling_equals_sync_on_cuda(method):
     assert got == sync and got_acc == sync_acc
     assert any(s.overlapped for s in llm.steps)
     assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
+
+
+@pytest.mark.parametrize("tree", [{"speculative_token_tree": [(0,), (1,), (0, 0), (1, 0),
+                                                               (0, 0, 0)]},
+                                  {"tree_topk": 2, "num_draft_tokens": 6}],
+                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_captured_draft_tree_equals_eager(method, tree):
+    """A draft tree's step (the Triton paged-attention kernel's tree mask, the accepted path's
+    K/V moved, the head's per-depth forwards) captured: eager's tokens and acceptance, and
+    the CPU's greedy tokens; no host sync in the step."""
+    eager, eager_acc, _ = generate(method, "eager", spec_extra=tree)
+    captured, captured_acc, llm = generate(method, "cuda_graph", spec_extra=tree,
+                                           check_host_syncs=True)
+    assert captured == eager and captured_acc == eager_acc
+    assert llm.runner.target_graph.captured
+    assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
+    cpu = LLM(speculative_config={"method": method, "num_speculative_tokens": 3, **tree},
+              device="cpu", dtype=torch.float32, max_num_seqs=4).generate(PROMPTS, max_tokens=48)
+    assert captured == [o.token_ids for o in cpu]
