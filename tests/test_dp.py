@@ -27,9 +27,11 @@ TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
 K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3,
-     "mtp-k-schedule": 3, "mtp-tree": 2}
-# mtp-tree: a draft tree of depth 2 (an idle rank runs the tree's head forwards per depth)
-TREE = [(0,), (1,), (0, 0), (1, 0)]
+     "mtp-k-schedule": 3, "mtp-tree": 2, "mtp-dtree": 3}
+# mtp-tree: a static draft tree of depth 2; mtp-dtree: a dynamic one of depth 3 (an idle rank
+# runs the tree's head forwards per depth)
+TREE = {"mtp-tree": {"speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]},
+        "mtp-dtree": {"tree_topk": 2, "num_draft_tokens": 5}}
 # mtp-k-schedule: K per step (3 alone, 1 at 2-4 requests); a rank with several requests and
 # one with one agree on the smaller K (the MoE head's collectives then match)
 K_SCHEDULE = [[2, 4, 1]]
@@ -39,11 +41,11 @@ ASSIGN = {
     2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
         "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]],
         "ngram": [[0, 3], [1, 2, 4]], "mtp-k-schedule": [[0, 1, 2, 3], [4]],
-        "mtp-tree": [[1, 2], [0, 3, 4]]},
+        "mtp-tree": [[1, 2], [0, 3, 4]], "mtp-dtree": [[0, 1, 2, 4], [3]]},
     3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
         "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]],
         "ngram": [[2, 3, 4], [0, 1], []], "mtp-k-schedule": [[0], [], [1, 2, 3, 4]],
-        "mtp-tree": [[0, 1, 2, 3], [], [4]]},
+        "mtp-tree": [[0, 1, 2, 3], [], [4]], "mtp-dtree": [[], [0, 2], [1, 3, 4]]},
 }
 
 
@@ -55,8 +57,7 @@ def llm_kwargs(method, target, out_dir=None, **kw):
             "disable_padded_drafter_batch": method.endswith("-ragged")}
     if method.endswith("-k-schedule"):
         spec["num_speculative_tokens_per_batch_size"] = K_SCHEDULE
-    if method.endswith("-tree"):
-        spec["speculative_token_tree"] = TREE
+    spec.update(TREE.get(method, {}))
     head = None
     if spec["method"] == "mtp":  # built from the MoE config: a MoE layer (cross-rank drafter)
         torch.manual_seed(1)
