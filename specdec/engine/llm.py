@@ -193,10 +193,6 @@ class LLM:
                 raise ValueError(f"async_scheduling=True with {name}={size}: not supported yet;"
                                  " allowed: 1")
         spec = self.spec
-        if spec is not None and spec.tree is not None:
-            raise ValueError("async_scheduling=True with speculative_token_tree: not supported "
-                             "yet (the next step's tree inputs are built on the host); "
-                             "allowed: False, or chain drafting")
         if spec is not None and spec.num_speculative_tokens_policy is not None:
             raise ValueError(f"async_scheduling=True with num_speculative_tokens_policy="
                              f"{spec.num_speculative_tokens_policy!r}: the policy times each "

@@ -146,6 +146,8 @@ class ModelRunner:
         if tree is not None:
             self.tree_path = torch.full((sizes.max_num_reqs, tree.max_depth), -1,
                                         dtype=torch.int64, device=device)
+            if isinstance(tree, StaticTree):  # its nodes' parents, for async scheduling
+                self.tree_parents = torch.tensor(tree.parent, device=device)
         self.step_ks = step_ks or (k,)  # every K a step can run (a K schedule's), ascending
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
         self.max_model_len = max_model_len = sizes.max_model_len
@@ -357,7 +359,8 @@ class ModelRunner:
         [B, 1 + K] int32, -1 past its accepted ones) and the K ``drafts`` [B, K] the
         drafter made for it, written into the step buffers on the device (no host read).
         Positions move on by each request's 1 + accepted; the host bounds by the most
-        (1 + K)."""
+        (1 + K). A draft tree's K drafts are its nodes (a dynamic tree's ``drafts`` [B, 2K]:
+        then their parents), placed as ``_fill_tree`` places them."""
         x, plan = batch.inputs, batch.plan
         b, k, bs = plan.num_reqs, plan.num_spec_tokens, self.block_size
         n = b * (1 + k)
@@ -365,16 +368,43 @@ class ModelRunner:
         known = sampled.gather(1, (valid - 1)[:, None].long())
         start = x.positions[:n].view(b, 1 + k)[:, 0] + valid
         pos = start[:, None] + torch.arange(1 + k, device=start.device)
+        if self.tree is not None:
+            drafts = self._advance_tree(x, b, k, start, drafts)
         ids = known if drafts is None else torch.cat([known, drafts], dim=1)
         x.input_ids[:n].copy_(ids.flatten())
-        x.positions[:n].copy_(pos.flatten())
         blocks = x.block_table[:b].gather(1, (pos // bs).to(torch.int64))
         x.slot_mapping[:n].copy_((blocks * bs + pos % bs).flatten())
+        if self.tree is None:
+            x.positions[:n].copy_(pos.flatten())
         x.seq_lens[:b].copy_(start + 1 + k)
         if drafts is not None:
             x.draft_token_ids[:b, :k].copy_(drafts)
             x.num_draft_tokens[:b].fill_(k)
         return replace(batch, max_seq_len=min(batch.max_seq_len + 1 + k, self.max_model_len))
+
+    def _advance_tree(self, x: StepInputs, b: int, k: int, start: torch.Tensor,
+                      drafts: torch.Tensor) -> torch.Tensor:
+        """``advance_decode``'s tree fields on the device: each node's parent (a static
+        tree's, or the drafter's), depth, ancestors and position (``start`` [B] the roots')
+        -> the drafts' tokens [B, K]."""
+        device = drafts.device
+        if isinstance(self.tree, DynamicTree):
+            drafts, parents = drafts[:, :k], drafts[:, k:].long()
+        else:
+            parents = self.tree_parents[None, 1:].expand(b, k)
+        parents = torch.cat([parents.new_full((b, 1), -1), parents], dim=1)  # [B, 1 + K]
+        depth = torch.zeros_like(parents)
+        ancestors = torch.ones_like(parents)
+        for node in range(1, k + 1):  # parents come first
+            up = parents[:, node:node + 1]
+            depth[:, node:node + 1] = depth.gather(1, up) + 1
+            ancestors[:, node:node + 1] = ancestors.gather(1, up) | (1 << node)
+        n = b * (1 + k)
+        x.tree_parents[:b, :1 + k].copy_(parents)
+        x.tree_depth[:n].copy_(depth.flatten())
+        x.tree_ancestors[:n].copy_(ancestors.flatten())
+        x.positions[:n].copy_((start[:, None] + depth).flatten())
+        return drafts
 
     def graph_query_len(self, plan: StepPlan) -> int:
         """A captured step's bound on tokens per request: 1 + the step's K (uniform decode)
