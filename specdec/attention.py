@@ -156,6 +156,10 @@ class PagedKV:
         self._write_slots: torch.Tensor | None = None
         self._plan = None
         self._state_layout: StateLayout | None = None
+        # the torch formulas: the cache's rule, and a draft tree's mask until the Triton
+        # kernels' tree path has run on a GPU (``platform.unverified_gpu_paths``)
+        self.torch_attention = cache.torch_attention or (
+            meta.tree is not None and not platform.unverified_gpu_paths())
 
     def linear_state(self, layer_idx: int, num_tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor, StateLayout]:
@@ -175,7 +179,7 @@ class PagedKV:
         if self._plan is None:
             self._write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot,
                                             meta.slot_mapping)
-            plan = (kernels.TORCH_IMPLS["plan_paged_attention"] if self.cache.torch_attention
+            plan = (kernels.TORCH_IMPLS["plan_paged_attention"] if self.torch_attention
                     else kernels.plan_paged_attention)
             self._plan = plan(
                 meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
@@ -221,7 +225,7 @@ class PagedKV:
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec,
                    sinks: torch.Tensor | None) -> torch.Tensor:
-        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.cache.torch_attention
+        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.torch_attention
                      else kernels.paged_attention)
         return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
                          scale=spec.scale, softcap=spec.logit_softcap, sinks=sinks)
@@ -239,6 +243,6 @@ class PagedKV:
         plan = self._plan_once(q.shape[0])
         cache = self.cache.k[layer_idx]
         cache.index_copy_(0, self._write_slots, latent.unsqueeze(1))
-        mla = (kernels.TORCH_IMPLS["mla_attention"] if self.cache.torch_attention
+        mla = (kernels.TORCH_IMPLS["mla_attention"] if self.torch_attention
                else kernels.mla_attention)
         return mla(q, cache, plan, value_dim=spec.value_dim, scale=scale)
