@@ -195,20 +195,26 @@ def add_speculation_arguments(
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="method draft_model: the folder of a small causal LM with the target's "
                         "tokenizer (speculative_config.model; default: none)")
+    add_tree_arguments(p, "the drafter")
+    p.add_argument("--no-padded", action="store_true",
+                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
+                        "default: padded)")
+
+
+def add_tree_arguments(p, who: str) -> None:
+    """--speculative-token-tree, --tree-topk, --num-draft-tokens (``tree_keys``); ``who``
+    drafts the tree (e.g. "the drafter")."""
     p.add_argument("--speculative-token-tree", default=None, metavar="PATHS",
-                   help="a static draft tree: vLLM's paths of child ranks, e.g. "
+                   help=f"{who} drafts a static tree: vLLM's paths of child ranks, e.g. "
                         "'[(0,), (1,), (0, 0)]' (the root's top 2, then the first one's top 1); "
                         "-k is its depth, its depth when -k is not given (default: a chain)")
     p.add_argument("--tree-topk", type=int, default=None, metavar="K",
-                   help="a dynamic draft tree (EAGLE-2): each frontier node's K most likely "
-                        "children ranked per depth, -k depths; with --num-draft-tokens "
+                   help=f"{who} drafts a dynamic tree (EAGLE-2): each frontier node's K most "
+                        "likely children ranked per depth, -k depths; with --num-draft-tokens "
                         "(default: a chain)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="a dynamic draft tree's tokens verified per request per step, the "
                         "root included (SGLang's count; default: a chain)")
-    p.add_argument("--no-padded", action="store_true",
-                   help="ragged drafter batch (disable_padded_drafter_batch=True, host-synced; "
-                        "default: padded)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

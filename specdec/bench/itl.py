@@ -51,7 +51,7 @@ from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
 from specdec.engine.draft_tree import StaticTree
 from specdec.engine.inputs import checkpoint_dtype
-from specdec.flags import UsageError, default_device, floats, ints, words
+from specdec.flags import UsageError, add_tree_arguments, default_device, floats, ints, words
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES, SYNTHETIC_DTYPE
 
@@ -142,18 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-path", dest="dataset_path", metavar="FILE",
                    help="the file of --dataset-name custom, sharegpt or spec_bench "
                         "(default: none)")
-    p.add_argument("--speculative-token-tree", metavar="PATHS",
-                   help="every speculative engine drafts this static tree (vLLM's paths of "
-                        "child ranks, e.g. '[(0,), (1,), (0, 0)]'; -k: its depth, the default); "
-                        "methods default to none and the tree drafters, modes to padded "
-                        "(default: chains)")
-    p.add_argument("--tree-topk", type=int, metavar="K",
-                   help="every speculative engine drafts a dynamic tree (EAGLE-2) of -k depths, "
-                        "each frontier node's K best children; with --num-draft-tokens "
-                        "(default: chains)")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N",
-                   help="the dynamic tree's tokens verified per request per step, the root "
-                        "included (default: chains)")
+    add_tree_arguments(p, "every speculative engine (methods: none and the tree drafters "
+                          "unless given; modes: padded)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV blocks of prompt prefixes across requests "
                    "(the engines' default: on)")
