@@ -65,7 +65,7 @@ class SpeculativeConfig:
     # acceptance and step times say emits the most tokens per second (engine/k_policy.py).
     # None: the K above
     num_speculative_tokens_policy: str | None = None
-    # a draft tree (issue 53; ``engine/draft_tree.py``): each step verifies a tree of drafts,
+    # a draft tree (issue 53; ``draft_tree.py``): each step verifies a tree of drafts,
     # num_speculative_tokens its depth. Static: vLLM's key, the tree's paths of child ranks
     # (e.g. "[(0,), (1,), (0, 0)]"), the same tree every step. None: a chain of K drafts
     speculative_token_tree: str | list | None = None
@@ -264,7 +264,7 @@ class SpeculativeConfig:
                                  f"allowed: {False if key.startswith('disable') else None}")
         if self.speculative_token_tree is None:
             return
-        from specdec.engine.draft_tree import StaticTree
+        from specdec.draft_tree import StaticTree
         tree = StaticTree.from_paths(self.speculative_token_tree)
         if tree.max_depth != self.num_speculative_tokens:
             raise ValueError(f"{name} is {tree.max_depth} deep and num_speculative_tokens="
@@ -275,7 +275,7 @@ class SpeculativeConfig:
     def _check_dynamic_tree(self) -> None:
         """tree_topk and num_draft_tokens: both ints, a tree of at most MAX_TREE_NODES nodes
         the candidates can fill, no static tree beside them."""
-        from specdec.engine.draft_tree import MAX_TREE_NODES, DynamicTree
+        from specdec.draft_tree import MAX_TREE_NODES, DynamicTree
         k, n, depth = self.tree_topk, self.num_draft_tokens, self.num_speculative_tokens
         if self.speculative_token_tree is not None:
             raise ValueError("tree_topk / num_draft_tokens (a dynamic tree) with "
@@ -297,7 +297,7 @@ class SpeculativeConfig:
     @property
     def tree(self):
         """The ``StaticTree`` or ``DynamicTree`` each step verifies, or None (a chain)."""
-        from specdec.engine.draft_tree import DynamicTree, StaticTree
+        from specdec.draft_tree import DynamicTree, StaticTree
         if self.tree_topk is not None:
             return DynamicTree(self.tree_topk, self.num_draft_tokens,
                                self.num_speculative_tokens)

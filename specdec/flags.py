@@ -109,7 +109,7 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
                              "and no drafter runs here; give --method (mtp, eagle, eagle3)")
         spec.update(tree)
         if not k_given and "speculative_token_tree" in tree:
-            from specdec.engine.draft_tree import StaticTree  # torch: only when asked
+            from specdec.draft_tree import StaticTree  # torch: only when asked
             try:
                 spec["num_speculative_tokens"] = StaticTree.from_paths(
                     tree["speculative_token_tree"]).max_depth

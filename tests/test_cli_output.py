@@ -44,7 +44,7 @@ def fake_results(k: int = 3, methods=itl.METHODS, concs=(1, 4, 64), itl_of=None)
                 summary = dict(itl_ms=dict(mean=mean, p99=123.45), ttft_ms=dict(mean=1234.5),
                                output_tokens_per_s=12345.0, acceptance_length=2.8,
                                per_position_acceptance_rate=[0.82] * kk, host_syncs_per_step=14.0,
-                               captured_share=0.875,
+                               captured_share=0.875, prefix_cache_hit_rate=0.25,
                                spread={key: dict(mean=1.0, std=0.1, p10=0.9, p90=1.1) for key in
                                        ("itl_mean_ms", "output_tokens_per_s")})
                 configs.append(dict(name=f"{m}-{mode}-k{kk}-c{c}-p32-o32", method=m, mode=mode,

@@ -1,4 +1,4 @@
-"""Static draft trees (``engine/draft_tree.py``): vLLM's ``speculative_token_tree`` paths as
+"""Static draft trees (``draft_tree.py``): vLLM's ``speculative_token_tree`` paths as
 node arrays -- the worked example, a chain, random prefix-closed trees (parents before
 children, ancestors = the path's nodes), the mask the attention plan takes, and the errors."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from specdec.engine.draft_tree import MAX_TREE_NODES, StaticTree
+from specdec.draft_tree import MAX_TREE_NODES, StaticTree
 from specdec.engine.tree_sampler import tree_rejection_sample
 
 

@@ -49,7 +49,7 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  synthetic_model, weight_read)
 from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
-from specdec.engine.draft_tree import StaticTree
+from specdec.draft_tree import StaticTree
 from specdec.engine.inputs import checkpoint_dtype
 from specdec.flags import UsageError, add_tree_arguments, default_device, floats, ints, words
 from specdec.graphs import BACKENDS

@@ -13,6 +13,7 @@ def _f(x, fmt=".2f") -> str:
 TABLE_COLUMNS = ("method", "mode", "K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s",
                  "acc\nlen", "acc rate per\nposition", "syncs\n/step", "capt\n%", "hit\n%")
 RATES = "acc rate per\nposition"
+HIT = "hit\n%"
 NUMERIC = ("K", "conc", "ITL\nmean", "ITL\np99", "TTFT\nmean", "tok/s", "acc\nlen", "syncs\n/step",
            "capt\n%", "hit\n%")
 
@@ -22,6 +23,7 @@ def _row(c: dict) -> dict:
     s = c["summary"]
     itl = s["itl_ms"]
     mode = c["mode"] if c.get("tree") is None else f"{c['mode']}, {c['tree']}"
+    hit = s.get("prefix_cache_hit_rate")  # (a results file from before prefix caching: none)
     return {"method": c["method"], "mode": mode, "K": str(c["k"] or "-"),
             "conc": str(c["concurrency"]), "category": c.get("category") or "-",
             "ITL\nmean": _f(itl["mean"]),
@@ -31,7 +33,7 @@ def _row(c: dict) -> dict:
             "syncs\n/step": _f(s["host_syncs_per_step"], ".1f"),
             "capt\n%": _f(100 * s["captured_share"], ".0f"),
             # prefix-cache hit rate: hit prompt tokens / prompt tokens looked up
-            "hit\n%": _f(s["prefix_cache_hit_rate"] and 100 * s["prefix_cache_hit_rate"], ".0f")}
+            "hit\n%": _f(hit and 100 * hit, ".0f")}
 
 
 def table_title(results: dict) -> str:
@@ -75,8 +77,9 @@ def results_table(results: dict, width: int | None = None):
     full = _table(results, columns, title, caption)
     if width is None or Console(width=10_000).measure(full).maximum <= width:
         return full
-    main = _table(results, [c for c in columns if c != RATES], title, caption)
-    rates = _table(results, with_category(results, ("method", "mode", "K", "conc", RATES)),
+    second = (HIT, RATES)  # the per-position rates and the hit rate: a table of their own
+    main = _table(results, [c for c in columns if c not in second], title, caption)
+    rates = _table(results, with_category(results, ("method", "mode", "K", "conc", *second)),
                    None, None)
     return Group(main, rates)
 

@@ -495,7 +495,10 @@ def options(args) -> dict:
     return opts
 
 
-def run_from_args(args) -> int:
+def run_from_args(args, turns_bench=None) -> int:
+    """``specdec bench serve``; ``turns_bench``: the multi-turn replay's ``bench``
+    (``specdec.bench.multiturn``, which builds on this module: the command line hands it
+    in), run for --multi-turn."""
     try:
         import aiohttp  # noqa: F401
         import httpx  # noqa: F401
@@ -533,11 +536,7 @@ def run_from_args(args) -> int:
         model = args.served_model_name or served_model(base_url)
         label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
         server = server_info(base_url, model, args.launch)
-        if opts["multi_turn"]:
-            from specdec.bench import multiturn
-            run = multiturn.bench
-        else:
-            run = bench
+        run = turns_bench if opts["multi_turn"] else bench
         results = run(opts, base_url, model, label, k, console,
                       mode=endpoint_mode(spec, args.launch), server=server)
     finally:

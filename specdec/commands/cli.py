@@ -13,6 +13,7 @@ engine flags, building an LLM, UsageError) is in ``specdec.flags``.
 """
 
 import argparse
+import functools
 import importlib.metadata
 import sys
 
@@ -26,12 +27,14 @@ def add_bench_parser(sub) -> None:
     itl = import_bench()
     itl.add_arguments(p)
     p.set_defaults(func=itl.run_from_args)
+    from specdec.bench import multiturn
     from specdec.bench import serve as bench_serve
     endpoint = p.add_subparsers(dest="bench_target", parser_class=OneLineParser).add_parser(
         "serve", help="measure an OpenAI-compatible endpoint (specdec serve, vllm serve)",
         description=bench_serve.__doc__.split("\n")[0])
     bench_serve.add_arguments(endpoint)
-    endpoint.set_defaults(func=bench_serve.run_from_args)
+    endpoint.set_defaults(func=functools.partial(bench_serve.run_from_args,
+                                                 turns_bench=multiturn.bench))
 
 
 def add_serve_parser(sub) -> None:

@@ -33,7 +33,7 @@ from specdec.dp import DPContext
 from specdec.engine.counter_rng import request_key
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.penalties import process_logits
-from specdec.engine.draft_tree import DynamicTree, StaticTree, node_shapes
+from specdec.draft_tree import DynamicTree, StaticTree, node_shapes
 from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
                                               rejection_sample, target_probs, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
@@ -41,6 +41,7 @@ from specdec.engine.step_buffers import StepBuffers, StepInputs
 from specdec.engine.tree_sampler import tree_rejection_sample
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
+from specdec.kernels import request_slots
 from specdec.kernels.paged_attention_torch import TreeMask
 from specdec.models.layers.moe import attach_parallel
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
@@ -558,18 +559,13 @@ class ModelRunner:
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         path = torch.where(x.discard_mask[:, None], -1, verdict.path)
         root = (first - 1)[:, None]  # the accepted node at depth j moves to root + j
-        src = self._slots(x.block_table, root + path.clamp(min=0))
-        dst = self._slots(x.block_table,
-                          root + torch.arange(1, depth + 1, device=root.device)[None])
+        src = request_slots(x.block_table, root + path.clamp(min=0), self.block_size)
+        dst = request_slots(x.block_table,
+                            root + torch.arange(1, depth + 1, device=root.device)[None],
+                            self.block_size)
         self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
         self.tree_path[:b].copy_(path)
         return sampled
-
-    def _slots(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """[B, J] int64 slots of key positions ``pos`` [B, J] of each request."""
-        bs = self.block_size
-        col = (pos // bs).clamp(max=block_table.shape[1] - 1)
-        return block_table.to(torch.int64).gather(1, col) * bs + pos % bs
 
     def chain_view(self, x: StepInputs) -> torch.Tensor:
         """[Np] int64: the step's tokens seen as a chain (the drafter's first pass): a

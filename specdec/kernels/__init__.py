@@ -43,6 +43,7 @@ from specdec.kernels.reference import (
     PaddedPrep,
     gather_backup_tokens,
     prepare_next_token_ids_padded,
+    request_slots,
     slot_mapping_for_positions,
 )
 
@@ -110,6 +111,7 @@ __all__ = [
     "prepare_inputs_padded",
     "prepare_next_token_ids_padded",
     "prepare_padded_step",
+    "request_slots",
     "rms_norm",
     "shift_first_pass_input_ids",
     "slot_mapping_for_positions",

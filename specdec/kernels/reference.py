@@ -119,6 +119,17 @@ def shift_first_pass_input_ids(
                            next_token_ids.to(target_input_ids.dtype))
 
 
+def request_slots(block_table: torch.Tensor, positions: torch.Tensor,
+                  block_size: int) -> torch.Tensor:
+    """``slot_mapping_for_positions`` of J positions per request: block_table [B, M] int32,
+    positions [B, J] int64 (row b: request b's) -> slots [B, J] int64.
+
+    Example: block_table = [[7, 3]], block_size = 4, positions = [[0, 5]] -> [[28, 13]]."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+    return slot_mapping_for_positions(positions.flatten(), rows.expand_as(positions).flatten(),
+                                      block_table, block_size).view(positions.shape)
+
+
 def slot_mapping_for_positions(
     positions: torch.Tensor,
     req_indices: torch.Tensor,

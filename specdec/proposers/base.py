@@ -41,7 +41,7 @@ import torch
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
-from specdec.engine.draft_tree import DynamicTree, StaticTree
+from specdec.draft_tree import DynamicTree, StaticTree
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import (
     DraftStep,
@@ -49,6 +49,7 @@ from specdec.kernels import (
     advance_draft_step,
     gather_backup_tokens,
     prepare_padded_step,
+    request_slots,
     shift_first_pass_input_ids,
 )
 from specdec.kernels.paged_attention_torch import TreeMask
@@ -598,7 +599,8 @@ class HeadProposer(PaddedProposer):
         last = p + head_rows[-1]
         inactive = (rows >= num_reqs)[:, None] | (last >= self.max_model_len)
         pos = torch.where(inactive, depth, p + depth).expand(bp, m)
-        slots = self._slots(block_table, (p + head_rows[None]).clamp(max=self.max_model_len - 1))
+        slots = request_slots(block_table, (p + head_rows[None]).clamp(
+            max=self.max_model_len - 1), self.block_size)
         seq_lens = torch.where(inactive, head_rows[-1] + 1, last + 1)[:, 0]
         tree = TreeMask(head_rows.repeat(bp), head_rows.new_full((bp * m,), depth),
                         ancestors.flatten())
@@ -610,12 +612,6 @@ class HeadProposer(PaddedProposer):
         logits_h, out = self.head(tokens.flatten(), pos.flatten(), hidden.flatten(0, 1),
                                   kv=self.kv.bind(meta))
         return logits_h.view(bp, m, -1), out.view(bp, m, -1)
-
-    def _slots(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """[Bp, J] int64 slots of head rows ``pos`` [Bp, J] of each request."""
-        bs = self.block_size
-        col = (pos // bs).clamp(max=block_table.shape[1] - 1)
-        return block_table.to(torch.int64).gather(1, col) * bs + pos % bs
 
     # ---- an idle DP rank ----------------------------------------------------------------------
     @torch.inference_mode()
