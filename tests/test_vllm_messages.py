@@ -69,7 +69,7 @@ def test_suffix_k_is_the_depth_on_the_command_line_as_in_the_api():
             "num_speculative_tokens"] == k
 
 
-@pytest.mark.parametrize("argv", [["bench", "--dataset-name", "random", "--quick"],
+@pytest.mark.parametrize("argv", [["bench", "--random-prefix-len", "8", "--quick"],
                                   ["bench", "--random-input-len=32", "x"]])
 def test_an_unknown_bench_flag_is_named(argv, capsys):
     with pytest.raises(SystemExit) as e:

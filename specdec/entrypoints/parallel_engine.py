@@ -114,6 +114,14 @@ def run_rank_process(rank: int, dp_size: int, tp_size: int, store: str, llm_kwar
         return
 
 
+def _pending(conn):
+    """What a rank sent on ``conn`` and is not read yet; None: nothing (or it hung up)."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
 class ParallelEngine(EngineFrontend):
     """``specdec serve``'s engine over ``data_parallel_size`` x ``tensor_parallel_size`` rank
     processes (``run_rank_process``, ``num_threads`` torch threads each), built from
@@ -172,7 +180,12 @@ class ParallelEngine(EngineFrontend):
                 dead = [(r, p.exitcode) for r, p in enumerate(self.processes)
                         if p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
+                    # a leader that refused sent why before it exited: that is the error
+                    errors = [m[1] for m in map(_pending, self.conns)
+                              if isinstance(m, tuple)]
                     self.discard()
+                    if errors:
+                        raise RuntimeError(errors[0])
                     raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} "
                                        "before it was ready" if dead else
                                        f"the rank processes did not start within "
