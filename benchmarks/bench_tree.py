@@ -29,7 +29,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.sweep import PromptSource
-from specdec.engine.draft_tree import StaticTree
+from specdec.draft_tree import StaticTree
 
 WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
