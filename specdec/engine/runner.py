@@ -16,7 +16,8 @@ first use). With ``compile_dynamic`` no step is captured: every
 step runs the dynamically compiled target step with its own bounds, compiled in two parts
 (the forward, once per row layout; the verification, once per sampling variant too).
 Sampling draws counter-based random numbers (``counter_rng``), so a replay needs no generator
-state.
+state. A draft tree's step (``tree``) feeds each decode's nodes and verifies them with
+``verify_tree``; the drafter then reads the accepted path as a chain (``chain_view``).
 """
 
 import functools

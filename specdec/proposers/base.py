@@ -22,7 +22,9 @@ KV pages and one static-shape *padded step* per step: for Np tokens and Bp reque
 
 K is the step's (``StepPlan.num_spec_tokens``: a K schedule picks it per step; a static value
 of the step graph, so each K has its own graphs). K = 0 still runs the first pass: the head's
-KV then has every token, so drafting can resume at any later step.
+KV then has every token, so drafting can resume at any later step. A draft tree
+(``speculative_token_tree``, or ``tree_topk`` + ``num_draft_tokens``) replaces the loop with
+``padded_tree``: one head forward per depth over that depth's nodes, under a tree mask.
 
 Graph mode is a wrapper around that one function (`specdec.graphs.StepGraph`, whose ``run``
 picks for each step, as for the runner's target step): a capturable step (``plan.capturable``:
@@ -553,6 +555,8 @@ class HeadProposer(PaddedProposer):
             tokens.append(child.view(bp, k * k))
             scores.append(child_score)
             parents.append(frontier[..., None].expand(bp, k, k).flatten(1))
+            if depth == t.max_depth - 1:  # the leaves: no frontier after them
+                break
             best = child_score.topk(k, dim=1).indices  # the next frontier, [Bp, k]
             up = best // k  # its parents' places in this frontier
             first = k + (depth - 1) * k * k  # this depth's first candidate
