@@ -137,8 +137,8 @@ def main() -> None:
             for size in (8, 16):
                 best = max((f for n, f in figures.items() if n.startswith(f"{kind} {size} ")),
                            key=lambda f: f["acceptance_length"])
-                print(f"{method}: best {kind} of {size} drafts / chain K=3 AL "
-                      f"{best['acceptance_length'] / figures['chain K=3']['acceptance_length']:.2f}")
+                ratio = best["acceptance_length"] / figures["chain K=3"]["acceptance_length"]
+                print(f"{method}: best {kind} of {size} drafts / chain K=3 AL {ratio:.2f}")
         best = max((f for n, f in figures.items() if n.split()[1] == "8"),
                    key=lambda f: f["acceptance_length"])
         out[method] = {"rows": figures}
