@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from specdec.distributed import TPContext
 from specdec.dp import DPContext
+from specdec.draft_tree import DynamicTree, node_shapes
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
-from specdec.draft_tree import DynamicTree, node_shapes
 from specdec.engine.k_policy import GoodputPolicy
 from specdec.engine.outputs import STEP_GRAPHS, StepRecord
 from specdec.engine.rejection_sampler import valid_tokens

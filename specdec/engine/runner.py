@@ -31,10 +31,10 @@ import torch
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.distributed import TPContext
 from specdec.dp import DPContext
+from specdec.draft_tree import DynamicTree, StaticTree, node_shapes
 from specdec.engine.counter_rng import request_key
 from specdec.engine.logprobs import token_logprobs
 from specdec.engine.penalties import process_logits
-from specdec.draft_tree import DynamicTree, StaticTree, node_shapes
 from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
                                               rejection_sample, target_probs, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
