@@ -1,5 +1,6 @@
-"""A static draft tree (issue 53): vLLM's ``speculative_token_tree`` as the arrays a padded
-tree step runs on.
+"""Draft trees (issue 53): a static one (vLLM's ``speculative_token_tree``) as the arrays a
+padded tree step runs on, a dynamic one's (EAGLE-2) sizes, and any tree's node shapes from its
+parents (``node_shapes``).
 
 vLLM's key lists the tree's paths, each a tuple of child ranks from the root: ``(0,)`` the
 root's most likely child, ``(1,)`` its second, ``(0, 0)`` the most likely child of ``(0,)``.
@@ -11,15 +12,11 @@ and itself (``TreeMask``'s). A chain of K drafts is ``[(0,), (0, 0), (0, 0, 0), 
 
 Example: paths [(0,), (1,), (0, 0)] -> nodes root, (0,), (1,), (0, 0):
 parent [-1, 0, 0, 1], depth [0, 1, 1, 2], rank [0, 0, 1, 0],
-ancestors [0b1, 0b11, 0b101, 0b1011], top_k per depth [2, 1].
+ancestors [0b1, 0b11, 0b101, 0b1011].
 """
 
 import ast
 from dataclasses import dataclass
-
-import torch
-
-from specdec.kernels.paged_attention_torch import TreeMask
 
 MAX_TREE_NODES = 63  # the root and 62 drafts: an int64 ancestors bitmask
 
@@ -64,14 +61,10 @@ class StaticTree:
                              f"{MAX_TREE_NODES - 1}")
         ordered = sorted(seen, key=lambda p: (len(p), p))
         number = {p: k + 1 for k, p in enumerate(ordered)}
-        parent, depth, rank, ancestors = [-1], [0], [0], [1]
-        for k, p in enumerate(ordered, start=1):
-            up = number.get(p[:-1], 0)
-            parent.append(up)
-            depth.append(len(p))
-            rank.append(p[-1])
-            ancestors.append(ancestors[up] | (1 << k))
-        return cls(tuple(ordered), tuple(parent), tuple(depth), tuple(rank), tuple(ancestors))
+        parent = [-1] + [number.get(p[:-1], 0) for p in ordered]
+        depth, ancestors = node_shapes(parent)
+        return cls(tuple(ordered), tuple(parent), tuple(depth), (0, *(p[-1] for p in ordered)),
+                   tuple(ancestors))
 
     @classmethod
     def chain(cls, k: int) -> "StaticTree":
@@ -85,19 +78,6 @@ class StaticTree:
     @property
     def max_depth(self) -> int:
         return max(self.depth)
-
-    def top_k(self) -> list[int]:
-        """Per depth 1..max_depth, the most children any node has there (the drafts a depth's
-        forward must rank)."""
-        return [1 + max(r for r, d in zip(self.rank, self.depth) if d == level)
-                for level in range(1, self.max_depth + 1)]
-
-    def mask(self, num_reqs: int, device=None) -> TreeMask:
-        """The ``TreeMask`` of ``num_reqs`` requests, each verifying this tree (its root and
-        drafts, ``num_nodes`` tokens) back to back."""
-        def rep(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device).repeat(num_reqs)
-        return TreeMask(rep(range(self.num_nodes)), rep(self.depth), rep(self.ancestors))
 
     @property
     def head_rows(self) -> int:

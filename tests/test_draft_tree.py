@@ -1,12 +1,13 @@
 """Static draft trees (``draft_tree.py``): vLLM's ``speculative_token_tree`` paths as
 node arrays -- the worked example, a chain, random prefix-closed trees (parents before
-children, ancestors = the path's nodes), the mask the attention plan takes, and the errors."""
+children, ancestors = the path's nodes; ``node_shapes`` from a dynamic tree's parents), and
+the errors."""
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from specdec.draft_tree import MAX_TREE_NODES, StaticTree
+from specdec.draft_tree import MAX_TREE_NODES, StaticTree, node_shapes
 from specdec.engine.tree_sampler import tree_rejection_sample
 
 
@@ -14,12 +15,12 @@ def test_worked_example():
     tree = StaticTree.from_paths("[(0,), (1,), (0, 0)]")
     assert tree.parent == (-1, 0, 0, 1) and tree.depth == (0, 1, 1, 2)
     assert tree.rank == (0, 0, 1, 0) and tree.ancestors == (0b1, 0b11, 0b101, 0b1011)
-    assert tree.top_k() == [2, 1] and tree.num_nodes == 4 and tree.max_depth == 2
+    assert tree.num_nodes == 4 and tree.max_depth == 2
 
 
 def test_a_chain_is_every_earlier_node_its_ancestor():
     tree = StaticTree.chain(4)
-    assert tree.parent == (-1, 0, 1, 2, 3) and tree.top_k() == [1, 1, 1, 1]
+    assert tree.parent == (-1, 0, 1, 2, 3) and tree.rank == (0,) * 5
     assert tree.ancestors == tuple(2 ** (k + 1) - 1 for k in range(5))
 
 
@@ -36,9 +37,14 @@ def test_random_trees(raw):
         assert up < k and tree.depth[k] == len(path) and tree.rank[k] == path[-1]
         assert (tree.paths[up - 1] if up else ()) == path[:-1]
         assert tree.ancestors[k] == tree.ancestors[up] | 1 << k
-    mask = tree.mask(3)
-    assert mask.node.tolist() == list(range(tree.num_nodes)) * 3
-    assert mask.ancestors.tolist() == list(tree.ancestors) * 3
+
+
+
+def test_node_shapes_of_parents_given_per_request():
+    """A dynamic tree's parents (any tree, parents first): depth and ancestors as the worked
+    example's, and as a path's nodes for a deeper one."""
+    assert node_shapes([-1, 0, 0, 1]) == ([0, 1, 1, 2], [0b1, 0b11, 0b101, 0b1011])
+    assert node_shapes([-1, 0, 1, 1, 3]) == ([0, 1, 2, 2, 3], [1, 3, 7, 11, 27])
 
 
 def test_greedy_verification_keeps_the_path_the_target_agrees_with():

@@ -48,8 +48,9 @@ def _max(a, b):
 @triton.jit
 def _mla_attention_kernel(q_ptr, q_stride_t, q_stride_h, c_ptr, c_stride_s, out_ptr,
                           out_stride_t, out_stride_h, req_ptr, qsl_ptr, seq_lens_ptr,
-                          table_ptr, table_stride, scale, node_ptr, depth_ptr,
-                          ancestors_ptr, HAS_TREE: tl.constexpr, HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                          table_ptr, table_stride, scale, node_ptr, ancestors_ptr,
+                          HAS_TREE: tl.constexpr, HEADS: tl.constexpr, LATENT: tl.constexpr,
+                          ROPE: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_N: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
@@ -131,7 +132,9 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: "TritonPlan", *, valu
     _mla_attention_kernel[(n, triton.cdiv(h, HEADS_PER_PROGRAM))](
         q, q.stride(0), q.stride(1), cache, cache.stride(0), out, out.stride(0),
         out.stride(1), req, qsl, seq_lens, table, table.stride(0), scale,
-        *(tree or (req, req, req)), HAS_TREE=tree is not None, HEADS=h, LATENT=value_dim, ROPE=rope, BLOCK_SIZE=block_size,
+        # (MLA has no window: a node's depth is not read)
+        *((tree.node, tree.ancestors) if tree is not None else (req, req)),
+        HAS_TREE=tree is not None, HEADS=h, LATENT=value_dim, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=HEADS_PER_PROGRAM, BLOCK_L=max(16, triton.next_power_of_2(value_dim)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=ROWS_PER_ITERATION,
         ACC=acc, DOT=_DOT_TYPES[cache.dtype])
