@@ -109,12 +109,7 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
                              "and no drafter runs here; give --method (mtp, eagle, eagle3)")
         spec.update(tree)
         if not k_given and "speculative_token_tree" in tree:
-            from specdec.draft_tree import StaticTree  # torch: only when asked
-            try:
-                spec["num_speculative_tokens"] = StaticTree.from_paths(
-                    tree["speculative_token_tree"]).max_depth
-            except ValueError as e:
-                raise UsageError(f"--speculative-token-tree: {e}") from None
+            spec["num_speculative_tokens"] = tree_depth(tree["speculative_token_tree"])
     if draft_model is not None:
         if spec is None or spec.get("method") != "draft_model":
             raise UsageError(f"--draft-model={draft_model!r} is method draft_model's folder; "
@@ -153,6 +148,16 @@ def speculation_from_args(args) -> dict | None:
                               tree_keys(args))
     refuse_drafter_flags_without_a_drafter(args, spec)
     return spec
+
+
+def tree_depth(paths) -> int:
+    """The depth of --speculative-token-tree's tree (its K when -k is not given); a bad tree
+    is a UsageError naming the flag."""
+    from specdec.draft_tree import StaticTree
+    try:
+        return StaticTree.from_paths(paths).max_depth
+    except ValueError as e:
+        raise UsageError(f"--speculative-token-tree: {e}") from None
 
 
 def tree_keys(args) -> dict:

@@ -49,9 +49,9 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  synthetic_model, weight_read)
 from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
-from specdec.draft_tree import StaticTree
 from specdec.engine.inputs import checkpoint_dtype
-from specdec.flags import UsageError, add_tree_arguments, default_device, floats, ints, words
+from specdec.flags import (UsageError, add_tree_arguments, default_device, floats, ints,
+                           tree_depth, tree_keys, words)
 from specdec.graphs import BACKENDS
 from specdec.models.synthetic import SHAPES, SYNTHETIC_DTYPE
 
@@ -160,18 +160,13 @@ def sweep_from_args(args) -> dict:
         v = getattr(args, key, None)
         if v is not None:
             sweep[key] = v
-    tree = {key: getattr(args, key) for key in ("speculative_token_tree", "tree_topk",
-                                                 "num_draft_tokens")
-            if getattr(args, key, None) is not None}
+    tree = tree_keys(args)
     if tree:  # the drafters that draft trees, padded; a static tree's depth as K
         sweep["tree"] = tree
         sweep.setdefault("methods", ["none", *TREE_METHODS])
         sweep.setdefault("modes", ["padded"])
         if "speculative_token_tree" in tree and "k" not in sweep:
-            try:
-                sweep["k"] = [StaticTree.from_paths(tree["speculative_token_tree"]).max_depth]
-            except ValueError as e:
-                raise UsageError(f"--speculative-token-tree: {e}") from None
+            sweep["k"] = [tree_depth(tree["speculative_token_tree"])]
     sweep.setdefault("device", default_device())  # LLM's rule: the accelerator if present
     sweep["dtype"] = resolve_dtype(sweep)
     return check_sweep(sweep)

@@ -179,7 +179,7 @@ class LLM:
 
     def _check_tree(self, target) -> None:
         """speculative_token_tree: refused where a tree step cannot keep its state."""
-        if any(isinstance(s, LinearStateSpec) for s in target.kv_cache_spec()):
+        if has_linear_attention(target):
             raise ValueError(
                 f"speculative_token_tree with {type(target).__name__}: its linear-attention "
                 "layers keep one recurrent state per draft position of a chain, not per "
@@ -439,9 +439,14 @@ class LLM:
         return self._generate(ids, per_prompt, texts)
 
 
+def has_linear_attention(target) -> bool:
+    """Whether a layer of ``target`` keeps a recurrent state (Qwen3.5's gated DeltaNet)."""
+    return any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec())
+
+
 def no_prefix_caching(target, drafter) -> str | None:
     """Why prefix caching cannot run with this target and drafter class; None: it can."""
-    if any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec()):
+    if has_linear_attention(target):
         return (f"{type(target).__name__} has linear-attention layers, whose recurrent state "
                 "cannot be rebuilt from cached KV blocks")
     if drafter is not None and drafter.reads_prompt_states:

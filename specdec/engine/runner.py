@@ -97,6 +97,11 @@ def processed_variant(params, vocab_size: int) -> str:
             else "processed_sorted")
 
 
+def top_k_width(variant: str) -> int | None:
+    """W of a "processed_top<W>" variant (top-k from a topk of W); None for any other."""
+    return int(variant[len("processed_top"):]) if variant.startswith("processed_top") else None
+
+
 def forward_then_verify(forward: Callable, verify: Callable, x: StepInputs, *, max_seq_len: int,
                         max_query_len: int, variant: str, num_rows: int
                         ) -> tuple[torch.Tensor, ...]:
@@ -149,7 +154,7 @@ class ModelRunner:
             self.tree_path = torch.full((sizes.max_num_reqs, tree.max_depth), -1,
                                         dtype=torch.int64, device=device)
             if isinstance(tree, StaticTree):  # its nodes' parents, for async scheduling
-                self.tree_parents = torch.tensor(tree.parent, device=device)
+                self.static_parents = torch.tensor(tree.parent, device=device)
         self.step_ks = step_ks or (k,)  # every K a step can run (a K schedule's), ascending
         self.max_num_seqs = max_num_seqs = sizes.max_num_seqs
         self.max_model_len = max_model_len = sizes.max_model_len
@@ -393,7 +398,7 @@ class ModelRunner:
         if isinstance(self.tree, DynamicTree):
             drafts, parents = drafts[:, :k], drafts[:, k:].long()
         else:
-            parents = self.tree_parents[None, 1:].expand(b, k)
+            parents = self.static_parents[None, 1:].expand(b, k)
         parents = torch.cat([parents.new_full((b, 1), -1), parents], dim=1)  # [B, 1 + K]
         depth = torch.zeros_like(parents)
         ancestors = torch.ones_like(parents)
@@ -515,7 +520,7 @@ class ModelRunner:
                                     x.repetition_penalty, x.frequency_penalty,
                                     x.presence_penalty)
             sort = variant == "processed_sorted"  # else processed, processed_top<W>
-            width = int(variant[len("processed_top"):]) if "_top" in variant else None
+            width = top_k_width(variant)
             sampled = rejection_sample(logits, drafts, x.num_draft_tokens, x.temperature,
                                        x.rng_key, first, x.top_p if sort else None,
                                        x.top_k if sort or width else None, x.min_p,
@@ -543,13 +548,13 @@ class ModelRunner:
         tokens = torch.cat([torch.zeros_like(x.draft_token_ids[:, :1]),
                             torch.where(live, x.draft_token_ids[:, :num_rows - 1], -1)], dim=1)
         greedy = x.temperature < GREEDY_TEMPERATURE
-        probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        probs = logits.float()  # greedy rows: the sampler takes their argmax
         if variant != "greedy":
             sort = variant in ("top_p", "processed_sorted")
-            width = int(variant[len("processed_top"):]) if "_top" in variant else None
+            width = top_k_width(variant)
             processed = variant.startswith("processed")
             sampled_probs = target_probs(
-                logits.float(), torch.where(greedy, 1.0, x.temperature),
+                probs, torch.where(greedy, 1.0, x.temperature),
                 x.top_p if sort else None, x.top_k if processed and (sort or width) else None,
                 x.min_p if processed else None, width)
             probs = torch.where(greedy[:, None, None], probs, sampled_probs)

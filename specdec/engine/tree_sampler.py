@@ -50,7 +50,8 @@ def tree_rejection_sample(probs: torch.Tensor, tokens: torch.Tensor, parents: to
                           temperature: torch.Tensor, keys: torch.Tensor,
                           counters: torch.Tensor, depth: int,
                           draft_probs: torch.Tensor | None = None) -> TreeVerdict:
-    """probs [B, n, V] float: the target's (processed) distribution at each node; tokens
+    """probs [B, n, V] float: the target's (processed) distribution at each node (a greedy
+    row's: any scores whose argmax is the target's token, e.g. its logits); tokens
     [B, n] int: each node's token (node 0's unused; one outside [0, V) is never accepted);
     parents [B, n] int (module docstring); temperature [B] (< 1e-5: greedy); keys, counters
     [B] int64 as ``rejection_sample``'s (counter: the position the root's row samples);

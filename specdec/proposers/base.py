@@ -219,7 +219,8 @@ class HeadProposer(PaddedProposer):
         self.head = head
         # a synthetic head's set acceptance (models/synthetic.DraftProfile); None: its drafts
         self.draft_profile = getattr(head, "draft_profile", None)
-        self.tree = config.tree  # a StaticTree: ``padded_tree`` drafts it; None: chains
+        # a StaticTree or DynamicTree: ``padded_tree`` drafts it; None: chains
+        self.tree = config.tree
         if self.tree is not None and self.draft_profile is not None:
             raise ValueError("speculative_token_tree with a synthetic head's draft "
                              "acceptance profile (it sets a chain's rates); allowed: one")
