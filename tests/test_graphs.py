@@ -533,12 +533,15 @@ def test_compile_dynamic_steps_compile_once_with_or_without_the_host_sync_counte
 def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes(monkeypatch):
     """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
     the frozen weights' prepacked matmuls) for the CPU steps give the eager engine's tokens,
-    greedy and sampled, in each row layout of the step: two prompts together (request-major
-    rows), their decodes (token-major), a 17-token prompt among them (segments). The model is
-    the embedded one's shape with one layer and seeded weights. Inductor's compiles are most
-    of this test, so it compiles only what these arrivals need: no warm-up (the eager-backend
-    tests above prove it), and never one request alone (dynamo specializes a size of 1: a
-    graph per such step) -- the late prompt asks for fewer tokens, so all three end together.
+    greedy and sampled rows side by side, in each row layout of the step: two prompts
+    together (request-major rows), their decodes (token-major), a 17-token prompt among them
+    (segments). The model is the embedded one's shape with one layer and seeded weights.
+    Inductor's compiles are most of this test, so it compiles only what these arrivals need:
+    no warm-up (the eager-backend tests above prove it), one sampling variant (a sampled
+    request runs in every step, so the greedy rows go through the sampled variant's argmax
+    branch: an all-greedy step's graph differs only in its last op), and never one request
+    alone (dynamo specializes a size of 1: a graph per such step) -- the late prompt asks for
+    fewer tokens, so all three end together.
     """
     import dataclasses
 
@@ -547,15 +550,16 @@ def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes
     config = dataclasses.replace(ModelConfig.from_folder(DEFAULT_MODEL), num_hidden_layers=1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=3)
 
-    def arrivals(llm, **sampling):
-        first = [llm.add_request(list(range(3 + i, 9 + i)),
-                                 SamplingParams(max_tokens=8, ignore_eos=True, **sampling))
-                 for i in range(2)]
+    def arrivals(llm):
+        first = [llm.add_request(list(range(3 + i, 9 + i)), params)
+                 for i, params in enumerate((sampled, greedy))]
         llm.step()
         llm.step()
         late = llm.add_request(list(range(20, 37)),
-                               SamplingParams(max_tokens=6, ignore_eos=True, **sampling))
+                               SamplingParams(max_tokens=6, ignore_eos=True))
         while llm.step() is not None:
             pass
         assert all(s.num_reqs >= 2 for s in llm.steps if s.num_reqs)
@@ -567,8 +571,6 @@ def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes
     assert arrivals(llm) == arrivals(eager)
     # request-major prefill, token-major decodes, a 17-token chunk among two decodes
     assert [(s.num_reqs, s.num_tokens) for s in llm.steps[:3]] == [(2, 12), (2, 2), (3, 19)]
-    sampled = dict(temperature=0.8, seed=3)
-    assert arrivals(llm, **sampled) == arrivals(eager, **sampled)
 
 
 async def send_waves(url: str, llm) -> None:
