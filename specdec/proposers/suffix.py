@@ -35,31 +35,48 @@ class SuffixTree:
         self.size = 0  # tokens held, over every sequence
         self._open: dict[object, list[int]] = {}  # sequence key -> nodes of its open suffixes
 
-    def _child(self, node: int, token: int) -> int:
-        """The child of ``node`` for ``token``, made (count 0) if it is not there."""
-        child = self.children[node].get(token)
-        if child is None:
-            if self._free:
-                child = self._free.pop()
-            else:
-                child = len(self.counts)
-                self.counts.append(0)
-                self.children.append({})
-            self.children[node][token] = child
-        return child
+    def _new_node(self) -> int:
+        """A node with count 0 and no children (a freed one first)."""
+        if self._free:
+            return self._free.pop()
+        self.counts.append(0)
+        self.children.append({})
+        return len(self.counts) - 1
+
+    def _walk(self, node: int, tokens: list[int]) -> int:
+        """Count one more occurrence of each string ``node``'s string + ``tokens[:j]`` (j = 1
+        .. len(tokens)), making the nodes missing -> the last one's node."""
+        counts, children = self.counts, self.children
+        for t in tokens:
+            below = children[node]
+            child = below.get(t)
+            if child is None:
+                child = below[t] = self._new_node()
+            counts[child] += 1
+            node = child
+        return node
 
     def extend(self, key, tokens: list[int]) -> None:
-        """Append ``tokens`` to sequence ``key`` (a new key starts a sequence)."""
+        """Append ``tokens`` to sequence ``key`` (a new key starts a sequence).
+
+        The sequence's open suffixes (the nodes of its last 1 .. depth - 1 tokens, longest
+        first) each walk on by the new tokens until they reach the depth, then each new
+        token starts a suffix of its own that walks to the depth or the end: one walk per
+        start position, each string counted once, as the trie's definition counts them."""
         open_nodes = self._open.setdefault(key, [])
-        self.size += len(tokens)
-        for t in tokens:
-            grown = []
-            for node in open_nodes + [0]:
-                child = self._child(node, t)
-                self.counts[child] += 1
-                grown.append(child)
-            # a suffix that reached the depth stops growing: keep the deepest depth - 1 open
-            open_nodes[:] = grown[-(self.depth - 1):] if self.depth > 1 else []
+        depth, n = self.depth, len(tokens)
+        self.size += n
+        still_open = []
+        for i, node in enumerate(open_nodes):
+            length = len(open_nodes) - i  # longest first: lengths len(open_nodes) .. 1
+            node = self._walk(node, tokens[:depth - length])
+            if length + n < depth:  # it took every new token and is still short
+                still_open.append(node)
+        for s in range(n):
+            node = self._walk(0, tokens[s:s + depth])
+            if n - s < depth:
+                still_open.append(node)
+        open_nodes[:] = still_open
 
     def close(self, key) -> None:
         """Sequence ``key`` gets no more tokens (its counts stay)."""
