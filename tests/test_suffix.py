@@ -154,3 +154,5 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
         accepted.append(sum(sum(o.num_accepted) for o in outs))
     assert 0 < accepted[0] < accepted[1]
     assert len(llm.core.proposer.cached_order) == 2 * len(PROMPTS) and not llm.core.proposer.own
+    # the cached tree holds the outputs alone (vLLM's global tree: responses, no prompts)
+    assert llm.core.proposer.cached.size == 2 * sum(len(o.token_ids) for o in outs)

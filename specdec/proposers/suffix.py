@@ -1,5 +1,6 @@
-"""Suffix decoding: drafts from a suffix tree over the request's own tokens and over recent
-finished requests (vLLM's ``method: "suffix"`` keys; ArcticInference's rule).
+"""Suffix decoding: drafts from a suffix tree over the request's own tokens and one over the
+outputs of recent finished requests (vLLM's ``method: "suffix"`` keys; ArcticInference's
+rule).
 
 Each tree counts, for every string of up to ``max_tree_depth`` tokens, its occurrences in
 the sequences it holds (``SuffixTree``: a trie of every suffix cut at that depth, counts on
@@ -152,7 +153,8 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
 
 class SuffixProposer(HostProposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
-    request's own tree and one tree over the last ``max_cached_requests`` finished ones."""
+    request's own tree and one tree over the outputs of the last ``max_cached_requests``
+    finished ones."""
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
         super().__init__(config, max_model_len=max_model_len)
@@ -178,13 +180,15 @@ class SuffixProposer(HostProposer):
         return (other if other[0] > own[0] else own)[1]
 
     def on_finish(self, request, keep: bool = True) -> None:
-        """A request ended: drop its own tree; cache its tokens unless not ``keep`` (an
+        """A request ended: drop its own tree; cache its output (its response: the prompt is
+        not cached, as vLLM's global tree holds responses only) unless not ``keep`` (an
         engine's warm-up requests), the oldest out past ``max_cached_requests``."""
         self.own.pop(request.request_id, None)
         if self.max_cached == 0 or not keep:
             return
-        self.cached.extend(request.request_id, request.token_ids)
+        output = request.output_token_ids
+        self.cached.extend(request.request_id, output)
         self.cached.close(request.request_id)
-        self.cached_order.append(list(request.token_ids))
+        self.cached_order.append(output)
         if len(self.cached_order) > self.max_cached:
             self.cached.remove(self.cached_order.pop(0))
