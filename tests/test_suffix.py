@@ -156,3 +156,18 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
     assert len(llm.core.proposer.cached_order) == 2 * len(PROMPTS) and not llm.core.proposer.own
     # the cached tree holds the outputs alone (vLLM's global tree: responses, no prompts)
     assert llm.core.proposer.cached.size == 2 * sum(len(o.token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    ({"method": "suffix", "num_speculative_tokens": 8}, 1),
+    ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3}, 1),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, 2)], ids=["suffix", "ngram", "eagle3"])
+def test_host_drafters_reserve_no_draft_rows(spec, blocks):
+    """A 16-token prompt's prefill step holds one 16-token KV block with a host drafter (its
+    drafts take slots only when a step verifies them); a draft head's loop writes K rows past
+    the step, so the step reserves a second block. Fewer reserved blocks evict fewer cached
+    prefixes when the pool is full."""
+    llm = LLM(speculative_config=spec, max_num_seqs=1, max_model_len=128)
+    req = llm.add_request(list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()
+    assert len(req.block_ids) == blocks
