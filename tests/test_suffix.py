@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.proposers.suffix import SuffixTree, tree_drafts
+from specdec.proposers.suffix import SuffixTree, TokenIndex, index_drafts, tree_drafts
 
 SEQ = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 
@@ -98,20 +98,26 @@ def test_the_garbage_collector_tracks_no_node():
 @given(SEQ, st.lists(SEQ, max_size=3), st.integers(1, 6), st.integers(1, 5),
        st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.0, 0.1, 0.4]))
 def test_proposals_equal_the_brute_force_rule(tokens, others, depth, k, factor, min_prob):
-    """In the request's own tree (its tokens, a match must occur once more) and in a tree of
-    other sequences."""
-    got = tree_drafts(tree_of([tokens], depth), tokens, k, factor, min_prob, own=True)
+    """In the request's own index (its tokens, a match must occur once more; taken a few
+    tokens at a time) and in a tree of other sequences."""
+    index = TokenIndex()
+    for end in range(1, len(tokens) + 1, 3):
+        index.extend(tokens[:end])
+    index.extend(tokens)
+    got = index_drafts(index, depth, k, factor, min_prob)
     want = reference([tokens], tokens, k, factor, min_prob, depth, own=True)
     assert got[1] == want[1] and got[0] == pytest.approx(want[0])
     if others:
-        got = tree_drafts(tree_of(others, depth), tokens, k, factor, min_prob, own=False)
+        got = tree_drafts(tree_of(others, depth), tokens, k, factor, min_prob)
         want = reference(others, tokens, k, factor, min_prob, depth, own=False)
         assert got[1] == want[1] and got[0] == pytest.approx(want[0])
 
 
 def test_docstring_example():
     tokens = [1, 2, 3, 1, 2]
-    assert tree_drafts(tree_of([tokens], 24), tokens, 2, 1.0, 0.1, own=True) == (1.0, [3, 1])
+    index = TokenIndex()
+    index.extend(tokens)
+    assert index_drafts(index, 24, 2, 1.0, 0.1) == (1.0, [3, 1])
 
 
 def test_suffix_keys_default_to_vllms_and_are_checked():

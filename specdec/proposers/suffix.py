@@ -13,6 +13,12 @@ products; the best score over m wins (ties: the longer match), then the better o
 trees (ties: the request's own). Example (own tree, tokens [1, 2, 3, 1, 2], K = 2, factor 1):
 m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matches [1, 2]
 -> [3, 1] (1/2, 1/2) with score 1.0, the best.
+
+The request's own "tree" is not built as a trie: a prompt of n tokens would cost n x depth
+node updates in the step that ends its prefill (about 10 ms for 800 tokens on a CPU, on
+every request's time to first token). ``TokenIndex`` keeps the positions of each token
+instead (n appends) and ``index_drafts`` counts the same strings by narrowing the positions
+that match, with the same rule and the same drafts.
 """
 
 from specdec.config import SpeculativeConfig
@@ -137,13 +143,13 @@ def best_path(tree: SuffixTree, node: int, limit: int, min_prob: float
 
 
 def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
-                min_prob: float, own: bool) -> tuple[float, list[int]]:
-    """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree``
-    (``own``: the tree holds ``tokens`` itself, so a match must occur once more)."""
+                min_prob: float) -> tuple[float, list[int]]:
+    """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree`` (a
+    tree of other sequences)."""
     best = (0.0, [])
     for m in range(1, min(tree.depth, len(tokens)) + 1):
         node = tree.find(tokens[len(tokens) - m:])
-        if node is None or tree.counts[node] < 1 + own:
+        if node is None:
             break
         found = best_path(tree, node, min(k, int(m * factor)), min_prob)
         if found[1] and found[0] >= best[0]:
@@ -151,9 +157,63 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     return best
 
 
+class TokenIndex:
+    """One sequence's tokens and, per token id, the positions where it occurs (ascending):
+    what ``index_drafts`` counts strings of the sequence from."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.at: dict[int, list[int]] = {}
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Take the sequence's tokens past the ones held (``token_ids``: all of them)."""
+        for p in range(len(self.tokens), len(token_ids)):
+            t = token_ids[p]
+            self.tokens.append(t)
+            self.at.setdefault(t, []).append(p)
+
+
+def index_drafts(index: TokenIndex, depth: int, k: int, factor: float,
+                 min_prob: float) -> tuple[float, list[int]]:
+    """``tree_drafts`` of a sequence in its own tree (a trie of ``depth`` over it), from the
+    positions instead: the ends of the matches of its last m tokens (its own end among them,
+    so a match must occur once more) narrow as m grows; from them the path takes the most
+    frequent next token (ties: the smaller) while the running product of (matches followed
+    by it) / (matches) stays >= ``min_prob``, the string at most ``depth`` long."""
+    seq = index.tokens
+    n = len(seq)
+    ends = index.at.get(seq[-1], []) if n else []
+    best = (0.0, [])
+    for m in range(1, min(depth, n) + 1):
+        if m > 1:
+            want = seq[n - m]
+            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
+        if len(ends) < 2:
+            break
+        limit = min(k, int(m * factor), depth - m)
+        cur, prob, score, out = ends, 1.0, 0.0, []
+        while len(out) < limit:
+            nexts: dict[int, int] = {}
+            for p in cur:
+                if p + 1 < n:
+                    nexts[seq[p + 1]] = nexts.get(seq[p + 1], 0) + 1
+            if not nexts:
+                break
+            token, c = max(nexts.items(), key=lambda kv: (kv[1], -kv[0]))
+            prob *= c / len(cur)
+            if prob < min_prob:
+                break
+            score += prob
+            out.append(token)
+            cur = [p + 1 for p in cur if p + 1 < n and seq[p + 1] == token]
+        if out and score >= best[0]:
+            best = (score, out)
+    return best
+
+
 class SuffixProposer(HostProposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
-    request's own tree and one tree over the outputs of the last ``max_cached_requests``
+    request's own index and one tree over the outputs of the last ``max_cached_requests``
     finished ones."""
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
@@ -162,25 +222,25 @@ class SuffixProposer(HostProposer):
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
-        self.own: dict[str, SuffixTree] = {}  # running request id -> its tokens' tree
+        self.own: dict[str, TokenIndex] = {}  # running request id -> its tokens' index
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
-        K, none past max_model_len). ``k`` 0: nothing at all; its tree takes the tokens since
-        its last proposal at the next one (a request that ends first never builds it)."""
+        K, none past max_model_len). ``k`` 0: nothing at all; its index takes the tokens
+        since its last proposal at the next one (a request that ends first never builds it)."""
         k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
-        tree = self.own.setdefault(request_id, SuffixTree(self.depth))
-        tree.extend(request_id, token_ids[tree.size:])  # the tokens since its last proposal
-        own = tree_drafts(tree, token_ids, k, self.factor, self.min_prob, own=True)
-        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob, own=False)
+        index = self.own.setdefault(request_id, TokenIndex())
+        index.extend(token_ids)  # the tokens since its last proposal
+        own = index_drafts(index, self.depth, k, self.factor, self.min_prob)
+        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob)
         return (other if other[0] > own[0] else own)[1]
 
     def on_finish(self, request, keep: bool = True) -> None:
-        """A request ended: drop its own tree; cache its output (its response: the prompt is
+        """A request ended: drop its own index; cache its output (its response: the prompt is
         not cached, as vLLM's global tree holds responses only) unless not ``keep`` (an
         engine's warm-up requests), the oldest out past ``max_cached_requests``."""
         self.own.pop(request.request_id, None)
