@@ -161,7 +161,9 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
     assert 0 < accepted[0] < accepted[1]
     assert len(llm.core.proposer.cached_order) == 2 * len(PROMPTS) and not llm.core.proposer.own
     # the cached tree holds the outputs alone (vLLM's global tree: responses, no prompts)
-    assert llm.core.proposer.cached.size == 2 * sum(len(o.token_ids) for o in outs)
+    cached = llm.core.proposer.cached  # its 1-token strings count every token it holds
+    assert sum(cached.counts[c] for c in cached.children[0].values()) == 2 * sum(
+        len(o.token_ids) for o in outs)
 
 
 @pytest.mark.parametrize("spec, blocks", [

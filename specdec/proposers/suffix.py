@@ -39,7 +39,6 @@ class SuffixTree:
         self.counts = [0]
         self.children: list[dict[int, int]] = [{}]
         self._free: list[int] = []  # ids of removed nodes, reused first
-        self.size = 0  # tokens held, over every sequence
         self._open: dict[object, list[int]] = {}  # sequence key -> nodes of its open suffixes
 
     def _new_node(self) -> int:
@@ -72,7 +71,6 @@ class SuffixTree:
         start position, each string counted once, as the trie's definition counts them."""
         open_nodes = self._open.setdefault(key, [])
         depth, n = self.depth, len(tokens)
-        self.size += n
         still_open = []
         for i, node in enumerate(open_nodes):
             length = len(open_nodes) - i  # longest first: lengths len(open_nodes) .. 1
@@ -92,7 +90,6 @@ class SuffixTree:
     def remove(self, tokens: list[int]) -> None:
         """Take a whole sequence added earlier out of the counts (nodes left at 0 go, with
         the nodes below them)."""
-        self.size -= len(tokens)
         for start in range(len(tokens)):
             node = 0
             for t in tokens[start:start + self.depth]:
