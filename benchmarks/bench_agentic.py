@@ -9,7 +9,9 @@ request's send to its last chunk's arrival (client clock), so it includes the ro
 first token (the prefill of the turn's new text) as well as the decode. Printed per turn and
 pooled over every round of a run (all output tokens / the sum of the round spans), with TTFT
 p50 and the acceptance length, and the suffix / plain ratio per pair: the median and the
-min-max over the pairs.
+min-max over the pairs. Each pair's line also gives the machine's 1-minute load average: a
+loaded machine slows plain's many small steps more than suffix's fewer ones, so the ratio
+is only comparable between runs under like loads.
 
     python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
         [--out /tmp/bench-agentic]
@@ -17,6 +19,7 @@ min-max over the pairs.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,7 +78,7 @@ def main() -> None:
         pair = {side: figures(run(flags, out / f"pair{i}-{side}")) for side, flags in sides.items()}
         pairs.append(pair)
         keys = [k for k in pair["plain"] if k in pair["spec"]]
-        print(f"pair {i + 1}: " + "  ".join(
+        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): " + "  ".join(
             f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
             f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x" for k in keys),
             flush=True)
