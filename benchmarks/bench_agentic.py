@@ -9,9 +9,9 @@ request's send to its last chunk's arrival (client clock), so it includes the ro
 first token (the prefill of the turn's new text) as well as the decode. Printed per turn and
 pooled over every round of a run (all output tokens / the sum of the round spans), with TTFT
 p50 and the acceptance length, and the suffix / plain ratio per pair: the median and the
-min-max over the pairs. Each pair's line also gives the machine's 1-minute load average: a
-loaded machine slows plain's many small steps more than suffix's fewer ones, so the ratio
-is only comparable between runs under like loads.
+min-max over the pairs. Each pair's line also gives the machine's 1-minute load average: on
+a shared machine a load spike in one run of a pair moves that pair's ratio (plain ran at
+91-210 tok/s within an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
 
     python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
         [--out /tmp/bench-agentic]
