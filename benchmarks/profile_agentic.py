@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the served engine's on this 2-core CPU)")
     args = p.parse_args()
+    for name in ("repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}={getattr(args, name)}: allowed an int >= 1")
     torch.set_num_threads(args.threads)
     kw = dict(max_num_seqs=4, max_model_len=model_limit(None), max_num_batched_tokens=256)
     engines = {"plain": LLM(**kw), "spec": LLM(speculative_config=json.loads(
@@ -99,14 +102,13 @@ def main() -> None:
     keys = ("wall_s", "search_s", "output_tokens", "prefill_steps", "prefill_s",
             "prefill_tokens", "decode_steps", "decode_s", "decode_reqs", "fed", "rows", "emitted")
     stats = {name: dict.fromkeys(keys, 0) for name in engines}
-    tok = engines["plain"].tokenizer.tokenizer if hasattr(engines["plain"].tokenizer,
-                                                           "tokenizer") else None
+    tok = _tokenizer()
     opts = dict(num_prompts=4, _concurrency=4, multi_turn=5, dataset_name="spec_bench",
                 dataset_path=str(TRACE), prompt_len=64)
     for name, llm in engines.items():  # warm-up: generated text, nothing of the trace
         llm.generate(["def main():"] * 4, max_tokens=32, ignore_eos=True)
     for r in range(args.repeats):
-        convs = multiturn.conversations(opts, tok or _tokenizer(), r)
+        convs = multiturn.conversations(opts, tok, r)
         for name, llm in engines.items():
             replay_repeat(llm, probes[name], convs, stats[name])
     for name, s in stats.items():
@@ -120,10 +122,12 @@ def main() -> None:
               f"{s['rows'] / ds:.1f} logits rows, {s['emitted'] / ds:.2f} tokens emitted; "
               f"drafter search {s['search_s']:.2f} s = {s['search_s'] / s['wall_s']:.0%}")
     a, b = stats["plain"], stats["spec"]
-    print(f"spec / plain tok/s: {(b['output_tokens'] / b['wall_s']) / (a['output_tokens'] / a['wall_s']):.2f}")
+    ratio = (b["output_tokens"] / b["wall_s"]) / (a["output_tokens"] / a["wall_s"])
+    print(f"spec / plain tok/s: {ratio:.2f}")
 
 
 def _tokenizer():
+    """The embedded model's tokenizer (the bench's, which makes the conversations)."""
     from tokenizers import Tokenizer
 
     from specdec.engine.llm import DEFAULT_MODEL
