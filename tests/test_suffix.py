@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.proposers.suffix import SuffixTree, tree_drafts
+from specdec.proposers.suffix import SuffixTree, TokenIndex, index_drafts, tree_drafts
 
 SEQ = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 
@@ -98,20 +98,26 @@ def test_the_garbage_collector_tracks_no_node():
 @given(SEQ, st.lists(SEQ, max_size=3), st.integers(1, 6), st.integers(1, 5),
        st.sampled_from([0.5, 1.0, 2.0]), st.sampled_from([0.0, 0.1, 0.4]))
 def test_proposals_equal_the_brute_force_rule(tokens, others, depth, k, factor, min_prob):
-    """In the request's own tree (its tokens, a match must occur once more) and in a tree of
-    other sequences."""
-    got = tree_drafts(tree_of([tokens], depth), tokens, k, factor, min_prob, own=True)
+    """In the request's own index (its tokens, a match must occur once more; taken a few
+    tokens at a time) and in a tree of other sequences."""
+    index = TokenIndex()
+    for end in range(1, len(tokens) + 1, 3):
+        index.extend(tokens[:end])
+    index.extend(tokens)
+    got = index_drafts(index, depth, k, factor, min_prob)
     want = reference([tokens], tokens, k, factor, min_prob, depth, own=True)
     assert got[1] == want[1] and got[0] == pytest.approx(want[0])
     if others:
-        got = tree_drafts(tree_of(others, depth), tokens, k, factor, min_prob, own=False)
+        got = tree_drafts(tree_of(others, depth), tokens, k, factor, min_prob)
         want = reference(others, tokens, k, factor, min_prob, depth, own=False)
         assert got[1] == want[1] and got[0] == pytest.approx(want[0])
 
 
 def test_docstring_example():
     tokens = [1, 2, 3, 1, 2]
-    assert tree_drafts(tree_of([tokens], 24), tokens, 2, 1.0, 0.1, own=True) == (1.0, [3, 1])
+    index = TokenIndex()
+    index.extend(tokens)
+    assert index_drafts(index, 24, 2, 1.0, 0.1) == (1.0, [3, 1])
 
 
 def test_suffix_keys_default_to_vllms_and_are_checked():
@@ -154,3 +160,22 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
         accepted.append(sum(sum(o.num_accepted) for o in outs))
     assert 0 < accepted[0] < accepted[1]
     assert len(llm.core.proposer.cached_order) == 2 * len(PROMPTS) and not llm.core.proposer.own
+    # the cached tree holds the outputs alone (vLLM's global tree: responses, no prompts)
+    cached = llm.core.proposer.cached  # its 1-token strings count every token it holds
+    assert sum(cached.counts[c] for c in cached.children[0].values()) == 2 * sum(
+        len(o.token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("spec, blocks", [
+    ({"method": "suffix", "num_speculative_tokens": 8}, 1),
+    ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3}, 1),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, 2)], ids=["suffix", "ngram", "eagle3"])
+def test_host_drafters_reserve_no_draft_rows(spec, blocks):
+    """A 16-token prompt's prefill step holds one 16-token KV block with a host drafter (its
+    drafts take slots only when a step verifies them); a draft head's loop writes K rows past
+    the step, so the step reserves a second block. Fewer reserved blocks evict fewer cached
+    prefixes when the pool is full."""
+    llm = LLM(speculative_config=spec, max_num_seqs=1, max_model_len=128)
+    req = llm.add_request(list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()
+    assert len(req.block_ids) == blocks

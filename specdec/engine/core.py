@@ -101,7 +101,7 @@ class EngineCore:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.allocator,
             num_speculative_tokens=k, fill_drafts=self.padded and backend.fixed_shapes,
             pick_k=self._pick_k(k), reserve_ahead=1 + k if async_scheduling else 0,
-            draft_rows=k if self.tree is None else self.tree.max_depth + self.tree.head_rows,
+            draft_rows=self._draft_rows(k),
             on_finish=None if self.proposer is None else self._on_finish)
         use_cpu_gemm_layout(target, head)  # before graph capture / compilation
         self.runner = ModelRunner(
@@ -119,6 +119,14 @@ class EngineCore:
             dist.barrier(group=tp.group)
         if backend.dynamic and dp.size == 1:
             self.graph_warmup_seconds += self._warm_up_code_paths()
+
+    def _draft_rows(self, k: int) -> int:
+        """The drafter's K/V rows past a step's tokens: K (a chain's draft loop), a tree's
+        depth and head rows, or none for a host drafter (ngram, suffix: no draft model; its
+        drafts take KV slots only when a step verifies them)."""
+        if self.proposer is None or not self.proposer.drafts_on_device:
+            return 0
+        return k if self.tree is None else self.tree.max_depth + self.tree.head_rows
 
     def _pick_k(self, k: int):
         """The scheduler's (batch size, decode-only step) -> K: the speculative config's K

@@ -1,5 +1,6 @@
-"""Suffix decoding: drafts from a suffix tree over the request's own tokens and over recent
-finished requests (vLLM's ``method: "suffix"`` keys; ArcticInference's rule).
+"""Suffix decoding: drafts from a suffix tree over the request's own tokens and one over the
+outputs of recent finished requests (vLLM's ``method: "suffix"`` keys; ArcticInference's
+rule).
 
 Each tree counts, for every string of up to ``max_tree_depth`` tokens, its occurrences in
 the sequences it holds (``SuffixTree``: a trie of every suffix cut at that depth, counts on
@@ -12,6 +13,12 @@ products; the best score over m wins (ties: the longer match), then the better o
 trees (ties: the request's own). Example (own tree, tokens [1, 2, 3, 1, 2], K = 2, factor 1):
 m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matches [1, 2]
 -> [3, 1] (1/2, 1/2) with score 1.0, the best.
+
+The request's own "tree" is not built as a trie: a prompt of n tokens would cost n x depth
+node updates in the step that ends its prefill (about 10 ms for 800 tokens on a CPU, on
+every request's time to first token). ``TokenIndex`` keeps the positions of each token
+instead (n appends) and ``index_drafts`` counts the same strings by narrowing the positions
+that match, with the same rule and the same drafts.
 """
 
 from specdec.config import SpeculativeConfig
@@ -32,34 +39,49 @@ class SuffixTree:
         self.counts = [0]
         self.children: list[dict[int, int]] = [{}]
         self._free: list[int] = []  # ids of removed nodes, reused first
-        self.size = 0  # tokens held, over every sequence
         self._open: dict[object, list[int]] = {}  # sequence key -> nodes of its open suffixes
 
-    def _child(self, node: int, token: int) -> int:
-        """The child of ``node`` for ``token``, made (count 0) if it is not there."""
-        child = self.children[node].get(token)
-        if child is None:
-            if self._free:
-                child = self._free.pop()
-            else:
-                child = len(self.counts)
-                self.counts.append(0)
-                self.children.append({})
-            self.children[node][token] = child
-        return child
+    def _new_node(self) -> int:
+        """A node with count 0 and no children (a freed one first)."""
+        if self._free:
+            return self._free.pop()
+        self.counts.append(0)
+        self.children.append({})
+        return len(self.counts) - 1
+
+    def _walk(self, node: int, tokens: list[int]) -> int:
+        """Count one more occurrence of each string ``node``'s string + ``tokens[:j]`` (j = 1
+        .. len(tokens)), making the nodes missing -> the last one's node."""
+        counts, children = self.counts, self.children
+        for t in tokens:
+            below = children[node]
+            child = below.get(t)
+            if child is None:
+                child = below[t] = self._new_node()
+            counts[child] += 1
+            node = child
+        return node
 
     def extend(self, key, tokens: list[int]) -> None:
-        """Append ``tokens`` to sequence ``key`` (a new key starts a sequence)."""
+        """Append ``tokens`` to sequence ``key`` (a new key starts a sequence).
+
+        The sequence's open suffixes (the nodes of its last 1 .. depth - 1 tokens, longest
+        first) each walk on by the new tokens until they reach the depth, then each new
+        token starts a suffix of its own that walks to the depth or the end: one walk per
+        start position, each string counted once, as the trie's definition counts them."""
         open_nodes = self._open.setdefault(key, [])
-        self.size += len(tokens)
-        for t in tokens:
-            grown = []
-            for node in open_nodes + [0]:
-                child = self._child(node, t)
-                self.counts[child] += 1
-                grown.append(child)
-            # a suffix that reached the depth stops growing: keep the deepest depth - 1 open
-            open_nodes[:] = grown[-(self.depth - 1):] if self.depth > 1 else []
+        depth, n = self.depth, len(tokens)
+        still_open = []
+        for i, node in enumerate(open_nodes):
+            length = len(open_nodes) - i  # longest first: lengths len(open_nodes) .. 1
+            node = self._walk(node, tokens[:depth - length])
+            if length + n < depth:  # it took every new token and is still short
+                still_open.append(node)
+        for s in range(n):
+            node = self._walk(0, tokens[s:s + depth])
+            if n - s < depth:
+                still_open.append(node)
+        open_nodes[:] = still_open
 
     def close(self, key) -> None:
         """Sequence ``key`` gets no more tokens (its counts stay)."""
@@ -68,7 +90,6 @@ class SuffixTree:
     def remove(self, tokens: list[int]) -> None:
         """Take a whole sequence added earlier out of the counts (nodes left at 0 go, with
         the nodes below them)."""
-        self.size -= len(tokens)
         for start in range(len(tokens)):
             node = 0
             for t in tokens[start:start + self.depth]:
@@ -119,13 +140,13 @@ def best_path(tree: SuffixTree, node: int, limit: int, min_prob: float
 
 
 def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
-                min_prob: float, own: bool) -> tuple[float, list[int]]:
-    """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree``
-    (``own``: the tree holds ``tokens`` itself, so a match must occur once more)."""
+                min_prob: float) -> tuple[float, list[int]]:
+    """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree`` (a
+    tree of other sequences)."""
     best = (0.0, [])
     for m in range(1, min(tree.depth, len(tokens)) + 1):
         node = tree.find(tokens[len(tokens) - m:])
-        if node is None or tree.counts[node] < 1 + own:
+        if node is None:
             break
         found = best_path(tree, node, min(k, int(m * factor)), min_prob)
         if found[1] and found[0] >= best[0]:
@@ -133,9 +154,64 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     return best
 
 
+class TokenIndex:
+    """One sequence's tokens and, per token id, the positions where it occurs (ascending):
+    what ``index_drafts`` counts strings of the sequence from."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.at: dict[int, list[int]] = {}
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Take the sequence's tokens past the ones held (``token_ids``: all of them)."""
+        for p in range(len(self.tokens), len(token_ids)):
+            t = token_ids[p]
+            self.tokens.append(t)
+            self.at.setdefault(t, []).append(p)
+
+
+def index_drafts(index: TokenIndex, depth: int, k: int, factor: float,
+                 min_prob: float) -> tuple[float, list[int]]:
+    """``tree_drafts`` of a sequence in its own tree (a trie of ``depth`` over it), from the
+    positions instead: the ends of the matches of its last m tokens (its own end among them,
+    so a match must occur once more) narrow as m grows; from them the path takes the most
+    frequent next token (ties: the smaller) while the running product of (matches followed
+    by it) / (matches) stays >= ``min_prob``, the string at most ``depth`` long."""
+    seq = index.tokens
+    n = len(seq)
+    ends = index.at.get(seq[-1], []) if n else []
+    best = (0.0, [])
+    for m in range(1, min(depth, n) + 1):
+        if m > 1:
+            want = seq[n - m]
+            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
+        if len(ends) < 2:
+            break
+        limit = min(k, int(m * factor), depth - m)
+        cur, prob, score, out = ends, 1.0, 0.0, []
+        while len(out) < limit:
+            nexts: dict[int, int] = {}
+            for p in cur:
+                if p + 1 < n:
+                    nexts[seq[p + 1]] = nexts.get(seq[p + 1], 0) + 1
+            if not nexts:
+                break
+            token, c = max(nexts.items(), key=lambda kv: (kv[1], -kv[0]))
+            prob *= c / len(cur)
+            if prob < min_prob:
+                break
+            score += prob
+            out.append(token)
+            cur = [p + 1 for p in cur if p + 1 < n and seq[p + 1] == token]
+        if out and score >= best[0]:
+            best = (score, out)
+    return best
+
+
 class SuffixProposer(HostProposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
-    request's own tree and one tree over the last ``max_cached_requests`` finished ones."""
+    request's own index and one tree over the outputs of the last ``max_cached_requests``
+    finished ones."""
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int):
         super().__init__(config, max_model_len=max_model_len)
@@ -143,31 +219,33 @@ class SuffixProposer(HostProposer):
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
-        self.own: dict[str, SuffixTree] = {}  # running request id -> its tokens' tree
+        self.own: dict[str, TokenIndex] = {}  # running request id -> its tokens' index
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
-        K, none past max_model_len). ``k`` 0: nothing at all; its tree takes the tokens since
-        its last proposal at the next one (a request that ends first never builds it)."""
+        K, none past max_model_len). ``k`` 0: nothing at all; its index takes the tokens
+        since its last proposal at the next one (a request that ends first never builds it)."""
         k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
-        tree = self.own.setdefault(request_id, SuffixTree(self.depth))
-        tree.extend(request_id, token_ids[tree.size:])  # the tokens since its last proposal
-        own = tree_drafts(tree, token_ids, k, self.factor, self.min_prob, own=True)
-        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob, own=False)
+        index = self.own.setdefault(request_id, TokenIndex())
+        index.extend(token_ids)  # the tokens since its last proposal
+        own = index_drafts(index, self.depth, k, self.factor, self.min_prob)
+        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob)
         return (other if other[0] > own[0] else own)[1]
 
     def on_finish(self, request, keep: bool = True) -> None:
-        """A request ended: drop its own tree; cache its tokens unless not ``keep`` (an
+        """A request ended: drop its own index; cache its output (its response: the prompt is
+        not cached, as vLLM's global tree holds responses only) unless not ``keep`` (an
         engine's warm-up requests), the oldest out past ``max_cached_requests``."""
         self.own.pop(request.request_id, None)
         if self.max_cached == 0 or not keep:
             return
-        self.cached.extend(request.request_id, request.token_ids)
+        output = request.output_token_ids
+        self.cached.extend(request.request_id, output)
         self.cached.close(request.request_id)
-        self.cached_order.append(list(request.token_ids))
+        self.cached_order.append(output)
         if len(self.cached_order) > self.max_cached:
             self.cached.remove(self.cached_order.pop(0))

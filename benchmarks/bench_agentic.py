@@ -1,0 +1,102 @@
+"""Suffix decoding against plain decoding on the agentic trace, served, side by side: pairs of
+``specdec bench serve --launch --multi-turn`` runs (plain, suffix, plain, suffix, ...), each a
+fresh server with prefix caching on, so the drift of a shared machine hits both alike.
+
+Each run is exactly the command of docs/benchmarks.md "The agentic trace" (4 conversations in
+flight, 5 turns, 32 output tokens, 3 repeats; ``--speculative-config`` for the suffix side).
+Tokens/s is the multi-turn report's: a round's output tokens over its span, from its first
+request's send to its last chunk's arrival (client clock), so it includes the round's time to
+first token (the prefill of the turn's new text) as well as the decode. Printed per turn and
+pooled over every round of a run (all output tokens / the sum of the round spans), with TTFT
+p50 and the acceptance length, and the suffix / plain ratio per pair: the median and the
+min-max over the pairs. Each pair's line also gives the machine's 1-minute load average: on
+a shared machine a load spike in one run of a pair moves that pair's ratio (plain ran at
+91-210 tok/s within an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
+
+    python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
+        [--out /tmp/bench-agentic]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
+COMMON = ["--multi-turn", "5", "--concurrency", "4", "--num-prompts", "4", "--output-len", "32",
+          "--dataset-name", "spec_bench", "--dataset-path", str(TRACE), "--repeats", "3"]
+
+
+def run(side_args: list[str], out: Path) -> dict:
+    """One ``specdec bench serve --launch`` run -> its config (turns and repeats)."""
+    subprocess.run([sys.executable, "-m", "specdec.commands.cli", "bench", "serve", "--launch",
+                    *side_args, *COMMON, "--out", str(out)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return json.loads((out / "results.json").read_text())["configs"][0]
+
+
+def figures(config: dict) -> dict:
+    """Per turn (1-based) and "all": tokens/s (output tokens / summed round spans), TTFT p50
+    (ms) and acceptance length, over the run's repeats."""
+    by_turn: dict = {}
+    for rounds in config["repeats"]:
+        for t, r in enumerate(rounds, 1):
+            for key in (t, "all"):
+                acc = by_turn.setdefault(key, dict(tokens=0, span=0.0, ttft=[], acc=0, steps=0))
+                acc["tokens"] += r["output_tokens"]
+                acc["span"] += r["span_s"]
+                acc["ttft"] += r["ttft_ms"]
+                acc["acc"] += r["accepted"]
+                acc["steps"] += r["verify_steps"]
+    # "all" last (it was made with turn 1)
+    return {key: dict(tok_s=a["tokens"] / a["span"], ttft_p50=statistics.median(a["ttft"]),
+                      acc_len=1 + a["acc"] / a["steps"] if a["steps"] else 1.0)
+            for key, a in sorted(by_turn.items(), key=lambda kv: kv[0] == "all")}
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="plain/suffix pairs (default 3)")
+    p.add_argument("--speculative-config", default='{"method":"suffix"}',
+                   help="the speculative side's config (default suffix, vLLM's defaults)")
+    p.add_argument("--out", default="/tmp/bench-agentic", help="the runs' results folders")
+    args = p.parse_args()
+    if args.pairs < 1:
+        raise SystemExit(f"--pairs={args.pairs}: allowed an int >= 1")
+    sides = {"plain": ["--method", "none"],
+             "spec": ["--speculative-config", args.speculative_config]}
+    out = Path(args.out)
+    pairs = []
+    for i in range(args.pairs):
+        pair = {side: figures(run(flags, out / f"pair{i}-{side}")) for side, flags in sides.items()}
+        pairs.append(pair)
+        keys = [k for k in pair["plain"] if k in pair["spec"]]
+        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): " + "  ".join(
+            f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
+            f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x" for k in keys),
+            flush=True)
+    keys = [k for k in pairs[0]["plain"] if all(k in q[s] for q in pairs for s in sides)]
+    print(f"\n{args.speculative_config} vs plain, {args.pairs} interleaved pairs; median "
+          "(min-max) over pairs")
+    print("turn | plain tok/s | spec tok/s | spec/plain tok/s | TTFT p50 ms plain | spec | "
+          "spec acc len")
+    for k in keys:
+        col = {s: [q[s][k] for q in pairs] for s in sides}
+        print(" | ".join([str(k), spread([x["tok_s"] for x in col["plain"]]),
+                          spread([x["tok_s"] for x in col["spec"]]),
+                          spread([b["tok_s"] / a["tok_s"] for a, b in zip(col["plain"],
+                                                                         col["spec"])]),
+                          spread([x["ttft_p50"] for x in col["plain"]]),
+                          spread([x["ttft_p50"] for x in col["spec"]]),
+                          spread([x["acc_len"] for x in col["spec"]])]))
+
+
+if __name__ == "__main__":
+    main()

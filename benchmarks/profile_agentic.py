@@ -1,0 +1,138 @@
+"""Where a turn's time goes on the agentic trace, in process: plain and a speculative config
+(default suffix) on two engines built as ``specdec bench serve --launch`` builds the server's
+(4 rows, the model's max_model_len, 256 batched tokens, prefix caching on), the trace's
+conversations replayed in the same lock-step rounds as ``bench serve --multi-turn 5`` (each
+round's 4 chats to the end, 32 greedy tokens each, the reply appended as the assistant turn),
+repeat r of one engine, then of the other (interleaved).
+
+Per engine, over every round: the round wall time and its share in steps that hold a prefill
+chunk (speculation cannot shorten them) against decode-only steps; per decode-only step its
+ms, the requests in it, the tokens fed (1 + drafts per request), the logits rows verified
+per request (1 + the step's most drafts), the tokens accepted, and the host time of the
+drafter's search (``next_drafts``, timed by a wrapper here, not in the engine).
+
+    python -m benchmarks.profile_agentic [--speculative-config '{"method":"suffix"}'] [--repeats 3]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench import multiturn
+from specdec.bench.sweep import model_limit
+
+TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
+
+
+class Probe:
+    """The shapes of each schedule and the drafter's search time, from wrappers around the
+    engine's scheduler and proposer (this script's, the engine is unchanged)."""
+
+    def __init__(self, llm: LLM):
+        self.schedules, self.search_s = [], 0.0
+        sched, proposer = llm.core.scheduler, llm.core.proposer
+        schedule = sched.schedule
+
+        def traced_schedule():
+            out = schedule()
+            self.schedules.append([(s.request.is_prefilling, s.num_tokens,
+                                    len(s.spec_token_ids)) for s in out])
+            return out
+        sched.schedule = traced_schedule
+        if proposer is not None:
+            next_drafts = proposer.next_drafts
+
+            def timed(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return next_drafts(*a, **kw)
+                finally:
+                    self.search_s += time.perf_counter() - t
+            proposer.next_drafts = timed
+
+
+def replay_repeat(llm: LLM, probe: Probe, convs, stats: dict) -> None:
+    """The conversations' lock-step rounds on ``llm``; adds to ``stats``."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    history = [[] for _ in convs]
+    for t in range(max(len(c.turns) for c in convs)):
+        todo = [i for i, c in enumerate(convs) if t < len(c.turns)]
+        msgs = [history[i] + [{"role": "user", "content": convs[i].turns[t]}] for i in todo]
+        first_step, first_sched, search = len(llm.core.steps), len(probe.schedules), probe.search_s
+        start = time.perf_counter()
+        outs = llm.chat(msgs, params)
+        stats["wall_s"] += time.perf_counter() - start
+        stats["search_s"] += probe.search_s - search
+        for i, m, out in zip(todo, msgs, outs):
+            history[i] = m + [{"role": "assistant", "content": out.outputs[0].text}]
+            stats["output_tokens"] += len(out.outputs[0].token_ids)
+        for rec, shape in zip(llm.core.steps[first_step:], probe.schedules[first_sched:]):
+            if any(prefilling for prefilling, _, _ in shape):
+                stats["prefill_steps"] += 1
+                stats["prefill_s"] += rec.seconds
+                stats["prefill_tokens"] += sum(n for p, n, _ in shape if p)
+                continue
+            stats["decode_steps"] += 1
+            stats["decode_s"] += rec.seconds
+            stats["decode_reqs"] += len(shape)
+            stats["fed"] += sum(n for _, n, _ in shape)
+            stats["rows"] += len(shape) * (1 + max(d for _, _, d in shape))
+            stats["emitted"] += sum(rec.new_tokens.values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--speculative-config", default='{"method":"suffix"}')
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the served engine's on this 2-core CPU)")
+    args = p.parse_args()
+    for name in ("repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}={getattr(args, name)}: allowed an int >= 1")
+    torch.set_num_threads(args.threads)
+    kw = dict(max_num_seqs=4, max_model_len=model_limit(None), max_num_batched_tokens=256)
+    engines = {"plain": LLM(**kw), "spec": LLM(speculative_config=json.loads(
+        args.speculative_config), **kw)}
+    probes = {name: Probe(llm) for name, llm in engines.items()}
+    keys = ("wall_s", "search_s", "output_tokens", "prefill_steps", "prefill_s",
+            "prefill_tokens", "decode_steps", "decode_s", "decode_reqs", "fed", "rows", "emitted")
+    stats = {name: dict.fromkeys(keys, 0) for name in engines}
+    tok = _tokenizer()
+    opts = dict(num_prompts=4, _concurrency=4, multi_turn=5, dataset_name="spec_bench",
+                dataset_path=str(TRACE), prompt_len=64)
+    for name, llm in engines.items():  # warm-up: generated text, nothing of the trace
+        llm.generate(["def main():"] * 4, max_tokens=32, ignore_eos=True)
+    for r in range(args.repeats):
+        convs = multiturn.conversations(opts, tok, r)
+        for name, llm in engines.items():
+            replay_repeat(llm, probes[name], convs, stats[name])
+    for name, s in stats.items():
+        ds = max(s["decode_steps"], 1)
+        print(f"{name}: {s['output_tokens'] / s['wall_s']:.0f} tok/s over {s['wall_s']:.2f} s; "
+              f"prefill steps {s['prefill_steps']} ({s['prefill_tokens']} tokens) "
+              f"{s['prefill_s']:.2f} s = {s['prefill_s'] / s['wall_s']:.0%} of the wall; "
+              f"decode-only steps {s['decode_steps']} {s['decode_s']:.2f} s = "
+              f"{s['decode_s'] / s['wall_s']:.0%}, {1e3 * s['decode_s'] / ds:.2f} ms each, "
+              f"{s['decode_reqs'] / ds:.2f} requests, {s['fed'] / ds:.1f} tokens fed, "
+              f"{s['rows'] / ds:.1f} logits rows, {s['emitted'] / ds:.2f} tokens emitted; "
+              f"drafter search {s['search_s']:.2f} s = {s['search_s'] / s['wall_s']:.0%}")
+    a, b = stats["plain"], stats["spec"]
+    ratio = (b["output_tokens"] / b["wall_s"]) / (a["output_tokens"] / a["wall_s"])
+    print(f"spec / plain tok/s: {ratio:.2f}")
+
+
+def _tokenizer():
+    """The embedded model's tokenizer (the bench's, which makes the conversations)."""
+    from tokenizers import Tokenizer
+
+    from specdec.engine.llm import DEFAULT_MODEL
+    return Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
+
+
+if __name__ == "__main__":
+    main()
