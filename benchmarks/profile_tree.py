@@ -3,13 +3,14 @@
     python -m benchmarks.profile_tree [--methods eagle3 mtp] [--backends eager compile_dynamic]
 
 For each method it builds the chain (K=5) and the fitted static tree of 8 drafts
-(``FITTED_8``: docs/benchmarks.md's), decodes one request, and profiles ``--steps`` decode
-steps under ``torch.profiler``, the engines interleaved (chain, tree, chain, tree ...).
+(``bench_tree.FITTED_8``: docs/benchmarks.md's), decodes one request, and profiles
+``--steps`` decode steps under ``torch.profiler``, the engines interleaved (chain, tree,
+chain, tree ...).
 Each phase is a ``record_function`` range put around the engine's own methods from here
 (nothing in the engine changes): prepare (host inputs), target (forward), verify (sampling,
 the tree's K/V move; on compile_dynamic the forward and verify are one range: ``step``),
-chain view (its index and the gathers), draft (the proposer's step) and the rest of the
-engine step (schedule, the host read, applying the tokens). Per phase: aten operators
+chain view (its index), draft (the proposer's step) and the rest of the engine step
+(schedule, the chain view's gathers, the host read, applying the tokens). Per phase: aten operators
 called from Python or a compiled graph (not those inside another aten operator), and host
 ms, per step; the verify's own sub-phases in eager: the tree sampler and the K/V move.
 """
@@ -20,15 +21,10 @@ import statistics
 
 import torch
 
-from benchmarks.bench_tree import engine, run
+from benchmarks.bench_tree import FITTED_8, engine, run
 from specdec import SamplingParams
 from specdec.engine import runner as runner_module
 
-# docs/benchmarks.md's fitted 8-draft static trees (depth <= 5)
-FITTED_8 = {
-    "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
-    "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
-}
 PHASES = ("prepare", "target", "verify", "step", "sampler", "kv move", "chain view", "draft",
           "engine step")
 
@@ -91,8 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runner_module.tree_rejection_sample = labelled("sampler",
-                                                   runner_module.tree_rejection_sample)
+    for name in ("tree_rejection_sample", "tree_greedy_verify"):
+        setattr(runner_module, name, labelled("sampler", getattr(runner_module, name)))
     for backend in args.backends:
         for method in args.methods:
             llms = {"chain K=5": engine(method, 5, graph_backend=backend),
