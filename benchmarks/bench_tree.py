@@ -107,16 +107,19 @@ def fitted(rates: dict, size: int, top_k: int, depth: int) -> list[tuple[int, ..
 def speed(method: str, chain: tuple, tree: tuple, prompts, output_len: int,
           graph_backend: str, repeats: int) -> dict:
     """Tokens/s at one request of the chain and the tree ((depth, tree) each), interleaved
-    ``repeats`` times -> each one's runs and the median tree / chain ratio of the rounds."""
+    ``repeats`` times -> each one's runs, acceptance length (greedy: the same every run) and
+    the median tree / chain ratio of the rounds."""
     llms = [engine(method, k, t, graph_backend=graph_backend) for k, t in (chain, tree)]
-    runs = [[], []]
+    runs, accept = [[], []], [0.0, 0.0]
     for _ in range(repeats):
-        for llm, out in zip(llms, runs):
-            out.append(run(llm, prompts, output_len, concurrency=1)["tokens_per_s"])
+        for i, llm in enumerate(llms):
+            figures = run(llm, prompts, output_len, concurrency=1)
+            runs[i].append(figures["tokens_per_s"])
+            accept[i] = figures["acceptance_length"]
     ratio = statistics.median(t / c for c, t in zip(*runs))
-    print(f"{method}: 1 request, {graph_backend}: tree {runs[1]} tok/s, chain {runs[0]} tok/s,"
-          f" median ratio {ratio:.3f}", flush=True)
-    return {"chain": runs[0], "tree": runs[1], "ratio": ratio}
+    print(f"{method}: 1 request, {graph_backend}: tree {runs[1]} tok/s (AL {accept[1]:.2f}), "
+          f"chain {runs[0]} tok/s (AL {accept[0]:.2f}), median ratio {ratio:.3f}", flush=True)
+    return {"chain": runs[0], "tree": runs[1], "acceptance_length": accept, "ratio": ratio}
 
 
 def main() -> None:
