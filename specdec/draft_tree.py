@@ -34,6 +34,7 @@ class TreeLevel(NamedTuple):
     width: int  # ranks taken at each parent: 1 + the largest rank here
     picks: tuple[tuple[int, int], ...]  # per node, (its parent's index in ups, its rank)
     heads: tuple[int, ...]  # the nodes with children (none at the deepest depth)
+    head_parents: tuple[int, ...]  # their parents
     first_row: int  # head row of heads[0]; the others follow it
 
 
@@ -106,8 +107,8 @@ class StaticTree:
 
     def levels(self) -> tuple[TreeLevel, ...]:
         """Depths 1..max_depth as ``TreeLevel``s. The worked example's: nodes (1, 2), ups
-        (0,), width 2, picks ((0, 0), (0, 1)), heads (1,), first_row 1; then (3,), (1,), 1,
-        ((0, 0),), (), 2."""
+        (0,), width 2, picks ((0, 0), (0, 1)), heads (1,), head_parents (0,), first_row 1;
+        then (3,), (1,), 1, ((0, 0),), (), (), 2."""
         levels = []
         for d in range(1, self.max_depth + 1):
             nodes = tuple(k for k in range(self.num_nodes) if self.depth[k] == d)
@@ -116,7 +117,8 @@ class StaticTree:
             first = self.heads.index(heads[0]) if heads else len(self.heads)
             levels.append(TreeLevel(nodes, ups, 1 + max(self.rank[k] for k in nodes),
                                     tuple((ups.index(self.parent[k]), self.rank[k])
-                                          for k in nodes), heads, first))
+                                          for k in nodes), heads,
+                                    tuple(self.parent[k] for k in heads), first))
         return tuple(levels)
 
     @property

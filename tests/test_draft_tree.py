@@ -17,8 +17,8 @@ def test_worked_example():
     assert tree.rank == (0, 0, 1, 0) and tree.ancestors == (0b1, 0b11, 0b101, 0b1011)
     assert tree.num_nodes == 4 and tree.max_depth == 2
     assert tree.heads == (0, 1) and tree.head_ancestors == (0b1, 0b11) and tree.head_rows == 1
-    assert tree.levels() == (((1, 2), (0,), 2, ((0, 0), (0, 1)), (1,), 1),
-                             ((3,), (1,), 1, ((0, 0),), (), 2))
+    assert tree.levels() == (((1, 2), (0,), 2, ((0, 0), (0, 1)), (1,), (0,), 1),
+                             ((3,), (1,), 1, ((0, 0),), (), (), 2))
 
 
 def test_a_chain_is_every_earlier_node_its_ancestor():
@@ -49,6 +49,7 @@ def test_random_trees(raw):
         assert [(lv.ups[up], rank) for up, rank in lv.picks] == [
             (tree.parent[k], tree.rank[k]) for k in lv.nodes]
         assert lv.heads == tuple(k for k in lv.nodes if k in tree.heads)
+        assert lv.head_parents == tuple(tree.parent[k] for k in lv.heads)
         assert [tree.heads.index(k) for k in lv.heads] == list(
             range(lv.first_row, lv.first_row + len(lv.heads)))
 

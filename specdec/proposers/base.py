@@ -531,7 +531,7 @@ class HeadProposer(PaddedProposer):
                                  device=hidden.device)
             logits_h, out = level(
                 torch.stack([tokens[k - 1] for k in lv.heads], dim=1),
-                torch.stack([outputs[self.tree.parent[k]][1] for k in lv.heads], dim=1),
+                torch.stack([outputs[u][1] for u in lv.head_parents], dim=1),
                 depth, index, self.tree_ancestors[index][None].expand(bp, -1))
             outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(lv.heads)})
         return torch.stack(tokens, dim=1)
