@@ -74,6 +74,17 @@ def test_tree_greedy_equals_plain_greedy(method, backend, shape, plain):
         assert sum(s.captured for s in steps) >= len(steps) // 2
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_tree_decodes_up_to_max_model_len(shape):
+    """A request whose tree reaches past max_model_len (96: its block table's last block)
+    decodes to the end as plain greedy does (the accepted path's K/V move reads no block
+    past the table)."""
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompt = list(range(1, 90))
+    plain = build(None).generate([prompt], params)[0].token_ids
+    assert build("mtp", shape=SHAPES[shape]).generate([prompt], params)[0].token_ids == plain
+
+
 def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
     """compile_dynamic (traced, no code generation: dynamo's eager backend) on tiny models:
     the tree's target step and draft step through their compiled graphs equal eager, the

@@ -570,8 +570,10 @@ class ModelRunner:
         path = torch.where(x.discard_mask[:, None], -1, verdict.path)
         root = (first - 1)[:, None]  # the accepted node at depth j moves to root + j
         src = request_slots(x.block_table, root + path.clamp(min=0), self.block_size)
-        dst = request_slots(x.block_table,
-                            root + torch.arange(1, depth + 1, device=root.device)[None],
+        # depths past max_model_len are never on the path: clamped, they read no block past
+        # the table (a tree cut near max_model_len)
+        dst = request_slots(x.block_table, (root + torch.arange(
+            1, depth + 1, device=root.device)[None]).clamp(max=self.max_model_len - 1),
                             self.block_size)
         self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
         self.tree_path[:b].copy_(path)
