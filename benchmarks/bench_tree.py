@@ -14,27 +14,39 @@ accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=
         MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
 speed:  output tokens/s at one request (``--speed-prompts`` prompts one after another),
         ``--graph-backend`` (compile_dynamic: the draft step and target step compiled) for the
-        best chain and the best tree of each method, best of ``--repeats``.
+        best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,
+        chain, tree ... ``--repeats`` rounds, after one untimed prompt each; start-up
+        compiles the greedy paths only): the median of the rounds' tree / chain ratios.
+        ``--speed-only``: no fit, no acceptance table; chain K=5 against ``FITTED_8`` (the
+        fitted trees of docs/benchmarks.md).
 
     python -m benchmarks.bench_tree [--num-prompts 64] [--prompt-len 64] [--output-len 64]
-        [--methods eagle3 mtp] [--graph-backend compile_dynamic] [--skip-speed]
+        [--methods eagle3 mtp] [--graph-backend compile_dynamic] [--skip-speed | --speed-only]
 """
 
 import argparse
 import itertools
 import json
+import statistics
 import time
+import unittest.mock
 
 import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.sweep import PromptSource
 from specdec.draft_tree import StaticTree
+from specdec.engine import core
 
 WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
 SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (16, 4, 3)]
 DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (7, 4, 5)]
+# the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
+FITTED_8 = {
+    "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+    "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+}
 
 
 def engine(method: str, k: int, tree=None, **kw) -> LLM:
@@ -95,6 +107,29 @@ def fitted(rates: dict, size: int, top_k: int, depth: int) -> list[tuple[int, ..
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
+def speed(method: str, chain: tuple, tree: tuple, prompts, output_len: int,
+          graph_backend: str, repeats: int) -> dict:
+    """Tokens/s at one request of the chain and the tree ((depth, tree) each), interleaved
+    ``repeats`` times -> each one's runs, acceptance length (greedy: the same every run) and
+    the median tree / chain ratio of the rounds."""
+    # greedy rows only: start-up compiles the greedy paths alone (a third of its compiles);
+    # one untimed prompt per engine then meets any shape start-up did not
+    with unittest.mock.patch.object(core, "WARMUP_SAMPLING", ({},)):
+        llms = [engine(method, k, t, graph_backend=graph_backend) for k, t in (chain, tree)]
+    for llm in llms:
+        run(llm, prompts[:1], output_len, concurrency=1)
+    runs, accept = [[], []], [0.0, 0.0]
+    for _ in range(repeats):
+        for i, llm in enumerate(llms):
+            figures = run(llm, prompts, output_len, concurrency=1)
+            runs[i].append(figures["tokens_per_s"])
+            accept[i] = figures["acceptance_length"]
+    ratio = statistics.median(t / c for c, t in zip(*runs))
+    print(f"{method}: 1 request, {graph_backend}: tree {runs[1]} tok/s (AL {accept[1]:.2f}), "
+          f"chain {runs[0]} tok/s (AL {accept[0]:.2f}), median ratio {ratio:.3f}", flush=True)
+    return {"chain": runs[0], "tree": runs[1], "acceptance_length": accept, "ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -105,8 +140,9 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["eagle3", "mtp"])
     ap.add_argument("--graph-backend", default="compile_dynamic")
     ap.add_argument("--speed-prompts", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -116,6 +152,11 @@ def main() -> None:
     fit_prompts = source.prompts(args.num_prompts, args.prompt_len, args.fit_seed)
     out = {}
     for method in args.methods:
+        if args.speed_only:
+            out[method] = {"speed_1_request": speed(
+                method, (5, None), (5, FITTED_8[method]), prompts[:args.speed_prompts],
+                args.output_len, args.graph_backend, args.repeats)}
+            continue
         rates = fit(method, fit_prompts, args.output_len)
         rows = {f"chain K={k}": (k, None) for k in (3, 5)}
         for size, top_k, depth in SHAPES:
@@ -144,15 +185,9 @@ def main() -> None:
         out[method] = {"rows": figures}
         if args.skip_speed:
             continue
-        speed = {}
-        for name, f in (("chain", chain), ("tree", best)):
-            k = f["depth"]
-            llm = engine(method, k, f["tree"], graph_backend=args.graph_backend)
-            speed[name] = max(run(llm, prompts[:args.speed_prompts], args.output_len,
-                                  concurrency=1)["tokens_per_s"] for _ in range(args.repeats))
-        print(f"{method}: 1 request, {args.graph_backend}: tree {speed['tree']:.0f} tok/s, "
-              f"chain {speed['chain']:.0f} tok/s, ratio {speed['tree'] / speed['chain']:.2f}")
-        out[method]["speed_1_request"] = speed
+        out[method]["speed_1_request"] = speed(
+            method, (chain["depth"], chain["tree"]), (best["depth"], best["tree"]),
+            prompts[:args.speed_prompts], args.output_len, args.graph_backend, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=list)

@@ -9,16 +9,33 @@ order the tree sampler and the tree attention mask need); node k's ``parent`` is
 number (-1 for the root), its ``depth`` the path length, its ``rank`` the last child rank
 (which of its parent's top-k drafts it is), its ``ancestors`` a bitmask of its path's nodes
 and itself (``TreeMask``'s). A chain of K drafts is ``[(0,), (0, 0), (0, 0, 0), ...]``.
+The drafter's head runs at the nodes with children only (``heads``, the root first: a leaf's
+head output would rank children it has none of); head i's K/V is head row i after the root's,
+``head_ancestors`` its path's bitmask over head rows.
 
 Example: paths [(0,), (1,), (0, 0)] -> nodes root, (0,), (1,), (0, 0):
 parent [-1, 0, 0, 1], depth [0, 1, 1, 2], rank [0, 0, 1, 0],
-ancestors [0b1, 0b11, 0b101, 0b1011].
+ancestors [0b1, 0b11, 0b101, 0b1011]; heads [0, 1] (the root and (0,)), head_ancestors
+[0b1, 0b11].
 """
 
 import ast
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAX_TREE_NODES = 63  # the root and 62 drafts: an int64 ancestors bitmask
+
+
+class TreeLevel(NamedTuple):
+    """One depth of a ``StaticTree`` as the drafter runs it (``StaticTree.levels``)."""
+
+    nodes: tuple[int, ...]  # this depth's nodes, ascending
+    ups: tuple[int, ...]  # their parents, ascending: each ranks its logits once
+    width: int  # ranks taken at each parent: 1 + the largest rank here
+    picks: tuple[tuple[int, int], ...]  # per node, (its parent's index in ups, its rank)
+    heads: tuple[int, ...]  # the nodes with children (none at the deepest depth)
+    head_parents: tuple[int, ...]  # their parents
+    first_row: int  # head row of heads[0]; the others follow it
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,8 @@ class StaticTree:
     depth: tuple[int, ...]
     rank: tuple[int, ...]
     ancestors: tuple[int, ...]
+    heads: tuple[int, ...]  # the nodes with children, the root first (module docstring)
+    head_ancestors: tuple[int, ...]  # per head, its path's bitmask over head rows
 
     @classmethod
     def from_paths(cls, paths) -> "StaticTree":
@@ -63,8 +82,10 @@ class StaticTree:
         number = {p: k + 1 for k, p in enumerate(ordered)}
         parent = [-1] + [number.get(p[:-1], 0) for p in ordered]
         depth, ancestors = node_shapes(parent)
+        heads = sorted(set(parent[1:]))  # a head's parent is a head
+        _, head_ancestors = node_shapes([-1] + [heads.index(parent[k]) for k in heads[1:]])
         return cls(tuple(ordered), tuple(parent), tuple(depth), (0, *(p[-1] for p in ordered)),
-                   tuple(ancestors))
+                   tuple(ancestors), tuple(heads), tuple(head_ancestors))
 
     @classmethod
     def chain(cls, k: int) -> "StaticTree":
@@ -81,8 +102,24 @@ class StaticTree:
 
     @property
     def head_rows(self) -> int:
-        """Head K/V rows a step's draft tree writes after the root's (its nodes')."""
-        return self.num_nodes - 1
+        """Head K/V rows a step's draft tree writes after the root's (its heads')."""
+        return len(self.heads) - 1
+
+    def levels(self) -> tuple[TreeLevel, ...]:
+        """Depths 1..max_depth as ``TreeLevel``s. The worked example's: nodes (1, 2), ups
+        (0,), width 2, picks ((0, 0), (0, 1)), heads (1,), head_parents (0,), first_row 1;
+        then (3,), (1,), 1, ((0, 0),), (), (), 2."""
+        levels = []
+        for d in range(1, self.max_depth + 1):
+            nodes = tuple(k for k in range(self.num_nodes) if self.depth[k] == d)
+            ups = tuple(sorted({self.parent[k] for k in nodes}))
+            heads = tuple(k for k in nodes if k in self.heads)
+            first = self.heads.index(heads[0]) if heads else len(self.heads)
+            levels.append(TreeLevel(nodes, ups, 1 + max(self.rank[k] for k in nodes),
+                                    tuple((ups.index(self.parent[k]), self.rank[k])
+                                          for k in nodes), heads,
+                                    tuple(self.parent[k] for k in heads), first))
+        return tuple(levels)
 
     @property
     def label(self) -> str:

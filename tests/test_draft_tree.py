@@ -1,7 +1,7 @@
 """Static draft trees (``draft_tree.py``): vLLM's ``speculative_token_tree`` paths as
 node arrays -- the worked example, a chain, random prefix-closed trees (parents before
-children, ancestors = the path's nodes; ``node_shapes`` from a dynamic tree's parents), and
-the errors."""
+children, ancestors = the path's nodes, heads = the nodes with children and their paths over
+head rows; ``node_shapes`` from a dynamic tree's parents), and the errors."""
 
 import pytest
 import torch
@@ -16,12 +16,16 @@ def test_worked_example():
     assert tree.parent == (-1, 0, 0, 1) and tree.depth == (0, 1, 1, 2)
     assert tree.rank == (0, 0, 1, 0) and tree.ancestors == (0b1, 0b11, 0b101, 0b1011)
     assert tree.num_nodes == 4 and tree.max_depth == 2
+    assert tree.heads == (0, 1) and tree.head_ancestors == (0b1, 0b11) and tree.head_rows == 1
+    assert tree.levels() == (((1, 2), (0,), 2, ((0, 0), (0, 1)), (1,), (0,), 1),
+                             ((3,), (1,), 1, ((0, 0),), (), (), 2))
 
 
 def test_a_chain_is_every_earlier_node_its_ancestor():
     tree = StaticTree.chain(4)
     assert tree.parent == (-1, 0, 1, 2, 3) and tree.rank == (0,) * 5
     assert tree.ancestors == tuple(2 ** (k + 1) - 1 for k in range(5))
+    assert tree.heads == (0, 1, 2, 3) and tree.head_ancestors == tree.ancestors[:4]
 
 
 PATHS = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=20)
@@ -37,6 +41,17 @@ def test_random_trees(raw):
         assert up < k and tree.depth[k] == len(path) and tree.rank[k] == path[-1]
         assert (tree.paths[up - 1] if up else ()) == path[:-1]
         assert tree.ancestors[k] == tree.ancestors[up] | 1 << k
+    assert set(tree.heads) == {u for u in tree.parent if u >= 0}  # the nodes with children
+    for i, k in enumerate(tree.heads):  # a head's path over head rows: its ancestors' rows
+        rows = {tree.heads.index(a) for a in range(k + 1) if tree.ancestors[k] >> a & 1}
+        assert tree.head_ancestors[i] == sum(1 << r for r in rows)
+    for lv in tree.levels():  # a depth's parents, each node's place, its heads' rows
+        assert [(lv.ups[up], rank) for up, rank in lv.picks] == [
+            (tree.parent[k], tree.rank[k]) for k in lv.nodes]
+        assert lv.heads == tuple(k for k in lv.nodes if k in tree.heads)
+        assert lv.head_parents == tuple(tree.parent[k] for k in lv.heads)
+        assert [tree.heads.index(k) for k in lv.heads] == list(
+            range(lv.first_row, lv.first_row + len(lv.heads)))
 
 
 

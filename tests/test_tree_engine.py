@@ -74,11 +74,23 @@ def test_tree_greedy_equals_plain_greedy(method, backend, shape, plain):
         assert sum(s.captured for s in steps) >= len(steps) // 2
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_tree_decodes_up_to_max_model_len(shape):
+    """A request whose tree reaches past max_model_len (96: its block table's last block)
+    decodes to the end as plain greedy does (the accepted path's K/V move reads no block
+    past the table)."""
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompt = list(range(1, 90))
+    plain = build(None).generate([prompt], params)[0].token_ids
+    assert build("mtp", shape=SHAPES[shape]).generate([prompt], params)[0].token_ids == plain
+
+
 def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
     """compile_dynamic (traced, no code generation: dynamo's eager backend) on tiny models:
-    the tree's target step and draft step through their compiled graphs equal eager. (One
-    prompt, the shape start-up warms up, not every serving path: dynamo traces each graph
-    in seconds; the full warm-up is test_graphs.py's.)"""
+    the tree's target step and draft step through their compiled graphs equal eager, the
+    drafts of every step too (the tokens alone would hide a wrong draft: greedy output is the
+    target's whatever the drafts). (One prompt, the shape start-up warms up, not every
+    serving path: dynamo traces each graph in seconds; the full warm-up is test_graphs.py's.)"""
     monkeypatch.setattr(core, "WARMUP_SAMPLING", ({},))
     monkeypatch.setattr(core, "warmup_phases", lambda *sizes: (((3,),),))
     torch.manual_seed(0)
@@ -88,12 +100,15 @@ def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
     head = tiny_head("eagle", target)
 
     def run(**kw):
-        llm = make_llm(target, "eagle", 2, True, head=head, tree=[(0,), (1,), (0, 0)],
-                       max_num_seqs=2, **kw)
-        outs = llm.generate(PROMPTS[:1], max_tokens=8, ignore_eos=True)
-        return [o.token_ids for o in outs], llm
-    compiled, llm = run(graph_backend="compile_dynamic", compile_backend="eager")
-    assert compiled == run()[0]
+        llm = make_llm(target, "eagle", 3, True, head=head,
+                       tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], max_num_seqs=2, **kw)
+        req = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        drafts = []
+        while llm.step() is not None:
+            drafts.append(list(req.spec_token_ids))
+        return req.output_token_ids, drafts, llm
+    tokens, drafts, llm = run(graph_backend="compile_dynamic", compile_backend="eager")
+    assert (tokens, drafts) == run()[:2]
     assert llm.runner.target_graph.graphs > 0 and llm.runner.proposer.step_graph.graphs > 0
 
 

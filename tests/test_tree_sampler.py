@@ -1,5 +1,6 @@
 """The tree rejection sampler (``engine/tree_sampler.py``): its worked example; a chain as a
 tree emits exactly what the chain sampler emits (greedy and sampled, the same random numbers);
+the greedy verify is the sampler's greedy rows over random trees;
 over a branching tree every emitted token follows the target's distribution (chi-square, with
 top-k candidates and with siblings drawn from a draft distribution); no host sync."""
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from specdec.engine.rejection_sampler import rejection_sample, target_probs
-from specdec.engine.tree_sampler import tree_rejection_sample
+from specdec.engine.tree_sampler import tree_greedy_verify, tree_rejection_sample
 from specdec.syncs import forbid_host_sync
 
 from test_rejection_sampler import P_MIN, chi_square_pvalue, rng
@@ -20,6 +21,29 @@ def test_worked_example():
                               torch.zeros(1), *rng(1), depth=2)
     assert v.tokens.tolist() == [[2, 3, -1]] and v.path.tolist() == [[2, -1]]
     assert v.num_accepted.tolist() == [1]
+    g = tree_greedy_verify(probs, torch.tensor([[0, 1, 2, 3]]), torch.tensor([[-1, 0, 0, 1]]),
+                           depth=2)
+    assert g.tokens.tolist() == [[2, 3, -1]] and g.path.tolist() == [[2, -1]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 6), n=st.integers(1, 9), vocab=st.integers(2, 5), data=st.data(),
+       seed=st.integers(0, 2**16))
+def test_greedy_verify_is_the_samplers_greedy_rows(b, n, vocab, data, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, n, vocab, generator=g)
+    parents = torch.tensor([[-1] + [data.draw(st.integers(-1, k - 1)) for k in range(1, n)]
+                            for _ in range(b)])
+    # a node's token: often its parent's argmax (accepted), else any id, -1 or past V
+    hit = logits.argmax(dim=-1).gather(1, parents.clamp(min=0))
+    tokens = torch.where(torch.rand(b, n, generator=g) < 0.6, hit,
+                         torch.randint(-1, vocab + 1, (b, n), generator=g))
+    depth = max(1, n - 1)
+    want = tree_rejection_sample(logits.softmax(dim=-1), tokens, parents, torch.zeros(b),
+                                 *rng(b, seed), depth=depth)
+    got = tree_greedy_verify(logits, tokens, parents, depth)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.path, want.path)
+    assert torch.equal(got.num_accepted, want.num_accepted)
 
 
 @settings(max_examples=30, deadline=None)
@@ -98,4 +122,6 @@ def test_no_host_sync():
             *rng(8))
     with forbid_host_sync():
         v = tree_rejection_sample(*args, depth=2)
+        g = tree_greedy_verify(*args[:3], depth=2)
     assert ((v.tokens >= 0).sum(dim=1) == v.num_accepted + 1).all()
+    assert ((g.tokens >= 0).sum(dim=1) == g.num_accepted + 1).all()

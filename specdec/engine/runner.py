@@ -39,7 +39,7 @@ from specdec.engine.rejection_sampler import (GREEDY_TEMPERATURE, greedy_verify,
                                               rejection_sample, target_probs, valid_tokens)
 from specdec.engine.scheduler import ScheduledRequest, is_uniform_decode
 from specdec.engine.step_buffers import StepBuffers, StepInputs
-from specdec.engine.tree_sampler import tree_rejection_sample
+from specdec.engine.tree_sampler import tree_greedy_verify, tree_rejection_sample
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import request_slots
@@ -538,7 +538,8 @@ class ModelRunner:
         """``verify`` of a draft tree: each decode's rows are its tree's nodes (node 0 its
         last known token, nodes 1.. its drafts, ``x.tree_parents``), verified by
         ``tree_rejection_sample`` over the target's distribution at each node (temperature,
-        then min-p / top-k / top-p: ``variant``; the penalties are refused with a tree). The
+        then min-p / top-k / top-p: ``variant``; the penalties are refused with a tree;
+        an all-greedy batch: ``tree_greedy_verify``, no random numbers). The
         accepted path's target K/V move to the positions after the root, the path stays in
         ``tree_path`` for the drafter -> sampled [Bp, num_rows] int32: the path's tokens, the
         token after it, then -1 (a chain's layout)."""
@@ -547,9 +548,12 @@ class ModelRunner:
                 < x.num_draft_tokens[:, None])
         tokens = torch.cat([torch.zeros_like(x.draft_token_ids[:, :1]),
                             torch.where(live, x.draft_token_ids[:, :num_rows - 1], -1)], dim=1)
-        greedy = x.temperature < GREEDY_TEMPERATURE
-        probs = logits.float()  # greedy rows: the sampler takes their argmax
-        if variant != "greedy":
+        parents = x.tree_parents[:, :num_rows]
+        if variant == "greedy":
+            verdict = tree_greedy_verify(logits, tokens, parents, depth)
+        else:
+            greedy = x.temperature < GREEDY_TEMPERATURE
+            probs = logits.float()  # greedy rows: the sampler takes their argmax
             sort = variant in ("top_p", "processed_sorted")
             width = top_k_width(variant)
             processed = variant.startswith("processed")
@@ -558,16 +562,18 @@ class ModelRunner:
                 x.top_p if sort else None, x.top_k if processed and (sort or width) else None,
                 x.min_p if processed else None, width)
             probs = torch.where(greedy[:, None, None], probs, sampled_probs)
-        verdict = tree_rejection_sample(probs, tokens, x.tree_parents[:, :num_rows],
-                                        x.temperature, x.rng_key, first, depth)
+            verdict = tree_rejection_sample(probs, tokens, parents, x.temperature, x.rng_key,
+                                            first, depth)
         sampled = torch.cat([verdict.tokens, verdict.tokens.new_full(
             (b, num_rows - depth - 1), -1)], dim=1)
         sampled = self._finish_sampled(sampled, x.discard_mask, x.rows, first)
         path = torch.where(x.discard_mask[:, None], -1, verdict.path)
         root = (first - 1)[:, None]  # the accepted node at depth j moves to root + j
         src = request_slots(x.block_table, root + path.clamp(min=0), self.block_size)
-        dst = request_slots(x.block_table,
-                            root + torch.arange(1, depth + 1, device=root.device)[None],
+        # depths past max_model_len are never on the path: clamped, they read no block past
+        # the table (a tree cut near max_model_len)
+        dst = request_slots(x.block_table, (root + torch.arange(
+            1, depth + 1, device=root.device)[None]).clamp(max=self.max_model_len - 1),
                             self.block_size)
         self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
         self.tree_path[:b].copy_(path)

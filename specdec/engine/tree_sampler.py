@@ -30,6 +30,9 @@ Example (greedy, V = 4; argmax of probs per node [2, 1, 3, 0]): tokens [_, 1, 2,
 parents [-1, 0, 0, 1] -> node 1 (token 1) is not the root's argmax 2, rejected; node 2
 (token 2) accepted; node 3's parent 1 is not the current node 2, skipped; the last token is
 node 2's argmax 3 -> tokens [2, 3, -1], path [2, -1], 1 accepted.
+
+``tree_greedy_verify`` is the same pass for an all-greedy batch (the chain's ``greedy_verify``):
+the argmax at each node once, then [B]-sized work per node, no random numbers.
 """
 
 from typing import NamedTuple
@@ -60,7 +63,6 @@ def tree_rejection_sample(probs: torch.Tensor, tokens: torch.Tensor, parents: to
     batch, n, vocab = probs.shape
     device = probs.device
     greedy = temperature < GREEDY_TEMPERATURE
-    rows = torch.arange(batch, device=device)
     probs = probs.float()
     one_hot = torch.nn.functional.one_hot(probs.argmax(dim=-1), vocab).to(probs.dtype)
     probs = torch.where(greedy[:, None, None], one_hot, probs)  # greedy: r one-hot at argmax
@@ -94,8 +96,39 @@ def tree_rejection_sample(probs: torch.Tensor, tokens: torch.Tensor, parents: to
         level = level + accept.long()
         node = torch.where(accept, k, node)
     last = torch.where(greedy, residual.argmax(dim=1), (residual / race).argmax(dim=1))
+    return _verdict(tokens, path, level, last)
+
+
+def tree_greedy_verify(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                       depth: int) -> TreeVerdict:
+    """``tree_rejection_sample`` of an all-greedy batch: scores [B, n, V] (any whose argmax is
+    the target's token, e.g. its logits), the rest as there. Node k is accepted iff its
+    parent is the current node and its token is the current node's argmax; the last token is
+    the argmax at the deepest accepted node. The module docstring's example holds here too."""
+    batch, n, _ = scores.shape
+    device = scores.device
+    argmax = scores.argmax(dim=-1)  # [B, n]
+    node = torch.zeros(batch, dtype=torch.int64, device=device)  # the current node u
+    path = torch.full((batch, depth), -1, dtype=torch.int64, device=device)
+    level = torch.zeros(batch, dtype=torch.int64, device=device)  # u's depth
+    levels = torch.arange(depth, device=device)
+    for k in range(1, n):
+        target = argmax.gather(1, node[:, None]).squeeze(1)
+        accept = (parents[:, k].long() == node) & (tokens[:, k].long() == target)
+        path = torch.where(accept[:, None] & (levels[None] == level[:, None]), k, path)
+        level = level + accept.long()
+        node = torch.where(accept, k, node)
+    return _verdict(tokens, path, level, argmax.gather(1, node[:, None]).squeeze(1))
+
+
+def _verdict(tokens: torch.Tensor, path: torch.Tensor, level: torch.Tensor,
+             last: torch.Tensor) -> TreeVerdict:
+    """The verdict from the accepted path [B, depth], its length [B] and the token after it
+    [B]: the path's tokens, then ``last``, then -1."""
+    batch, depth = path.shape
+    levels = torch.arange(depth, device=path.device)
     path_tokens = tokens.long().gather(1, path.clamp(min=0))
     out = torch.where(levels[None] < level[:, None], path_tokens, -1)
-    out = torch.cat([out, torch.full((batch, 1), -1, dtype=out.dtype, device=device)], dim=1)
-    out[rows, level] = last
+    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)
+    out[torch.arange(batch, device=path.device), level] = last
     return TreeVerdict(out.to(torch.int32), path, level)

@@ -225,7 +225,8 @@ class HeadProposer(PaddedProposer):
             raise ValueError("speculative_token_tree with a synthetic head's draft "
                              "acceptance profile (it sets a chain's rates); allowed: one")
         if isinstance(self.tree, StaticTree):
-            self.tree_ancestors = torch.tensor(self.tree.ancestors, device=self.device)
+            self.tree_ancestors = torch.tensor(self.tree.head_ancestors, device=self.device)
+            self.tree_levels = self.tree.levels()
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
                           self.device)
         self.hidden_size = head.config.hidden_size
@@ -515,26 +516,25 @@ class HeadProposer(PaddedProposer):
 
     def _static_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
         """``padded_tree`` of a ``StaticTree``: node k is rank ``t.rank[k]`` of its parent's
-        logits; every node above the leaves runs the head (its K/V at key p + k)."""
-        t, bp = self.tree, logits_hidden.shape[0]
-        tokens = [torch.zeros(bp, dtype=torch.int32, device=hidden.device)] * t.num_nodes
-        outputs = {0: (logits_hidden, hidden)}  # node -> its head outputs [Bp, H] each
-        for depth in range(1, t.max_depth + 1):
-            nodes = [k for k in range(t.num_nodes) if t.depth[k] == depth]  # a range
-            for u in sorted({t.parent[k] for k in nodes}):  # rank each parent's logits once
-                kids = [k for k in nodes if t.parent[k] == u]
-                top = self.top_tokens(outputs[u][0], 1 + max(t.rank[k] for k in kids))[1]
-                for k in kids:
-                    tokens[k] = top[:, t.rank[k]]
-            if depth == t.max_depth:
+        logits (one ``top_ranks`` per depth over its parents); the head runs at the nodes
+        with children only (``t.heads``; head i's K/V at key p + i)."""
+        bp = logits_hidden.shape[0]
+        tokens = []  # per node after the root, its token [Bp] int32
+        outputs = {0: (logits_hidden, hidden)}  # head node -> its head outputs [Bp, H] each
+        for depth, lv in enumerate(self.tree_levels, start=1):
+            top = self.top_ranks(torch.stack([outputs[u][0] for u in lv.ups], dim=1),
+                                 lv.width)  # [Bp, ups, width]
+            tokens += [top[:, up, rank] for up, rank in lv.picks]
+            if not lv.heads:  # the deepest depth
                 break
-            index = torch.arange(nodes[0], nodes[-1] + 1, device=hidden.device)
+            index = torch.arange(lv.first_row, lv.first_row + len(lv.heads),
+                                 device=hidden.device)
             logits_h, out = level(
-                torch.stack([tokens[k] for k in nodes], dim=1),
-                torch.stack([outputs[t.parent[k]][1] for k in nodes], dim=1), depth, index,
-                self.tree_ancestors[index][None].expand(bp, -1))
-            outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(nodes)})
-        return torch.stack(tokens[1:], dim=1)
+                torch.stack([tokens[k - 1] for k in lv.heads], dim=1),
+                torch.stack([outputs[u][1] for u in lv.head_parents], dim=1),
+                depth, index, self.tree_ancestors[index][None].expand(bp, -1))
+            outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(lv.heads)})
+        return torch.stack(tokens, dim=1)
 
     def _dynamic_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
         """``padded_tree`` of a ``DynamicTree`` (its docstring): candidates in depth order
@@ -591,6 +591,18 @@ class HeadProposer(PaddedProposer):
         top = logp.topk(k, dim=-1)
         return top.values, self.head.draft_to_target_ids(top.indices).to(torch.int32)
 
+    def top_ranks(self, logits_hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """The head's ``k`` highest-logit tokens at each of logits_hidden's [Bp, m, H] rows ->
+        [Bp, m, k] int32 in the target vocabulary, the highest first (k = 1: ``sample``'s
+        argmax)."""
+        rows = logits_hidden.flatten(0, 1)
+        if k == 1:
+            top = self.sample(rows)[:, None]
+        else:
+            top = self.head.draft_to_target_ids(
+                self.head.compute_logits(rows).topk(k, dim=-1).indices).to(torch.int32)
+        return top.view(*logits_hidden.shape[:2], k)
+
     def _tree_level(self, tokens: torch.Tensor, hidden: torch.Tensor, depth: int,
                     head_rows: torch.Tensor, ancestors: torch.Tensor, *, p: torch.Tensor,
                     rows: torch.Tensor, num_reqs: int | torch.Tensor,
@@ -629,9 +641,9 @@ class HeadProposer(PaddedProposer):
             for _ in range(1, self.tree.max_depth):
                 self._dummy_forward(plan.num_reqs_padded * self.tree.top_k)
             return
-        if self.tree is not None:
-            for level in range(1, self.tree.max_depth):
-                self._dummy_forward(plan.num_reqs_padded * self.tree.depth.count(level))
+        if self.tree is not None:  # one forward per depth over its nodes with children
+            for lv in self.tree_levels[:-1]:
+                self._dummy_forward(plan.num_reqs_padded * len(lv.heads))
             return
         for _ in range(1, plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)
