@@ -225,7 +225,7 @@ class HeadProposer(PaddedProposer):
             raise ValueError("speculative_token_tree with a synthetic head's draft "
                              "acceptance profile (it sets a chain's rates); allowed: one")
         if isinstance(self.tree, StaticTree):
-            self.tree_ancestors = torch.tensor(self.tree.head_ancestors, device=self.device)
+            self.head_ancestors = torch.tensor(self.tree.head_ancestors, device=self.device)
             self.tree_levels = self.tree.levels()
         self.kv = KVCache(head.kv_cache_spec(), num_kv_blocks, self.block_size, dtype,
                           self.device)
@@ -532,7 +532,7 @@ class HeadProposer(PaddedProposer):
             logits_h, out = level(
                 torch.stack([tokens[k - 1] for k in lv.heads], dim=1),
                 torch.stack([outputs[u][1] for u in lv.head_parents], dim=1),
-                depth, index, self.tree_ancestors[index][None].expand(bp, -1))
+                depth, index, self.head_ancestors[index][None].expand(bp, -1))
             outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(lv.heads)})
         return torch.stack(tokens, dim=1)
 
