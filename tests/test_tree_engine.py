@@ -226,6 +226,28 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
     assert code == 2 and "--tree-topk sets the drafter's tree" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp"])
+def test_a_trees_first_choice_path_is_the_chain(method):
+    """Along its first choices, a static tree holds chain K=3's drafts, however many heads
+    run beside them: the full binary tree of depth 3 (heads at 6 nodes, the path's last one
+    at K/V row 3, past a chain's rows) and a chain given as a tree."""
+    target = tiny_target()
+    head = tiny_head(method, target)
+
+    def drafts(tree):
+        llm = make_llm(target, method, 3, True, head=head, tree=tree)
+        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        while req.is_prefilling:
+            llm.step()
+        return req.spec_token_ids
+
+    full = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]
+    chain = drafts(None)
+    got = drafts(full)
+    assert [got[full.index(p)] for p in [(0,), (0, 0), (0, 0, 0)]] == chain
+    assert drafts([(0,), (0, 0), (0, 0, 0)]) == chain
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_a_dynamic_trees_drafts_are_the_heads_along_each_path(method):
     """Every candidate of a dynamic tree is its parent's top-k under the head run along the

@@ -300,8 +300,10 @@ class HeadProposer(PaddedProposer):
     def loop_seq_len(self, max_seq_len: int) -> int:
         """The host bound on seq_lens over draft steps 2..K, given the first pass's bound
         (one bound for the whole loop: inside a dynamic-shape step a per-step min against
-        max_model_len would be a guard, and a recompile when sequences near the end)."""
-        return min(max_seq_len + self.num_speculative_tokens - 1, self.max_model_len)
+        max_model_len would be a guard, and a recompile when sequences near the end): the
+        K - 1 rows a chain writes after the root's, a tree's ``head_rows``."""
+        rows = self.num_speculative_tokens - 1 if self.tree is None else self.tree.head_rows
+        return min(max_seq_len + rows, self.max_model_len)
 
     def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
                     loop_seq_len: int, num_drafts: int) -> torch.Tensor:
