@@ -10,8 +10,9 @@ fit:    one run with a wide static tree (``WIDE``: every path of child ranks sum
 accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=5, of the
         fitted static trees of 8 and 16 drafts at top-k 2 / 4 and depth 3 / 5, and of the
         dynamic trees (EAGLE-2: ``tree_topk`` 2 / 4, depth 3 / 5, 8 and 16 drafts, i.e.
-        num_draft_tokens 9 and 17, and SGLang's 8 with its root), greedy, for EAGLE-3 and
-        MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
+        num_draft_tokens 9 and 17, and SGLang's 8 with its root; scored at the head's fitted
+        ``tree_score_temperature``, and three of them at 1, EAGLE-2's raw probabilities: "raw
+        dynamic"), greedy, for EAGLE-3 and MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
 speed:  output tokens/s at one request (``--speed-prompts`` prompts one after another),
         ``--graph-backend`` (compile_dynamic: the draft step and target step compiled) for the
         best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,
@@ -42,6 +43,7 @@ WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repea
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
 SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (16, 4, 3)]
 DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (7, 4, 5)]
+RAW = [(8, 2, 5), (8, 4, 5), (16, 4, 5)]  # the dynamic shapes also run at score temperature 1
 # the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
 FITTED_8 = {
     "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
@@ -165,6 +167,10 @@ def main() -> None:
         for size, top_k, depth in DYNAMIC:
             rows[f"dynamic {size} top-{top_k} depth {depth}"] = (
                 depth, {"tree_topk": top_k, "num_draft_tokens": size + 1})
+        for size, top_k, depth in RAW:
+            rows[f"raw dynamic {size} top-{top_k} depth {depth}"] = (
+                depth, {"tree_topk": top_k, "num_draft_tokens": size + 1,
+                        "tree_score_temperature": 1.0})
         figures = {}
         for name, (k, tree) in rows.items():
             figures[name] = run(engine(method, k, tree), prompts, args.output_len)

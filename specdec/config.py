@@ -75,6 +75,11 @@ class SpeculativeConfig:
     # the root (the last known token) included, as SGLang counts them. Both or neither
     tree_topk: int | None = None
     num_draft_tokens: int | None = None
+    # a dynamic tree scores a candidate by the head's log-softmax of logits / this, summed
+    # along its path (the drafts stay each node's top-k; only which are kept changes). None:
+    # the head's config.json ``tree_score_temperature`` (specdec/train/tree_temperature.py
+    # fits it), else 1 (EAGLE-2's and SGLang's raw draft probabilities)
+    tree_score_temperature: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, str):
@@ -249,6 +254,10 @@ class SpeculativeConfig:
         with what it cannot run with."""
         if self.tree_topk is not None or self.num_draft_tokens is not None:
             self._check_dynamic_tree()
+        elif self.tree_score_temperature is not None:
+            raise ValueError(f"tree_score_temperature={self.tree_score_temperature!r} scores "
+                             "a dynamic tree's candidates: give tree_topk and num_draft_tokens, "
+                             "or None")
         elif self.speculative_token_tree is None:
             return
         name = ("speculative_token_tree" if self.speculative_token_tree is not None
@@ -275,7 +284,7 @@ class SpeculativeConfig:
     def _check_dynamic_tree(self) -> None:
         """tree_topk and num_draft_tokens: both ints, a tree of at most MAX_TREE_NODES nodes
         the candidates can fill, no static tree beside them."""
-        from specdec.draft_tree import MAX_TREE_NODES, DynamicTree
+        from specdec.draft_tree import MAX_TREE_NODES, DynamicTree, check_score_temperature
         k, n, depth = self.tree_topk, self.num_draft_tokens, self.num_speculative_tokens
         if self.speculative_token_tree is not None:
             raise ValueError("tree_topk / num_draft_tokens (a dynamic tree) with "
@@ -293,6 +302,8 @@ class SpeculativeConfig:
                              f"{min(MAX_TREE_NODES, 1 + shape.num_candidates)} (tree_topk={k},"
                              f" num_speculative_tokens={depth} give {shape.num_candidates} "
                              "candidates)")
+        if self.tree_score_temperature is not None:
+            check_score_temperature(self.tree_score_temperature, "tree_score_temperature")
 
     @property
     def tree(self):
@@ -300,7 +311,7 @@ class SpeculativeConfig:
         from specdec.draft_tree import DynamicTree, StaticTree
         if self.tree_topk is not None:
             return DynamicTree(self.tree_topk, self.num_draft_tokens,
-                               self.num_speculative_tokens)
+                               self.num_speculative_tokens, self.tree_score_temperature)
         if self.speculative_token_tree is None:
             return None
         return StaticTree.from_paths(self.speculative_token_tree)

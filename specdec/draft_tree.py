@@ -20,6 +20,7 @@ ancestors [0b1, 0b11, 0b101, 0b1011]; heads [0, 1] (the root and (0,)), head_anc
 """
 
 import ast
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -138,12 +139,17 @@ class DynamicTree:
     form a tree), in candidate order (by depth: parents first). The head runs its frontier
     nodes only: ``head_rows`` K/V rows after the root's.
 
+    A candidate's log-probability is the head's log-softmax of its logits / the score
+    temperature (``tree_temperature.py``: T < 1 makes it the chance that the draft is the
+    target's greedy token); None: the head's configured one, else 1.
+
     Example: top_k 2, max_depth 3, num_nodes 6 -> candidates 2 + 2 * 4 = 10; head forwards
     over 2 nodes at depths 1 and 2; 5 drafts verified per request."""
 
     top_k: int
     num_nodes: int  # the root and its drafts: tokens verified per request per step
     max_depth: int
+    score_temperature: float | None = None
 
     @property
     def num_candidates(self) -> int:
@@ -155,8 +161,18 @@ class DynamicTree:
 
     @property
     def label(self) -> str:
-        """E.g. "top-2 5 drafts d3" (a report's row)."""
-        return f"top-{self.top_k} {self.num_nodes - 1} drafts d{self.max_depth}"
+        """E.g. "top-2 5 drafts d3", "top-2 5 drafts d3 T0.3" (a report's row)."""
+        t = "" if self.score_temperature is None else f" T{self.score_temperature:g}"
+        return f"top-{self.top_k} {self.num_nodes - 1} drafts d{self.max_depth}{t}"
+
+
+def check_score_temperature(value, source: str) -> float:
+    """A dynamic tree's score temperature (``source`` names where it was given): a finite
+    number > 0, else ValueError."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{source}={value!r}: allowed a finite number > 0")
+    return float(value)
 
 
 def node_shapes(parents) -> tuple[list[int], list[int]]:

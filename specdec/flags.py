@@ -163,7 +163,8 @@ def tree_depth(paths) -> int:
 def tree_keys(args) -> dict:
     """The speculative-config keys of the draft-tree flags given (``add_speculation_arguments``)."""
     keys = {"speculative_token_tree": args.speculative_token_tree,
-            "tree_topk": args.tree_topk, "num_draft_tokens": args.num_draft_tokens}
+            "tree_topk": args.tree_topk, "num_draft_tokens": args.num_draft_tokens,
+            "tree_score_temperature": args.tree_score_temperature}
     return {key: value for key, value in keys.items() if value is not None}
 
 
@@ -207,7 +208,8 @@ def add_speculation_arguments(
 
 
 def add_tree_arguments(p, who: str) -> None:
-    """--speculative-token-tree, --tree-topk, --num-draft-tokens (``tree_keys``); ``who``
+    """--speculative-token-tree, --tree-topk, --num-draft-tokens, --tree-score-temperature
+    (``tree_keys``); ``who``
     drafts the tree (e.g. "the drafter")."""
     p.add_argument("--speculative-token-tree", default=None, metavar="PATHS",
                    help=f"{who} drafts a static tree: vLLM's paths of child ranks, e.g. "
@@ -220,6 +222,10 @@ def add_tree_arguments(p, who: str) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="a dynamic draft tree's tokens verified per request per step, the "
                         "root included (SGLang's count; default: a chain)")
+    p.add_argument("--tree-score-temperature", type=float, default=None, metavar="T",
+                   help="a dynamic tree scores its candidates by the head's log-softmax of "
+                        "logits / T (default: the head's config.json tree_score_temperature, "
+                        "else 1)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

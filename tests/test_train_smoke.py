@@ -141,3 +141,37 @@ def test_real_text_agreement_of_a_perfect_head_is_one():
 
     assert real_text_agreement(target, Oracle(), x) == 1.0
     assert real_text_agreement(target, tiny_model_head("eagle", target), x) < 1.0
+
+
+@pytest.mark.parametrize("t0", [0.3, 1.0])
+def test_the_fitted_tree_temperature_recovers_the_one_that_drew_the_tokens(t0):
+    """Tokens drawn from softmax(logits / t0): the grid's least-NLL temperature is t0 within
+    the grid's step and the sample's noise."""
+    from specdec.train.tree_temperature import best_temperature
+    gen = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(20_000, 12, generator=gen)
+    truth = torch.multinomial(torch.softmax(logits / t0, -1), 1, generator=gen)[:, 0]
+    t, _ = best_temperature(logits, truth)
+    assert t == pytest.approx(t0, rel=0.1)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_temperature_pairs_are_the_depths_whose_earlier_drafts_matched(method):
+    """greedy_draft_pairs keeps, per depth s, the slots where drafts 1..s-1 matched (as
+    acceptance_stats counts them from draft_chain) and the target's token there as a draft
+    id, where the draft vocabulary holds it."""
+    from specdec.train.tree_temperature import greedy_draft_pairs
+    target = tiny_model()
+    head = tiny_model_head(method, target)
+    x = greedy_generate(target, torch.randint(0, 61, (3, 4), generator=torch.Generator()
+                                              .manual_seed(1)), 12)
+    logits, truth = greedy_draft_pairs(target, head, x, 4, 3)
+    drafts = draft_chain(target, head, x, 3)
+    slots = torch.arange(2, x.shape[1] - 4)
+    tokens = torch.stack([x[:, slots + 2 + s] for s in range(3)], -1)
+    right = drafts[:, slots] == tokens
+    reached = torch.cat((torch.ones_like(right[..., :1]), right[..., :-1].cumprod(-1)), -1)
+    drafted = torch.isin(tokens, head.draft_to_target_ids(torch.arange(logits.shape[-1])))
+    assert len(truth) == int((reached.bool() & drafted).sum()) == len(logits) > 0
+    first = tokens[..., 0][drafted[..., 0]]
+    assert head.draft_to_target_ids(truth[:len(first)]).tolist() == first.tolist()

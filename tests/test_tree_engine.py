@@ -168,6 +168,11 @@ def test_a_windowed_target_verifies_a_tree():
      r"num_speculative_tokens_policy='goodput' with speculative_token_tree"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, {},
      r"is 2 deep and num_speculative_tokens=3"),
+    ({"method": "eagle3", "tree_score_temperature": 0.5}, {},
+     r"tree_score_temperature=0.5 scores a dynamic tree's candidates"),
+    ({"method": "mtp", "speculative_token_tree": None, "tree_topk": 2, "num_draft_tokens": 4,
+      "tree_score_temperature": 0}, {},
+     r"tree_score_temperature=0: allowed a finite number > 0"),
 ])
 def test_what_a_tree_cannot_run_with_is_refused_by_name(spec, kw, match):
     spec = {"num_speculative_tokens": 2, "speculative_token_tree": [(0,), (1,), (0, 0)], **spec}
@@ -197,8 +202,8 @@ def test_penalties_with_a_tree_are_refused_by_name(field, value):
 
 
 def test_tree_flags_reach_every_command(capsys, tmp_path):
-    """--speculative-token-tree (K its depth when -k is not given), --tree-topk and
-    --num-draft-tokens: generate runs the tree, serve and bench serve --launch build the
+    """--speculative-token-tree (K its depth when -k is not given), --tree-topk,
+    --num-draft-tokens and --tree-score-temperature: generate runs the tree, serve and bench serve --launch build the
     config with it (bench serve hands it to the server), bench labels its rows with it;
     without a drafter they are refused."""
     from specdec.bench import serve as bench_serve
@@ -211,10 +216,10 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
     parser = specdec_cli.build_parser()
     for argv in (["serve"], ["bench", "serve", "--launch"]):
         args = parser.parse_args([*argv, "--method", "eagle3", "-k", "4", "--tree-topk", "3",
-                                  "--num-draft-tokens", "9"])
+                                  "--num-draft-tokens", "9", "--tree-score-temperature", "0.3"])
         spec = speculation_from_args(args)
-        assert (spec["tree_topk"], spec["num_draft_tokens"], spec["num_speculative_tokens"]) \
-            == (3, 9, 4)
+        assert (spec["tree_topk"], spec["num_draft_tokens"], spec["num_speculative_tokens"],
+                spec["tree_score_temperature"]) == (3, 9, 4, 0.3)
     assert bench_serve.fed_drafts(spec) == 8
     code = specdec_cli.main(["bench", "--methods", "eagle3", "--speculative-token-tree",
                              "[(0,), (1,), (0, 0)]", "--concurrency", "1", "--prompt-len", "8",
@@ -273,3 +278,36 @@ def test_a_dynamic_trees_drafts_are_the_heads_along_each_path(method):
         rank = i % 2
         assert dynamic[6 + i] == static[6 + 2 * (up - 3) + rank]
     assert len(set(parents[6:])) == 2
+
+
+@pytest.mark.parametrize("where", ["speculative_config", "head config"])
+def test_the_score_temperature_chooses_between_depth_and_width(where):
+    """A dynamic tree keeps the candidates of highest log-softmax(logits / T) summed along
+    their path. T -> 0: every first choice scores ~0 and every other far below, so 3 drafts
+    of top 2, depth 3, are the chain (parents 0, 1, 2) and equal chain K=3's drafts. T -> oo:
+    every candidate scores -depth x log V, so the shallowest come first (both children of
+    the root). The temperature comes from the speculative config or the head's config.json
+    key; a bad head value is refused naming it."""
+    target = tiny_target()
+    head = tiny_head("eagle3", target)
+
+    def drafts(temperature, tree):
+        if where == "head config":
+            head.config.extra["tree_score_temperature"] = temperature
+        elif temperature is not None and isinstance(tree, dict):
+            tree = {**tree, "tree_score_temperature": temperature}
+        llm = make_llm(target, "eagle3", 3, True, head=head, tree=tree)
+        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        while req.is_prefilling:
+            llm.step()
+        return req.spec_token_ids, req.spec_parents
+
+    dynamic = {"tree_topk": 2, "num_draft_tokens": 4}
+    chain, _ = drafts(None, None)
+    assert drafts(1e-3, dynamic) == (chain, [0, 1, 2])
+    _, parents = drafts(1e3, dynamic)
+    assert parents[:2] == [0, 0]
+    if where == "head config":
+        with pytest.raises(ValueError, match=r"the head's config.json tree_score_temperature="
+                                             r"-1: allowed a finite number > 0"):
+            drafts(-1, dynamic)

@@ -425,7 +425,8 @@ SPECULATION_FLAGS = {"method": "--method", "num_speculative_tokens": "-k",
                      "speculative_config": "--speculative-config",
                      "draft_model": "--draft-model", "no_padded": "--no-padded",
                      "speculative_token_tree": "--speculative-token-tree",
-                     "tree_topk": "--tree-topk", "num_draft_tokens": "--num-draft-tokens"}
+                     "tree_topk": "--tree-topk", "num_draft_tokens": "--num-draft-tokens",
+                     "tree_score_temperature": "--tree-score-temperature"}
 ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--graph-backend",
                 "compile_backend": "--compile-backend", "async_scheduling": "--async-scheduling",
                 "enforce_eager": "--enforce-eager",

@@ -175,7 +175,7 @@ def check_tree(sweep: dict) -> None:
     """The sweep's ``tree`` (speculative_config's draft-tree keys, for every speculative
     engine): the methods that draft trees, padded, each K a depth it holds."""
     tree = sweep["tree"]
-    keys = ("speculative_token_tree", "tree_topk", "num_draft_tokens")
+    keys = ("speculative_token_tree", "tree_topk", "num_draft_tokens", "tree_score_temperature")
     if not isinstance(tree, dict) or not tree or set(tree) - set(keys):
         raise UsageError(f"sweep tree={tree!r}: allowed a mapping of {list(keys)}")
     if bad := [m for m in sweep["methods"] if m != "none" and m not in TREE_METHODS]:

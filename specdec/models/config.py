@@ -44,7 +44,7 @@ LAYOUT_KEYS = frozenset({"sliding_window", "use_sliding_window", "max_window_lay
 HEAD_KEYS = frozenset({
     "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
     "target_hidden_size", "num_nextn_predict_layers", "eagle_config", "speculative_config",
-    "use_aux_hidden_state",
+    "use_aux_hidden_state", "tree_score_temperature",
 })
 # keys read here (fields) with the values they may take when not implemented; a family that
 # reads one of them itself (its CONFIG_KEYS, e.g. Gemma's hidden_act) checks it instead

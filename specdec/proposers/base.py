@@ -43,7 +43,7 @@ import torch
 from specdec.attention import AttentionMetadata, KVCache
 from specdec.checks import check_int
 from specdec.config import SpeculativeConfig
-from specdec.draft_tree import DynamicTree, StaticTree
+from specdec.draft_tree import DynamicTree, StaticTree, check_score_temperature
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import (
     DraftStep,
@@ -224,6 +224,13 @@ class HeadProposer(PaddedProposer):
         if self.tree is not None and self.draft_profile is not None:
             raise ValueError("speculative_token_tree with a synthetic head's draft "
                              "acceptance profile (it sets a chain's rates); allowed: one")
+        if isinstance(self.tree, DynamicTree):
+            # the temperature the tree's candidates are scored at (DynamicTree's docstring)
+            t = self.tree.score_temperature
+            self.score_temperature = (
+                t if t is not None else check_score_temperature(
+                    head.config.extra.get("tree_score_temperature", 1.0),
+                    "the head's config.json tree_score_temperature"))
         if isinstance(self.tree, StaticTree):
             self.head_ancestors = torch.tensor(self.tree.head_ancestors, device=self.device)
             self.tree_levels = self.tree.levels()
@@ -583,10 +590,13 @@ class HeadProposer(PaddedProposer):
 
     def top_tokens(self, logits_hidden: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's ``k`` most likely tokens at each row -> (their log-probabilities [rows,
-        k] float32, the tokens [rows, k] int32 in the target vocabulary), most likely first
+        """The head's ``k`` most likely tokens at each row -> (their log-probabilities at the
+        tree's score temperature [rows, k] float32, the tokens [rows, k] int32 in the target vocabulary), most likely first
         (k = 1: the token is ``sample``'s argmax)."""
-        logp = torch.log_softmax(self.head.compute_logits(logits_hidden).float(), dim=-1)
+        logits = self.head.compute_logits(logits_hidden).float()
+        if self.score_temperature != 1.0:
+            logits = logits / self.score_temperature
+        logp = torch.log_softmax(logits, dim=-1)
         if k == 1:
             token = self.sample(logits_hidden)[:, None]
             return logp.amax(dim=-1, keepdim=True), token

@@ -46,20 +46,27 @@ def greedy_generate(target: DecoderForCausalLM, prompts: torch.Tensor, n_new: in
 
 
 @torch.no_grad()
-def draft_chain(target: DecoderForCausalLM, head: DraftHead, x: torch.Tensor,
-                k: int) -> torch.Tensor:
-    """Drafts [B, T, k] (target ids): ``[b, i, s-1]`` is step s's proposal for ``x[b, i+1+s]``."""
+def chain_logits(target: DecoderForCausalLM, head: DraftHead, x: torch.Tensor, k: int):
+    """Yield step s = 1..k's head logits [B, T, draft vocab] float32: ``[b, i]`` scores the
+    draft for ``x[b, i+1+s]``, the head fed its own argmax drafts of the steps before."""
     b, t = x.shape
     pos = torch.arange(t).expand(b, t)
     hidden, aux = target(x, pos, aux_layer_ids=head.aux_layer_ids)
     hidden = head.combine_hidden_states(aux if head.aux_layer_ids else hidden).flatten(0, 1)
     ids = torch.cat((x[:, 1:], x[:, -1:]), dim=1).reshape(-1)  # last slot's input is never scored
-    kv, drafts = UnrolledKV(b, t), []
+    kv = UnrolledKV(b, t)
     for s in range(k):
         logits_hidden, hidden = head(ids, (pos + s).reshape(-1), hidden, kv)
-        ids = head.draft_to_target_ids(head.compute_logits(logits_hidden).argmax(-1))
-        drafts.append(ids.view(b, t))
-    return torch.stack(drafts, dim=-1)
+        logits = head.compute_logits(logits_hidden).float()
+        ids = head.draft_to_target_ids(logits.argmax(-1))
+        yield logits.view(b, t, -1)
+
+
+def draft_chain(target: DecoderForCausalLM, head: DraftHead, x: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """Drafts [B, T, k] (target ids): ``[b, i, s-1]`` is step s's proposal for ``x[b, i+1+s]``."""
+    return torch.stack([head.draft_to_target_ids(logits.argmax(-1))
+                        for logits in chain_logits(target, head, x, k)], dim=-1)
 
 
 def acceptance_stats(x: torch.Tensor, drafts: torch.Tensor, prompt_len: int) -> dict:
