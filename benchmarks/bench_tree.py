@@ -18,8 +18,10 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,
         chain, tree ... ``--repeats`` rounds, after one untimed prompt each; start-up
         compiles the greedy paths only): the median of the rounds' tree / chain ratios.
-        ``--speed-only``: no fit, no acceptance table; chain K=5 against ``FITTED_8`` (the
-        fitted trees of docs/benchmarks.md).
+        ``--speed-only``: no fit, no acceptance table; chain K=5 against ``--speed-tree``:
+        ``fitted`` (``FITTED_8``, the fitted static trees of docs/benchmarks.md) or
+        ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
+        for both methods).
 
     python -m benchmarks.bench_tree [--num-prompts 64] [--prompt-len 64] [--output-len 64]
         [--methods eagle3 mtp] [--graph-backend compile_dynamic] [--skip-speed | --speed-only]
@@ -45,6 +47,7 @@ SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (1
 DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (7, 4, 5)]
 RAW = [(8, 2, 5), (8, 4, 5), (16, 4, 5)]  # the dynamic shapes also run at score temperature 1
 # the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
+DYNAMIC_8 = {"tree_topk": 4, "num_draft_tokens": 9}  # depth 5
 FITTED_8 = {
     "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
     "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
@@ -145,6 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
+    ap.add_argument("--speed-tree", choices=["fitted", "dynamic"], default="dynamic")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -156,7 +160,9 @@ def main() -> None:
     for method in args.methods:
         if args.speed_only:
             out[method] = {"speed_1_request": speed(
-                method, (5, None), (5, FITTED_8[method]), prompts[:args.speed_prompts],
+                method, (5, None),
+                (5, FITTED_8[method] if args.speed_tree == "fitted" else DYNAMIC_8),
+                prompts[:args.speed_prompts],
                 args.output_len, args.graph_backend, args.repeats)}
             continue
         rates = fit(method, fit_prompts, args.output_len)

@@ -2,8 +2,9 @@
 
     python -m benchmarks.profile_tree [--methods eagle3 mtp] [--backends eager compile_dynamic]
 
-For each method it builds the chain (K=5) and the fitted static tree of 8 drafts
-(``bench_tree.FITTED_8``: docs/benchmarks.md's), decodes one request, and profiles
+For each method it builds the chain (K=5), the fitted static tree of 8 drafts
+(``bench_tree.FITTED_8``: docs/benchmarks.md's) and the dynamic one (``bench_tree.DYNAMIC_8``:
+top-4, 8 drafts, depth 5), decodes one request, and profiles
 ``--steps`` decode steps under ``torch.profiler``, the engines interleaved (chain, tree,
 chain, tree ...).
 Each phase is a ``record_function`` range put around the engine's own methods from here
@@ -21,7 +22,7 @@ import statistics
 
 import torch
 
-from benchmarks.bench_tree import FITTED_8, engine, run
+from benchmarks.bench_tree import DYNAMIC_8, FITTED_8, engine, run
 from specdec import SamplingParams
 from specdec.engine import runner as runner_module
 
@@ -92,7 +93,8 @@ def main() -> None:
     for backend in args.backends:
         for method in args.methods:
             llms = {"chain K=5": engine(method, 5, graph_backend=backend),
-                    "tree 8": engine(method, 5, FITTED_8[method], graph_backend=backend)}
+                    "tree 8": engine(method, 5, FITTED_8[method], graph_backend=backend),
+                    "dynamic 8": engine(method, 5, DYNAMIC_8, graph_backend=backend)}
             prompt = list(range(100, 164))
             for llm in llms.values():
                 instrument(llm)
