@@ -175,3 +175,14 @@ def test_temperature_pairs_are_the_depths_whose_earlier_drafts_matched(method):
     assert len(truth) == int((reached.bool() & drafted).sum()) == len(logits) > 0
     first = tokens[..., 0][drafted[..., 0]]
     assert head.draft_to_target_ids(truth[:len(first)]).tolist() == first.tolist()
+
+
+def test_a_written_tree_temperature_is_the_loaded_heads(tmp_path):
+    """tree_temperature.write puts each fitted T into its head folder's config.json, where
+    load_head keeps it for the proposer (a dynamic tree's default score temperature)."""
+    from specdec.models.heads import load_head
+    from specdec.train.tree_temperature import write
+    target = tiny_model()
+    tiny_model_head("mtp", target).save_pretrained(tmp_path / "mtp")
+    write(tmp_path, {"mtp": {"tree_score_temperature": 0.25}})
+    assert load_head(tmp_path / "mtp", target).config.extra["tree_score_temperature"] == 0.25

@@ -31,7 +31,7 @@ from specdec.models.heads import DraftHead, build_head, load_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.registry import load_pretrained
-from specdec.train import data
+from specdec.train import data, tree_temperature
 from specdec.train.acceptance import evaluate, greedy_generate
 from specdec.train.kv import UnrolledKV
 
@@ -279,7 +279,8 @@ def write_report(out: Path, args, argv, stats: dict) -> None:
         "of their 4-grams already occurred earlier in the same sequence), which is what a greedy "
         "engine run sees and what makes late positions easy. The last column is a harder, exact "
         "number: on 32 real held-out windows, how often the first draft equals the target's greedy "
-        "next token (a round started inside real text).",
+        "next token (a round started inside real text).", "",
+        *tree_temperature.report_lines(stats["tree_temperatures"]),
     ]
     (out / "TRAINING.md").write_text("\n".join(lines) + "\n")
 
@@ -332,6 +333,9 @@ def main(argv=None) -> None:
     acceptance = evaluate(target, heads, tok, args.eval_prompts, args.prompt_len,
                           args.seq - args.prompt_len)
     log(f"acceptance {acceptance}")
+    temperatures = tree_temperature.fit(target, heads, tok)
+    tree_temperature.write(out, temperatures)
+    log(f"tree score temperatures {temperatures}")
     folders = {}
     for name in ("target",) + HEADS:
         arch = checkpoint.load_config(out / name)["architectures"][0]
@@ -342,7 +346,7 @@ def main(argv=None) -> None:
                  total_mb=sum(f[2] for f in folders.values()), draft_coverage=coverage,
                  wall_s=time.time() - t0, target_s=target_s, gen_s=gen_s, heads_s=heads_s,
                  target_loss=losses["train"], target_held_loss=losses["held"], head_emas=emas,
-                 acceptance=acceptance)
+                 acceptance=acceptance, tree_temperatures=temperatures)
     write_report(out, args, argv, stats)
     log(f"done; {stats['total_mb']:.2f} MB in {out}")
 

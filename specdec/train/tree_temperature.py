@@ -85,6 +85,35 @@ def fit(target, heads: dict[str, DraftHead], tok: Tokenizer, prompts: int = 32,
     return out
 
 
+def write(root: Path, result: dict) -> None:
+    """Each head's fitted T into its folder's ``config.json`` (``root / name``)."""
+    for name, figures in result.items():
+        path = root / name / "config.json"
+        config = json.loads(path.read_text())
+        config["tree_score_temperature"] = figures["tree_score_temperature"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def report_lines(result: dict, prompts: int = 32, seed: int = 5) -> list[str]:
+    """TRAINING.md's section on the fit (``fit``'s result, its prompts and seed)."""
+    lines = [
+        "## Dynamic-tree score temperature", "",
+        "Each head's `config.json` carries `tree_score_temperature`, fitted by "
+        "`specdec.train.tree_temperature` (run by the training script; alone: `python -m "
+        f"specdec.train.tree_temperature --write`) on {prompts} held-out prompts of 64 tokens "
+        f"(seed {seed}), each continued greedily for 128 tokens, K = 5: the temperature at "
+        "which the head's probabilities best predict the target's greedy token at the depths "
+        "whose earlier drafts matched (least mean negative log-likelihood on a log-spaced "
+        "grid, 0.05-2). It changes only which candidates a dynamic draft tree keeps, never a "
+        "draft.", "",
+        "| head | T | NLL at T | NLL at 1 | pairs |", "|---|---|---|---|---|",
+    ]
+    for name, r in result.items():
+        lines.append(f"| {name} | {r['tree_score_temperature']:.3f} | {r['nll']:.3f} | "
+                     f"{r['nll_at_1']:.3f} | {r['pairs']} |")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assets", default="specdec/assets/default")
@@ -101,11 +130,7 @@ def main(argv=None) -> None:
     result = fit(target, heads, tok, args.prompts, seed=args.seed)
     print(json.dumps(result, indent=2))
     if args.write:
-        for name, figures in result.items():
-            path = root / name / "config.json"
-            config = json.loads(path.read_text())
-            config["tree_score_temperature"] = figures["tree_score_temperature"]
-            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write(root, result)
 
 
 if __name__ == "__main__":
