@@ -12,7 +12,8 @@ accept: acceptance length (1 + accepted drafts per verify step) of chain K=3, K=
         dynamic trees (EAGLE-2: ``tree_topk`` 2 / 4, depth 3 / 5, 8 and 16 drafts, i.e.
         num_draft_tokens 9 and 17, and SGLang's 8 with its root; scored at the head's fitted
         ``tree_score_temperature``, and three of them at 1, EAGLE-2's raw probabilities: "raw
-        dynamic"), greedy, for EAGLE-3 and MTP, over ``--num-prompts`` held-out prompts (16 running at a time).
+        dynamic"), greedy, for EAGLE-3 and MTP, over ``--num-prompts`` held-out prompts (16
+        running at a time).
 speed:  output tokens/s at one request (``--speed-prompts`` prompts one after another),
         ``--graph-backend`` (compile_dynamic: the draft step and target step compiled) for the
         best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,

@@ -203,9 +203,9 @@ def test_penalties_with_a_tree_are_refused_by_name(field, value):
 
 def test_tree_flags_reach_every_command(capsys, tmp_path):
     """--speculative-token-tree (K its depth when -k is not given), --tree-topk,
-    --num-draft-tokens and --tree-score-temperature: generate runs the tree, serve and bench serve --launch build the
-    config with it (bench serve hands it to the server), bench labels its rows with it;
-    without a drafter they are refused."""
+    --num-draft-tokens and --tree-score-temperature: generate runs the tree, serve and bench
+    serve --launch build the config with it (bench serve hands it to the server), bench
+    labels its rows with it; without a drafter they are refused."""
     from specdec.bench import serve as bench_serve
     from specdec.commands import cli as specdec_cli
     from specdec.flags import speculation_from_args

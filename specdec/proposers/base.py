@@ -591,8 +591,8 @@ class HeadProposer(PaddedProposer):
     def top_tokens(self, logits_hidden: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's ``k`` most likely tokens at each row -> (their log-probabilities at the
-        tree's score temperature [rows, k] float32, the tokens [rows, k] int32 in the target vocabulary), most likely first
-        (k = 1: the token is ``sample``'s argmax)."""
+        tree's score temperature [rows, k] float32, the tokens [rows, k] int32 in the target
+        vocabulary), most likely first (k = 1: the token is ``sample``'s argmax)."""
         logits = self.head.compute_logits(logits_hidden).float()
         if self.score_temperature != 1.0:
             logits = logits / self.score_temperature
