@@ -75,10 +75,11 @@ class SpeculativeConfig:
     # the root (the last known token) included, as SGLang counts them. Both or neither
     tree_topk: int | None = None
     num_draft_tokens: int | None = None
-    # a dynamic tree scores a candidate by the head's log-softmax of logits / this, summed
-    # along its path (the drafts stay each node's top-k; only which are kept changes). None:
-    # the head's config.json ``tree_score_temperature`` (specdec/train/tree_temperature.py
-    # fits it), else 1 (EAGLE-2's and SGLang's raw draft probabilities)
+    # a dynamic tree scores a candidate by the head's log-softmax of logits / this (a sampled
+    # request's: / its temperature when higher), summed along its path (the drafts stay each
+    # node's top-k; only which are kept changes). None: the head's config.json
+    # ``tree_score_temperature`` (specdec/train/tree_temperature.py fits it), else 1
+    # (EAGLE-2's and SGLang's raw draft probabilities)
     tree_score_temperature: float | None = None
 
     def __post_init__(self):

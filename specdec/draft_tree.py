@@ -141,7 +141,8 @@ class DynamicTree:
 
     A candidate's log-probability is the head's log-softmax of its logits / the score
     temperature (``tree_temperature.py``: T < 1 makes it the chance that the draft is the
-    target's greedy token); None: the head's configured one, else 1.
+    target's greedy token; None: the head's configured one, else 1), or / the request's
+    sampling temperature where that is higher.
 
     Example: top_k 2, max_depth 3, num_nodes 6 -> candidates 2 + 2 * 4 = 10; head forwards
     over 2 nodes at depths 1 and 2; 5 drafts verified per request."""

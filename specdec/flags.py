@@ -224,8 +224,8 @@ def add_tree_arguments(p, who: str) -> None:
                         "root included (SGLang's count; default: a chain)")
     p.add_argument("--tree-score-temperature", type=float, default=None, metavar="T",
                    help="a dynamic tree scores its candidates by the head's log-softmax of "
-                        "logits / T (default: the head's config.json tree_score_temperature, "
-                        "else 1)")
+                        "logits / T (a sampled request's: / its temperature when higher; "
+                        "default: the head's config.json tree_score_temperature, else 1)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

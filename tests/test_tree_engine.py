@@ -311,3 +311,26 @@ def test_the_score_temperature_chooses_between_depth_and_width(where):
         with pytest.raises(ValueError, match=r"the head's config.json tree_score_temperature="
                                              r"-1: allowed a finite number > 0"):
             drafts(-1, dynamic)
+
+
+def test_a_sampled_request_scores_its_candidates_at_its_own_temperature():
+    """A dynamic tree scores a request at max(its sampling temperature, the score
+    temperature): in one batch at score temperature 1e-3, the greedy request's 3 drafts are
+    the chain (parents 0, 1, 2) and a request sampled at 1e3 keeps the root's two children
+    (its log-probabilities flat: the shallowest first); alone, each request drafts the same
+    tree as in the batch."""
+    target = tiny_target()
+    head = tiny_head("eagle3", target)
+    tree = {"tree_topk": 2, "num_draft_tokens": 4, "tree_score_temperature": 1e-3}
+    params = [SamplingParams(max_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=4, ignore_eos=True, temperature=1e3, seed=0)]
+
+    def parents(which):
+        llm = make_llm(target, "eagle3", 3, True, head=head, tree=tree)
+        reqs = [llm.add_request(PROMPTS[3], params[i]) for i in which]
+        while any(r.is_prefilling for r in reqs):
+            llm.step()
+        return [r.spec_parents for r in reqs]
+    both = parents([0, 1])
+    assert both[0] == [0, 1, 2] and both[1][:2] == [0, 0]
+    assert parents([0]) + parents([1]) == both

@@ -632,7 +632,7 @@ class ModelRunner:
             graph_seq_len=batch.graph_seq_len, graph_query_len=batch.graph_query_len,
             sampled_token_ids=sampled, discard_mask=x.discard_mask,
             cu_num_draft_tokens=x.cu_num_draft_tokens, token_table=self.token_table,
-            rows=x.rows))
+            rows=x.rows, temperature=x.temperature))
         # host wall time of the drafter call (on CPU the work itself; on an accelerator the
         # launch time only: timing the device would need a sync)
         self.last_draft_seconds = time.perf_counter() - start

@@ -291,7 +291,8 @@ class HeadProposer(PaddedProposer):
             x.input_ids, x.positions, self.draft_features(x), a.slot_mapping, a.query_start_loc,
             a.seq_lens, a.block_table, x.sampled_token_ids, x.discard_mask,
             x.cu_num_draft_tokens, x.token_table, x.rows,
-            torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device))
+            torch.full((), plan.num_reqs, dtype=torch.int32, device=self.device),
+            x.temperature)
         return self.step_graph.run(
             inputs, capturable=plan.capturable,
             bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
@@ -356,7 +357,7 @@ class HeadProposer(PaddedProposer):
             return x.sampled.new_zeros((x.sampled.shape[0], 0))
         if self.tree is not None:
             return self.padded_tree(token, hidden, positions, x.num_reqs, x.block_table,
-                                    loop_seq_len)
+                                    loop_seq_len, x.temperature)
         drafts = [token] + self.draft_loop_steps(
             token, hidden, positions, x.seq_lens, num_rejected, x.num_reqs, x.block_table,
             loop_seq_len, num_drafts - 1)
@@ -505,11 +506,13 @@ class HeadProposer(PaddedProposer):
     # ---- a draft tree -------------------------------------------------------------------------
     def padded_tree(self, logits_hidden: torch.Tensor, hidden: torch.Tensor,
                     positions: torch.Tensor, num_reqs: int | torch.Tensor,
-                    block_table: torch.Tensor, loop_seq_len: int) -> torch.Tensor:
+                    block_table: torch.Tensor, loop_seq_len: int,
+                    temperature: torch.Tensor) -> torch.Tensor:
         """A tree's drafts from the first pass's outputs at each request's sample index
-        (logits_hidden, hidden [Bp, H]; positions [Bp] int64 there: the root's head row p)
-        -> [Bp, nodes - 1] int32 in node order (a dynamic tree: then each one's parent
-        node, [Bp, 2 * (nodes - 1)]).
+        (logits_hidden, hidden [Bp, H]; positions [Bp] int64 there: the root's head row p;
+        temperature [Bp] float32, each request's sampling temperature) -> [Bp, nodes - 1]
+        int32 in node order (a dynamic tree: then each one's parent node, [Bp, 2 * (nodes -
+        1)]).
 
         A node's children are the top ranks of the head's logits at it: the root's from the
         first pass, a depth-d node's from one head forward over depth d's nodes of every
@@ -520,7 +523,7 @@ class HeadProposer(PaddedProposer):
         level = functools.partial(self._tree_level, p=p, rows=rows, num_reqs=num_reqs,
                                   block_table=block_table, loop_seq_len=loop_seq_len)
         if isinstance(self.tree, DynamicTree):
-            return self._dynamic_tree(logits_hidden, hidden, level)
+            return self._dynamic_tree(logits_hidden, hidden, level, temperature)
         return self._static_tree(logits_hidden, hidden, level)
 
     def _static_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
@@ -545,14 +548,17 @@ class HeadProposer(PaddedProposer):
             outputs.update({k: (logits_h[:, i], out[:, i]) for i, k in enumerate(lv.heads)})
         return torch.stack(tokens, dim=1)
 
-    def _dynamic_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
+    def _dynamic_tree(self, logits_hidden, hidden, level, temperature) -> torch.Tensor:
         """``padded_tree`` of a ``DynamicTree`` (its docstring): candidates in depth order
         (c_1 = the root's top k, then each depth's k x k), each with its token, cumulative
         log-probability and parent candidate (-1: the root). Frontier node j of depth d is
-        head row 1 + (d - 1) k + j."""
+        head row 1 + (d - 1) k + j. A request's log-probabilities are at its own sampling
+        temperature, at least the score temperature (a greedy request's: that one): the
+        head's estimate of the distribution its drafts are accepted by."""
         t, bp = self.tree, logits_hidden.shape[0]
         k, device = t.top_k, hidden.device
-        score, token = self.top_tokens(logits_hidden, k)  # [Bp, k]
+        scale = temperature.float().clamp(min=self.score_temperature)[:, None]  # [Bp, 1]
+        score, token = self.top_tokens(logits_hidden, k, scale)  # [Bp, k]
         tokens, scores, parents = [token], [score], [torch.full((bp, k), -1, device=device)]
         frontier = torch.arange(k, device=device).expand(bp, k)  # candidate of each node
         parent_out = hidden[:, None].expand(bp, k, -1)  # the hidden state each one reads
@@ -560,7 +566,8 @@ class HeadProposer(PaddedProposer):
         ancestors = (1 | (1 << row))[None].expand(bp, k)
         for depth in range(1, t.max_depth):
             logits_h, out = level(token, parent_out, depth, row, ancestors)
-            child_score, child = self.top_tokens(logits_h.flatten(0, 1), k)
+            child_score, child = self.top_tokens(
+                logits_h.flatten(0, 1), k, scale.expand(bp, k).reshape(-1, 1))
             child_score = (score[..., None] + child_score.view(bp, k, k)).flatten(1)
             tokens.append(child.view(bp, k * k))
             scores.append(child_score)
@@ -588,15 +595,14 @@ class HeadProposer(PaddedProposer):
         node_parents = torch.where(up < 0, 0, node_of.gather(1, up.clamp(min=0)))
         return torch.cat([tokens.gather(1, chosen), node_parents.to(torch.int32)], dim=1)
 
-    def top_tokens(self, logits_hidden: torch.Tensor, k: int
+    def top_tokens(self, logits_hidden: torch.Tensor, k: int, temperature: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's ``k`` most likely tokens at each row -> (their log-probabilities at the
-        tree's score temperature [rows, k] float32, the tokens [rows, k] int32 in the target
-        vocabulary), most likely first (k = 1: the token is ``sample``'s argmax)."""
-        logits = self.head.compute_logits(logits_hidden).float()
-        if self.score_temperature != 1.0:
-            logits = logits / self.score_temperature
-        logp = torch.log_softmax(logits, dim=-1)
+        """The head's ``k`` most likely tokens at each row, temperature [rows, 1] float32 ->
+        (their log-probabilities under softmax(logits / temperature) [rows, k] float32, the
+        tokens [rows, k] int32 in the target vocabulary), most likely first (k = 1: the token
+        is ``sample``'s argmax)."""
+        logp = torch.log_softmax(self.head.compute_logits(logits_hidden).float() / temperature,
+                                 dim=-1)
         if k == 1:
             token = self.sample(logits_hidden)[:, None]
             return logp.amax(dim=-1, keepdim=True), token

@@ -25,6 +25,7 @@ class DraftInputs:
     cu_num_draft_tokens: torch.Tensor  # [Bp] int32, inclusive cumsum of drafts verified
     token_table: torch.Tensor  # [rows + 1, max_model_len + 1] int32 known tokens, -1 unknown
     rows: torch.Tensor  # [Bp] int64, each request's row in token_table
+    temperature: torch.Tensor  # [Bp] float32, each request's sampling temperature (0: greedy)
     graph_seq_len: int  # host: the attention bound of a captured step (>= every seq_len)
     graph_query_len: int  # host: a captured step's bound on tokens per request
 
@@ -46,3 +47,4 @@ class PaddedStepInputs(NamedTuple):
     token_table: torch.Tensor  # [R, L] int32
     rows: torch.Tensor  # [Bp] int64
     num_reqs: torch.Tensor  # 0-dim int32: B
+    temperature: torch.Tensor  # [Bp] float32
