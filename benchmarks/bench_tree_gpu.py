@@ -26,7 +26,7 @@ import statistics
 import torch
 
 from benchmarks.bench_gpu import measure
-from benchmarks.bench_tree import DYNAMIC_8, FITTED_8, run
+from benchmarks.bench_tree import DYNAMIC_8, FITTED_8, engine, run
 from specdec import LLM
 from specdec.bench.sweep import PromptSource
 from specdec.models.synthetic import build_synthetic
@@ -70,13 +70,8 @@ def trees(methods: list[str], concurrency: list[int], device, backend: str, outp
     for method in methods:
         shapes = {"chain K=5": None, "static 8": FITTED_8[method], "dynamic 8": DYNAMIC_8}
         for conc in concurrency:
-            llms = {}
-            for name, tree in shapes.items():
-                spec = {"method": method, "num_speculative_tokens": 5}
-                spec.update(tree if isinstance(tree, dict) else
-                            {} if tree is None else {"speculative_token_tree": tree})
-                llms[name] = LLM(speculative_config=spec, device=str(device),
-                                 max_num_seqs=conc, max_model_len=256, graph_backend=backend)
+            llms = {name: engine(method, 5, tree, device=str(device), graph_backend=backend)
+                    for name, tree in shapes.items()}
             source = PromptSource(llms["chain K=5"].tokenizer, llms["chain K=5"].vocab_size)
             prompts = source.prompts(max(num_prompts, conc), 64, 1)
             for llm in llms.values():  # warm-up: captures, compiles, allocates

@@ -557,7 +557,7 @@ class HeadProposer(PaddedProposer):
         head's estimate of the distribution its drafts are accepted by."""
         t, bp = self.tree, logits_hidden.shape[0]
         k, device = t.top_k, hidden.device
-        scale = temperature.float().clamp(min=self.score_temperature)[:, None]  # [Bp, 1]
+        scale = temperature.clamp(min=self.score_temperature)[:, None]  # [Bp, 1]
         score, token = self.top_tokens(logits_hidden, k, scale)  # [Bp, k]
         tokens, scores, parents = [token], [score], [torch.full((bp, k), -1, device=device)]
         frontier = torch.arange(k, device=device).expand(bp, k)  # candidate of each node

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ from specdec.train.acceptance import chain_logits, greedy_generate
 from specdec.train.data import heldout_prompts
 
 # candidate temperatures: 0.05 .. 2, log-spaced (steps of ~6%)
-GRID = torch.logspace(-1.301, 0.301, 64).tolist()
+GRID = torch.logspace(math.log10(0.05), math.log10(2.0), 64).tolist()
+PROMPTS, SEED = 32, 5  # the fit's held-out prompts and their seed
 
 
 def best_temperature(logits: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
@@ -71,8 +73,8 @@ def greedy_draft_pairs(target, head: DraftHead, x: torch.Tensor, prompt_len: int
     return torch.cat(logits_kept), torch.cat(truth_kept)
 
 
-def fit(target, heads: dict[str, DraftHead], tok: Tokenizer, prompts: int = 32,
-        prompt_len: int = 64, new_tokens: int = 128, k: int = 5, seed: int = 5) -> dict:
+def fit(target, heads: dict[str, DraftHead], tok: Tokenizer, prompts: int = PROMPTS,
+        prompt_len: int = 64, new_tokens: int = 128, k: int = 5, seed: int = SEED) -> dict:
     """Per head: the fitted T, the mean NLL at it and at T = 1, the pairs it saw."""
     x = greedy_generate(target, heldout_prompts(tok, prompts, prompt_len, seed), new_tokens)
     out = {}
@@ -94,7 +96,7 @@ def write(root: Path, result: dict) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def report_lines(result: dict, prompts: int = 32, seed: int = 5) -> list[str]:
+def report_lines(result: dict, prompts: int = PROMPTS, seed: int = SEED) -> list[str]:
     """TRAINING.md's section on the fit (``fit``'s result, its prompts and seed)."""
     lines = [
         "## Dynamic-tree score temperature", "",
@@ -118,8 +120,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assets", default="specdec/assets/default")
     ap.add_argument("--heads", nargs="+", default=["mtp", "eagle", "eagle3"])
-    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts")
-    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="held-out prompts")
+    ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--write", action="store_true", help="into each head's config.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
