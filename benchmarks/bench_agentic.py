@@ -2,19 +2,22 @@
 ``specdec bench serve --launch --multi-turn`` runs (plain, suffix, plain, suffix, ...), each a
 fresh server with prefix caching on, so the drift of a shared machine hits both alike.
 
-Each run is exactly the command of docs/benchmarks.md "The agentic trace" (4 conversations in
-flight, 5 turns, 32 output tokens, 3 repeats; ``--speculative-config`` for the suffix side).
-Tokens/s is the multi-turn report's: a round's output tokens over its span, from its first
-request's send to its last chunk's arrival (client clock), so it includes the round's time to
-first token (the prefill of the turn's new text) as well as the decode. Printed per turn and
-pooled over every round of a run (all output tokens / the sum of the round spans), with TTFT
-p50 and the acceptance length, and the suffix / plain ratio per pair: the median and the
-min-max over the pairs. Each pair's line also gives the machine's 1-minute load average: on
-a shared machine a load spike in one run of a pair moves that pair's ratio (plain ran at
-91-210 tok/s within an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
+By default each run is the command of docs/benchmarks.md "The agentic trace" (4 conversations
+in flight, 5 turns, 32 output tokens, 3 repeats of 4 conversations, lock-step rounds;
+``--speculative-config`` for the suffix side). ``--pacing free`` replays them as vLLM's
+multi-turn benchmark does (each conversation's next turn as soon as its reply ends, a client
+takes the next conversation when its own ends); ``--conversations 16 --repeats 1`` replays
+the whole trace once. Tokens/s is the multi-turn report's: output tokens over the summed round
+spans (rounds: a round's first request's send to its last chunk's arrival, client clock, so
+it includes the turn's prefill and ends with the round's slowest conversation; free: the
+whole replay). Printed per turn (rounds pacing) and over all rounds, with TTFT p50 and the
+acceptance length, and the suffix / plain ratio per pair: the median and the min-max over the
+pairs. Each pair's line also gives the machine's 1-minute load average: on a shared machine
+a load spike in one run of a pair moves that pair's ratio (plain ran at 91-210 tok/s within
+an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
 
     python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
-        [--out /tmp/bench-agentic]
+        [--pacing rounds|free] [--conversations 4] [--repeats 3] [--out /tmp/bench-agentic]
 """
 
 import argparse
@@ -26,35 +29,39 @@ import sys
 from pathlib import Path
 
 TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
-COMMON = ["--multi-turn", "5", "--concurrency", "4", "--num-prompts", "4", "--output-len", "32",
-          "--dataset-name", "spec_bench", "--dataset-path", str(TRACE), "--repeats", "3"]
+COMMON = ["--multi-turn", "5", "--concurrency", "4", "--output-len", "32",
+          "--dataset-name", "spec_bench", "--dataset-path", str(TRACE)]
 
 
-def run(side_args: list[str], out: Path) -> dict:
+def run(side_args: list[str], out: Path, shape: list[str]) -> dict:
     """One ``specdec bench serve --launch`` run -> its config (turns and repeats)."""
     subprocess.run([sys.executable, "-m", "specdec.commands.cli", "bench", "serve", "--launch",
-                    *side_args, *COMMON, "--out", str(out)], check=True,
+                    *side_args, *COMMON, *shape, "--out", str(out)], check=True,
                    stdout=subprocess.DEVNULL)
     return json.loads((out / "results.json").read_text())["configs"][0]
 
 
 def figures(config: dict) -> dict:
-    """Per turn (1-based) and "all": tokens/s (output tokens / summed round spans), TTFT p50
-    (ms) and acceptance length, over the run's repeats."""
+    """Per turn (1-based; rounds pacing only: free-paced turns overlap) and "all" (the
+    report's ``overall``): tokens/s (output tokens / summed round spans), TTFT p50 (ms) and
+    acceptance length, over the run's repeats."""
     by_turn: dict = {}
-    for rounds in config["repeats"]:
-        for t, r in enumerate(rounds, 1):
-            for key in (t, "all"):
-                acc = by_turn.setdefault(key, dict(tokens=0, span=0.0, ttft=[], acc=0, steps=0))
+    if config["pacing"] == "rounds":
+        for rounds in config["repeats"]:
+            for t, r in enumerate(rounds, 1):
+                acc = by_turn.setdefault(t, dict(tokens=0, span=0.0, ttft=[], acc=0, steps=0))
                 acc["tokens"] += r["output_tokens"]
                 acc["span"] += r["span_s"]
                 acc["ttft"] += r["ttft_ms"]
                 acc["acc"] += r["accepted"]
                 acc["steps"] += r["verify_steps"]
-    # "all" last (it was made with turn 1)
-    return {key: dict(tok_s=a["tokens"] / a["span"], ttft_p50=statistics.median(a["ttft"]),
-                      acc_len=1 + a["acc"] / a["steps"] if a["steps"] else 1.0)
-            for key, a in sorted(by_turn.items(), key=lambda kv: kv[0] == "all")}
+    out = {t: dict(tok_s=a["tokens"] / a["span"], ttft_p50=statistics.median(a["ttft"]),
+                   acc_len=1 + a["acc"] / a["steps"] if a["steps"] else 1.0)
+           for t, a in sorted(by_turn.items())}
+    whole = config["overall"]
+    out["all"] = dict(tok_s=whole["output_tokens_per_s"], ttft_p50=whole["ttft_ms"]["p50"],
+                      acc_len=whole["acceptance_length"] or 1.0)
+    return out
 
 
 def spread(xs: list[float]) -> str:
@@ -67,15 +74,24 @@ def main() -> None:
     p.add_argument("--speculative-config", default='{"method":"suffix"}',
                    help="the speculative side's config (default suffix, vLLM's defaults)")
     p.add_argument("--out", default="/tmp/bench-agentic", help="the runs' results folders")
+    p.add_argument("--pacing", choices=("rounds", "free"), default="rounds",
+                   help="--multi-turn-pacing of every run (default rounds)")
+    p.add_argument("--conversations", type=int, default=4,
+                   help="--num-prompts: conversations per repeat (default 4; the trace has 16)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per run (default 3)")
     args = p.parse_args()
-    if args.pairs < 1:
-        raise SystemExit(f"--pairs={args.pairs}: allowed an int >= 1")
+    for key in ("pairs", "conversations", "repeats"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key}={getattr(args, key)}: allowed an int >= 1")
+    shape = ["--multi-turn-pacing", args.pacing, "--num-prompts", str(args.conversations),
+             "--repeats", str(args.repeats)]
     sides = {"plain": ["--method", "none"],
              "spec": ["--speculative-config", args.speculative_config]}
     out = Path(args.out)
     pairs = []
     for i in range(args.pairs):
-        pair = {side: figures(run(flags, out / f"pair{i}-{side}")) for side, flags in sides.items()}
+        pair = {side: figures(run(flags, out / f"pair{i}-{side}", shape))
+                for side, flags in sides.items()}
         pairs.append(pair)
         keys = [k for k in pair["plain"] if k in pair["spec"]]
         print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): " + "  ".join(

@@ -15,6 +15,7 @@ drafter's search (``next_drafts``, timed by a wrapper here, not in the engine).
 """
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -24,8 +25,11 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.bench import multiturn
 from specdec.bench.sweep import model_limit
+from specdec.engine.chat_template import load_chat_template
+from specdec.engine.llm import DEFAULT_MODEL
 
 TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
+PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 class Probe:
@@ -55,43 +59,83 @@ class Probe:
             proposer.next_drafts = timed
 
 
-def replay_repeat(llm: LLM, probe: Probe, convs, stats: dict) -> None:
+def account(llm: LLM, probe: Probe, first_step: int, first_sched: int, stats: dict) -> None:
+    """Adds the steps since ``first_step`` (and their schedules) to ``stats``."""
+    for rec, shape in zip(llm.core.steps[first_step:], probe.schedules[first_sched:]):
+        if any(prefilling for prefilling, _, _ in shape):
+            stats["prefill_steps"] += 1
+            stats["prefill_s"] += rec.seconds
+            stats["prefill_tokens"] += sum(n for p, n, _ in shape if p)
+            continue
+        stats["decode_steps"] += 1
+        stats["decode_s"] += rec.seconds
+        stats["decode_reqs"] += len(shape)
+        stats["fed"] += sum(n for _, n, _ in shape)
+        stats["rows"] += len(shape) * (1 + max(d for _, _, d in shape))
+        stats["emitted"] += sum(rec.new_tokens.values())
+
+
+def replay_rounds(llm: LLM, probe: Probe, convs, stats: dict) -> None:
     """The conversations' lock-step rounds on ``llm``; adds to ``stats``."""
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     history = [[] for _ in convs]
     for t in range(max(len(c.turns) for c in convs)):
         todo = [i for i, c in enumerate(convs) if t < len(c.turns)]
         msgs = [history[i] + [{"role": "user", "content": convs[i].turns[t]}] for i in todo]
         first_step, first_sched, search = len(llm.core.steps), len(probe.schedules), probe.search_s
         start = time.perf_counter()
-        outs = llm.chat(msgs, params)
+        outs = llm.chat(msgs, PARAMS)
         stats["wall_s"] += time.perf_counter() - start
         stats["search_s"] += probe.search_s - search
         for i, m, out in zip(todo, msgs, outs):
             history[i] = m + [{"role": "assistant", "content": out.outputs[0].text}]
             stats["output_tokens"] += len(out.outputs[0].token_ids)
-        for rec, shape in zip(llm.core.steps[first_step:], probe.schedules[first_sched:]):
-            if any(prefilling for prefilling, _, _ in shape):
-                stats["prefill_steps"] += 1
-                stats["prefill_s"] += rec.seconds
-                stats["prefill_tokens"] += sum(n for p, n, _ in shape if p)
+        account(llm, probe, first_step, first_sched, stats)
+
+
+def replay_free(llm: LLM, probe: Probe, convs, stats: dict, slots: int = 4) -> None:
+    """The conversations with free pacing (``bench serve --multi-turn-pacing free``): each of
+    ``slots`` conversations queues its next turn in the step after its reply ends, and a slot
+    takes the next conversation when its own ends; adds to ``stats``."""
+    render = load_chat_template(DEFAULT_MODEL)
+    queue = iter(range(len(convs)))
+
+    def send(i: int, t: int, history: list[dict]) -> tuple:
+        msgs = history + [{"role": "user", "content": convs[i].turns[t]}]
+        ids = llm.tokenizer.encode(render(msgs), add_special_tokens=False).ids
+        return i, t, msgs, llm.add_request(ids, PARAMS)
+
+    active = [send(i, 0, []) for i in itertools.islice(queue, slots)]
+    first_step, first_sched, search = len(llm.core.steps), len(probe.schedules), probe.search_s
+    start = time.perf_counter()
+    while active:
+        llm.step()
+        for j, (i, t, msgs, req) in enumerate(active):
+            if req.finish_reason is None:
                 continue
-            stats["decode_steps"] += 1
-            stats["decode_s"] += rec.seconds
-            stats["decode_reqs"] += len(shape)
-            stats["fed"] += sum(n for _, n, _ in shape)
-            stats["rows"] += len(shape) * (1 + max(d for _, _, d in shape))
-            stats["emitted"] += sum(rec.new_tokens.values())
+            out = req.output_token_ids
+            stats["output_tokens"] += len(out)
+            history = msgs + [{"role": "assistant", "content": llm.tokenizer.decode(out)}]
+            nxt = i if t + 1 < len(convs[i].turns) else next(queue, None)
+            active[j] = (None if nxt is None
+                         else send(nxt, t + 1, history) if nxt == i else send(nxt, 0, []))
+        active = [a for a in active if a is not None]
+    stats["wall_s"] += time.perf_counter() - start
+    stats["search_s"] += probe.search_s - search
+    account(llm, probe, first_step, first_sched, stats)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--speculative-config", default='{"method":"suffix"}')
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pacing", choices=("rounds", "free"), default="rounds",
+                   help="bench serve's --multi-turn-pacing (default rounds)")
+    p.add_argument("--conversations", type=int, default=4,
+                   help="conversations per repeat (default 4; the trace has 16)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: the served engine's on this 2-core CPU)")
     args = p.parse_args()
-    for name in ("repeats", "threads"):
+    for name in ("repeats", "threads", "conversations"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)}: allowed an int >= 1")
     torch.set_num_threads(args.threads)
@@ -103,14 +147,15 @@ def main() -> None:
             "prefill_tokens", "decode_steps", "decode_s", "decode_reqs", "fed", "rows", "emitted")
     stats = {name: dict.fromkeys(keys, 0) for name in engines}
     tok = _tokenizer()
-    opts = dict(num_prompts=4, _concurrency=4, multi_turn=5, dataset_name="spec_bench",
+    opts = dict(num_prompts=args.conversations, _concurrency=4, multi_turn=5, dataset_name="spec_bench",
                 dataset_path=str(TRACE), prompt_len=64)
     for name, llm in engines.items():  # warm-up: generated text, nothing of the trace
         llm.generate(["def main():"] * 4, max_tokens=32, ignore_eos=True)
+    replay = replay_free if args.pacing == "free" else replay_rounds
     for r in range(args.repeats):
         convs = multiturn.conversations(opts, tok, r)
         for name, llm in engines.items():
-            replay_repeat(llm, probes[name], convs, stats[name])
+            replay(llm, probes[name], convs, stats[name])
     for name, s in stats.items():
         ds = max(s["decode_steps"], 1)
         print(f"{name}: {s['output_tokens'] / s['wall_s']:.0f} tok/s over {s['wall_s']:.2f} s; "
@@ -129,8 +174,6 @@ def main() -> None:
 def _tokenizer():
     """The embedded model's tokenizer (the bench's, which makes the conversations)."""
     from tokenizers import Tokenizer
-
-    from specdec.engine.llm import DEFAULT_MODEL
     return Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
 
 

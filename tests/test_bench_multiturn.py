@@ -26,44 +26,77 @@ def stub_url():
     bench_serve.stop(proc)
 
 
-def replay(url, convs, concurrency=2, output_len=7):
+def replay(url, convs, concurrency=2, output_len=7, pacing="rounds"):
     body = dict(model=bench_serve.served_model(url), temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True,
                                                      continuous_usage_stats=True))
     points = []
     rounds = asyncio.run(multiturn.replay(url, body, convs, concurrency, output_len,
-                                          points.append))
+                                          points.append, pacing))
     return rounds, points
 
 
-def test_turn_n_sends_the_earlier_turns_with_their_replies(stub_url):
-    """Turn t's messages = user 1, reply 1, ..., user t, the replies being what the server
-    streamed; the server saw exactly those (usage.prompt_tokens = the rendered template's
-    tokens, and the stub's reply echoes that prompt's first ids)."""
-    convs = [Conversation(["def add(a, b):", "now type it", "and test it"], [6, 5, None], None,
-                          "a"),
-             Conversation(["import os", "list a folder"], [None, 9], None, "b"),
-             Conversation(["class Stack:"], [3], None, "c")]
-    rounds, points = replay(stub_url, convs)
-    assert [[r["conversation"] for r in recs] for recs in rounds] == [[0, 1, 2], [0, 1], [0]]
-    assert points == [0, 1, 2, 3]  # a /metrics scrape before each round and after the last
+def check_histories(convs, recs, output_len=7):
+    """Each record's messages = user 1, reply 1, ..., user t, the replies being what the
+    server streamed to the conversation's earlier records; the server saw exactly those
+    (usage.prompt_tokens = the rendered template's tokens, and the stub's reply echoes that
+    prompt's first ids)."""
     tok, render = load_tokenizer(DEFAULT_MODEL), load_chat_template(DEFAULT_MODEL)
     replies = {}  # (conversation, turn) -> the reply streamed
-    for t, recs in enumerate(rounds, start=1):
-        for rec in recs:
-            i = rec["conversation"]
-            assert "error" not in rec and rec["turn"] == t
-            expected = []
-            for j in range(1, t):
-                expected += [{"role": "user", "content": convs[i].turns[j - 1]},
-                             {"role": "assistant", "content": replies[i, j]}]
-            expected.append({"role": "user", "content": convs[i].turns[t - 1]})
-            assert rec["messages"] == expected
-            ids = tok.encode(render(expected), add_special_tokens=False).ids
-            n = convs[i].max_tokens[t - 1] or 7
-            assert rec["prompt_tokens"] == len(ids) and rec["output_tokens"] == n
-            assert rec["text"] == tok.decode(ids[:n])
-            replies[i, t] = rec["text"]
+    for rec in sorted(recs, key=lambda r: r["turn"]):
+        i, t = rec["conversation"], rec["turn"]
+        assert "error" not in rec
+        expected = []
+        for j in range(1, t):
+            expected += [{"role": "user", "content": convs[i].turns[j - 1]},
+                         {"role": "assistant", "content": replies[i, j]}]
+        expected.append({"role": "user", "content": convs[i].turns[t - 1]})
+        assert rec["messages"] == expected
+        ids = tok.encode(render(expected), add_special_tokens=False).ids
+        n = convs[i].max_tokens[t - 1] or output_len
+        assert rec["prompt_tokens"] == len(ids) and rec["output_tokens"] == n
+        assert rec["text"] == tok.decode(ids[:n])
+        replies[i, t] = rec["text"]
+    assert sorted(replies) == [(i, t + 1) for i, c in enumerate(convs)
+                               for t in range(len(c.turns))]
+
+
+CONVS = [Conversation(["def add(a, b):", "now type it", "and test it"], [6, 5, None], None, "a"),
+         Conversation(["import os", "list a folder"], [None, 9], None, "b"),
+         Conversation(["class Stack:"], [3], None, "c")]
+
+
+def test_turn_n_sends_the_earlier_turns_with_their_replies(stub_url):
+    """Rounds pacing: round t holds turn t of every conversation that has one; each request's
+    messages are its conversation's earlier turns with the replies streamed to them."""
+    rounds, points = replay(stub_url, CONVS)
+    assert [[r["conversation"] for r in recs] for recs in rounds] == [[0, 1, 2], [0, 1], [0]]
+    assert [{r["turn"] for r in recs} for recs in rounds] == [{1}, {2}, {3}]
+    assert points == [0, 1, 2, 3]  # a /metrics scrape before each round and after the last
+    for t, recs in enumerate(rounds[1:], start=1):  # round t+1 starts after round t ends
+        assert min(r["send"] for r in recs) >= max(r["chunks"][-1][0] for r in rounds[t - 1])
+    check_histories(CONVS, [r for recs in rounds for r in recs])
+
+
+def test_free_pacing_sends_each_turn_when_its_reply_ends(stub_url):
+    """Free pacing (vLLM's): one round; a conversation's turn t+1 is sent after its turn t's
+    reply ended, a client takes the next conversation when its own ends (conversation c waits
+    for a free client, not for the others' turns), at most ``concurrency`` in flight, and the
+    messages are as in rounds pacing."""
+    (recs,), points = replay(stub_url, CONVS, pacing="free")
+    assert points == [0, 1]
+    check_histories(CONVS, recs)
+    end = {(r["conversation"], r["turn"]): r["chunks"][-1][0] for r in recs}
+    for r in recs:
+        if r["turn"] > 1:
+            assert r["send"] >= end[r["conversation"], r["turn"] - 1]
+    (third,) = [r for r in recs if r["conversation"] == 2]
+    first_done = min(end[0, 3], end[1, 2])  # a client frees when its conversation ends
+    assert third["send"] >= first_done
+    events = sorted([(r["send"], 1) for r in recs] + [(e, -1) for e in end.values()],
+                    key=lambda x: (x[0], x[1]))
+    in_flight = [sum(d for _, d in events[:j + 1]) for j in range(len(events))]
+    assert max(in_flight) == 2
 
 
 def test_a_conversation_that_outgrows_the_server_ends_there(stub_url):
@@ -122,6 +155,29 @@ def test_multi_turn_command_reports_per_turn(stub_url, tmp_path, capsys):
     assert c["turns"][1]["prompt_tokens_mean"] > c["turns"][0]["prompt_tokens_mean"]
     assert [x["messages"] for x in c["repeats"][0][1]["requests_sent"]] == [3, 3]
     assert "turn" in out and "n/a" in out and (tmp_path / "turns.png").stat().st_size > 0
+    assert c["pacing"] == "rounds" and c["overall"]["output_tokens"] == 4 * 5
+    span = sum(x["span_s"] for x in c["repeats"][0])
+    assert c["overall"]["output_tokens_per_s"] == pytest.approx(4 * 5 / span)
+
+
+def test_free_pacing_command_reports_the_whole_replay(stub_url, tmp_path, capsys):
+    """--multi-turn-pacing free: per turn TTFT and prompt tokens only (turns overlap); tokens/s
+    over the replay's span, in the "all" row."""
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps({"category": "agent",
+                                       "turns": [f"turn {j} of {i}" for j in range(3)]})
+                           for i in range(3)) + "\n")
+    out, r = run_cli(stub_url, tmp_path, capsys, "--multi-turn", "3", "--concurrency", "2",
+                     "--num-prompts", "3", "--multi-turn-pacing", "free", "--dataset-name",
+                     "spec_bench", "--dataset-path", str(f))
+    (c,) = r["configs"]
+    assert c["pacing"] == "free" and r["sweep"]["multi_turn_pacing"] == "free"
+    assert [(t["turn"], t["requests"]) for t in c["turns"]] == [(1, 3), (2, 3), (3, 3)]
+    assert all(t["output_tokens_per_s"] is None and t["ttft_ms"]["p50"] > 0 for t in c["turns"])
+    (whole,) = c["repeats"][0]  # one round: the replay
+    assert len(whole["requests_sent"]) == 9 and c["overall"]["output_tokens"] == 9 * 5
+    assert c["overall"]["output_tokens_per_s"] == pytest.approx(9 * 5 / whole["span_s"])
+    assert "free pacing" in out and "all" in out
 
 
 def test_dataset_categories_are_one_run_each(stub_url, tmp_path, capsys):
@@ -143,8 +199,14 @@ def test_multi_turn_refusals(tmp_path, capsys):
     from specdec.commands.cli import main
     for flags, match in ((["--multi-turn", "0"], "--multi-turn=0: allowed an int >= 1"),
                          (["--multi-turn", "2", "--request-rate", "5"], "no arrival rate"),
+                         (["--multi-turn-pacing", "free"], "--multi-turn-pacing=free without "
+                                                           "--multi-turn"),
                          (["--dataset-name", "sharegpt"], "reads --dataset-path FILE")):
         code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--out",
                      str(tmp_path), *flags])
         err = capsys.readouterr().err
         assert code == 2 and match in err, err
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--multi-turn", "2",
+              "--multi-turn-pacing", "fast"])
+    assert "invalid choice: 'fast' (choose from 'rounds', 'free')" in capsys.readouterr().err

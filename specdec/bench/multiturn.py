@@ -9,13 +9,17 @@ turn) or, for ``random``, N held-out stdlib windows of ``--prompt-len`` tokens; 
 sent. ``--concurrency C``: conversations in flight (vLLM's ``--max-active-conversations``:
 each conversation has one request in flight at a time, so C is also the requests in flight).
 
-Turns run in lock-step rounds: round t sends turn t of every conversation that has one, C at
-a time, and waits for all of them before round t+1, so each turn index is measured on its
-own: TTFT p50/p99, output tokens/s (the round's output tokens / its span), the prompt tokens
-(from ``usage``), the acceptance length and the prefix-cache hit rate (deltas of /metrics over
-the round: ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``; n/a without them). A
-turn the server refuses (e.g. the conversation outgrew ``max_model_len``) ends that
-conversation; the round counts it as failed, with its error.
+``--multi-turn-pacing rounds`` (the default): lock-step rounds. Round t sends turn t of every
+conversation that has one, C at a time, and waits for all of them before round t+1, so each
+turn index is measured on its own: TTFT p50/p99, output tokens/s (the round's output tokens /
+its span), the prompt tokens (from ``usage``), the acceptance length and the prefix-cache hit
+rate (deltas of /metrics over the round: ``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``; n/a without them). ``free``: vLLM's pacing, C clients that
+each send a conversation's next turn as soon as its reply ends and take the next conversation
+when theirs ends; turns overlap, so per turn only TTFT and prompt tokens, and tokens/s,
+acceptance length and hit rate over the whole replay (``overall``, in both pacings: output
+tokens over the summed round spans). A turn the server refuses (e.g. the conversation outgrew
+``max_model_len``) ends that conversation; its turn counts it as failed, with its error.
 """
 
 import asyncio
@@ -55,23 +59,33 @@ def conversations(opts: dict, tok, seed: int) -> list[datasets.Conversation]:
 
 
 async def replay(base_url: str, body: dict, convs: list[datasets.Conversation],
-                 concurrency: int, output_len: int, on_round) -> list[list[dict]]:
-    """Lock-step rounds over the conversations; -> per round, one record per request sent:
+                 concurrency: int, output_len: int, on_round,
+                 pacing: str = "rounds") -> list[list[dict]]:
+    """The conversations replayed; -> per round, one record per request sent (in send order):
     {conversation, turn, messages, send, chunks, output_tokens, prompt_tokens, text} or
-    {conversation, turn, messages, error}. ``on_round(t)`` is called before round t starts
-    and after the last one ends (t = number of rounds): the /metrics scrape points."""
+    {conversation, turn, messages, error}. ``pacing`` "rounds": lock-step rounds (round t:
+    turn t of every live conversation, ``concurrency`` in flight); "free" (vLLM's
+    ``benchmarks/multi_turn``): ``concurrency`` clients, each takes the next conversation when
+    its last one ends and sends a turn as soon as the reply before it has ended, so the whole
+    replay is one round. ``on_round(t)`` is called before round t starts and after the last
+    one ends (t = number of rounds): the /metrics scrape points."""
     import aiohttp
+    if pacing not in bench_serve.MULTI_TURN_PACINGS:
+        raise ValueError(f"pacing={pacing!r}: allowed "
+                         f"{', '.join(bench_serve.MULTI_TURN_PACINGS)}")
     history = [[] for _ in convs]  # messages so far, per conversation
     alive = [True] * len(convs)
-    rounds = []
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=600.0), read_bufsize=2**20,
             connector=aiohttp.TCPConnector(limit=concurrency + 4)) as session:
-        async def turn(i: int, t: int) -> dict:
+        async def turn(i: int, t: int, sent: list[dict]) -> None:
+            """Sends conversation i's turn t; its record joins ``sent`` when sent, and the
+            reply its history when it ends (an error ends the conversation)."""
             messages = history[i] + [{"role": "user", "content": convs[i].turns[t]}]
             rec = dict(conversation=i, turn=t + 1, messages=messages)
             async with sem:
+                sent.append(rec)
                 try:
                     rec.update(await bench_serve.stream_one(
                         session, f"{base_url}/v1/chat/completions",
@@ -79,23 +93,36 @@ async def replay(base_url: str, body: dict, convs: list[datasets.Conversation],
                          "max_tokens": convs[i].max_tokens[t] or output_len}))
                 except (RuntimeError, aiohttp.ClientError) as e:
                     rec["error"] = str(e)[:300]
-            return rec
+            if "error" not in rec and not rec["chunks"]:
+                rec["error"] = "no tokens streamed"
+            if "error" in rec:
+                alive[i] = False
+            else:
+                history[i] = messages + [{"role": "assistant", "content": rec["text"]}]
 
+        if pacing == "free":
+            sent, queue = [], iter(range(len(convs)))
+
+            async def client() -> None:
+                for i in queue:  # shared: each conversation goes to the first free client
+                    for t in range(len(convs[i].turns)):
+                        await turn(i, t, sent)
+                        if not alive[i]:
+                            break
+
+            on_round(0)
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            on_round(1)
+            return [sent]
+        rounds = []
         for t in range(max(len(c.turns) for c in convs)):
             todo = [i for i, c in enumerate(convs) if alive[i] and t < len(c.turns)]
             if not todo:
                 break
             on_round(t)
-            recs = await asyncio.gather(*(turn(i, t) for i in todo))
-            for rec in recs:
-                i = rec["conversation"]
-                if "error" in rec or not rec["chunks"]:
-                    alive[i] = False
-                    rec.setdefault("error", "no tokens streamed")
-                else:
-                    history[i] = rec["messages"] + [{"role": "assistant",
-                                                     "content": rec["text"]}]
-            rounds.append(recs)
+            sent = []
+            await asyncio.gather(*(turn(i, t, sent) for i in todo))
+            rounds.append(sent)
         on_round(len(rounds))
     return rounds
 
@@ -144,6 +171,28 @@ def turn_summary(t: int, reps: list[dict]) -> dict:
                                        if has_cache and queries else None))
 
 
+def free_turns(recs: list[dict]) -> list[dict]:
+    """A free-paced replay's records -> per turn index, ``round_figures`` of its requests
+    without the figures that need a span or counters of their own (turns overlap: tokens/s,
+    acceptance length and hit rate are the replay's, in ``overall``)."""
+    by_turn: dict[int, list[dict]] = {}
+    for rec in recs:
+        by_turn.setdefault(rec["turn"], []).append(rec)
+    return [dict(round_figures(by_turn[t], {}, {}), output_tokens_per_s=None, span_s=None,
+                 acceptance_length=None) for t in sorted(by_turn)]
+
+
+def overall(reps: list[list[dict]]) -> dict:
+    """Every round of every repeat pooled: ``turn_summary``'s figures with tokens/s the output
+    tokens over the summed round spans (rounds: the time a request was in flight; free: the
+    replays' spans)."""
+    rounds = [r for rep in reps for r in rep]
+    span = sum(r["span_s"] for r in rounds)
+    out = turn_summary("all", rounds)
+    out["output_tokens_per_s"] = out["output_tokens"] / span if span else None
+    return out
+
+
 def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
           mode: str = "server", server: dict | None = None) -> dict:
     """Warm up (generated single-turn prompts: the conversations' text is not sent before
@@ -158,6 +207,7 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
     generated = bench_sweep.PromptSource(tok, tok.get_vocab_size())
     body = dict(model=model, temperature=0.0, stream=True, ignore_eos=True,
                 stream_options=dict(include_usage=True, continuous_usage_stats=True))
+    pacing = opts["multi_turn_pacing"]
     phases, t_start = {}, time.perf_counter()
     for w in range(opts["warmup"]):
         for c in opts["concurrency"]:
@@ -168,24 +218,31 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
     t = time.perf_counter()
     configs = []
     for c in opts["concurrency"]:
-        reps = []
+        reps, by_turn = [], []  # by_turn: free pacing's per-turn figures, per repeat
         for r in range(opts["repeats"]):
             convs = conversations(dict(opts, _concurrency=c), tok, opts["seed"] + r)
             scrapes = []
             rounds = asyncio.run(replay(base_url, body, convs, c, opts["output_len"],
-                                        lambda _: scrapes.append(bench_serve.scrape(base_url))))
+                                        lambda _: scrapes.append(bench_serve.scrape(base_url)),
+                                        pacing))
             reps.append([dict(round_figures(recs, scrapes[i], scrapes[i + 1]),
                               requests_sent=[dict(conversation=x["conversation"],
-                                                  messages=len(x["messages"]),
+                                                  turn=x["turn"], messages=len(x["messages"]),
                                                   error=x.get("error")) for x in recs])
                          for i, recs in enumerate(rounds)])
+            if pacing == "free":
+                by_turn.append(free_turns(rounds[0]))
             console.print(f"repeat {r + 1}/{opts['repeats']} concurrency {c}: "
-                          f"{len(convs)} conversations, {len(rounds)} turns", highlight=False)
-        n_turns = max(len(x) for x in reps)
-        turns = [turn_summary(i + 1, [x[i] for x in reps if i < len(x)]) for i in range(n_turns)]
+                          f"{len(convs)} conversations, "
+                          f"{max(x['turn'] for recs in rounds for x in recs)} turns",
+                          highlight=False)
+        per_turn = by_turn if pacing == "free" else reps
+        n_turns = max(len(x) for x in per_turn)
+        turns = [turn_summary(i + 1, [x[i] for x in per_turn if i < len(x)])
+                 for i in range(n_turns)]
         configs.append(dict(name=f"{label}-c{c}-multi_turn{opts['multi_turn']}", method=label,
-                            mode=mode, k=k, concurrency=c, status="ok", turns=turns,
-                            repeats=reps))
+                            mode=mode, k=k, concurrency=c, status="ok", pacing=pacing,
+                            turns=turns, overall=overall(reps), repeats=reps))
     phases["measure_s"] = time.perf_counter() - t
     sweep = {**opts, "dp": 1, "base_url": base_url, "model": model}
     return dict(schema_version=bench_serve.SCHEMA_VERSION, kind="multi_turn",
@@ -199,16 +256,24 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
 DEFINITIONS = {
     "turn": "the index of a user turn; its request holds every earlier turn with the reply "
             "the server gave to it, then this turn",
-    "round": "turn t of every conversation that has one, at most concurrency in flight; the "
-             "next round starts when all of them have ended",
+    "pacing": "rounds: lock-step rounds; free: concurrency clients, each sends a "
+              "conversation's next turn when its reply ends and takes the next conversation "
+              "when it has none (vLLM's benchmarks/multi_turn)",
+    "round": "rounds pacing: turn t of every conversation that has one, at most concurrency "
+             "in flight; the next round starts when all of them have ended. free pacing: the "
+             "whole replay",
+    "overall": "every round of every repeat: output tokens / summed round spans, TTFT over "
+               "every request, acceptance length and hit rate from the summed counters",
     "ttft": "first chunk arrival - request send (client clock)",
     "output_tokens_per_s": "output tokens of the round / (its last chunk arrival - its first "
-                           "send), mean over repeats",
+                           "send), mean over repeats (free pacing: overall only)",
     "prompt_tokens_mean": "usage.prompt_tokens of the turn's requests (the chat template "
                           "rendered by the server), mean",
-    "acceptance_length": "1 + accepted / verifying steps over the round, from /metrics",
+    "acceptance_length": "1 + accepted / verifying steps over the round, from /metrics "
+                         "(free pacing: overall only)",
     "prefix_cache_hit_rate": "delta vllm:prefix_cache_hits / delta vllm:prefix_cache_queries "
-                             "over the round (None: the server exports neither)",
+                             "over the round (None: the server exports neither; free pacing: "
+                             "overall only)",
     "failed": "requests of the turn the server refused or that streamed nothing; their "
               "conversation ends there",
 }

@@ -181,8 +181,12 @@ def write_turn_plots(results: dict, out: Path) -> list[str]:
                  label=f"{label}: p50")
         ax1.plot(turns, [row["ttft_ms"]["p99"] for row in c["turns"]], "--s", color=color,
                  label=f"{label}: p99")
-        ax2.plot(turns, [row["output_tokens_per_s"] for row in c["turns"]], "-o", color=color,
-                 label=label)
+        if c.get("pacing") == "free":  # turns overlap: the whole replay's rate
+            ax2.axhline(c["overall"]["output_tokens_per_s"], color=color, ls="--",
+                        label=f"{label} (free pacing: the whole replay)")
+        else:
+            ax2.plot(turns, [row["output_tokens_per_s"] for row in c["turns"]], "-o",
+                     color=color, label=label)
     turns = sorted({row["turn"] for c in configs for row in c["turns"]})
     for ax, ylabel in ((ax1, "TTFT (ms)"), (ax2, "output tokens/s (the turn's round)")):
         ax.set_xticks(turns)

@@ -186,29 +186,40 @@ def skipped_lines(results: dict) -> list[str]:
 
 
 def turns_table(results: dict) -> Table:
-    """``bench serve --multi-turn``: one row per (concurrency, turn): requests, mean prompt
-    tokens, TTFT p50/p99, tokens/s, acceptance length and prefix-cache hit rate (n/a: the
-    server exports no prefix-cache counters)."""
+    """``bench serve --multi-turn``: one row per (concurrency, turn) and an "all" row per
+    concurrency: requests, mean prompt tokens, TTFT p50/p99, tokens/s, acceptance length and
+    prefix-cache hit rate (n/a: the server exports no prefix-cache counters; "-": free pacing
+    measures it over the whole replay only)."""
     sw = results["sweep"]
     server = results.get("server") or {}
+    free = sw.get("multi_turn_pacing") == "free"
     t = Table(title=f"multi-turn: {server.get('name', 'server')} serving {sw['model']!r}, up "
-                    f"to {sw['multi_turn']} turns, {sw['repeats']} repeats, client clock, ms",
-              caption="a turn's request holds every earlier turn and its reply; each turn "
-                      "index is one round (every conversation's turn t, then the next); "
-                      "hit %: prefix-cache hits / queries over the round; all figures in "
-                      "results.json", header_style="bold", box=box.SIMPLE_HEAD,
+                    f"to {sw['multi_turn']} turns, {sw['repeats']} repeats, "
+                    f"{'free' if free else 'rounds'} pacing, client clock, ms",
+              caption="a turn's request holds every earlier turn and its reply; "
+                      + ("each conversation's next turn is sent when its reply ends (turns "
+                         "overlap); all: the whole replay" if free else
+                         "each turn index is one round (every conversation's turn t, then the "
+                         "next); all: output tokens / summed round spans")
+                      + "; hit %: prefix-cache hits / queries; all figures in results.json",
+              header_style="bold", box=box.SIMPLE_HEAD,
               pad_edge=False, show_edge=False, collapse_padding=True)
     for col in ("method", "conc", "turn", "reqs", "prompt\ntok", "TTFT\np50", "TTFT\np99",
                 "tok/s", "acc\nlen", "hit\n%"):
         t.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
     for c in results["configs"]:
-        for row in c["turns"]:
+        rows = c["turns"] + [c["overall"]]
+        for i, row in enumerate(rows):
             hit = row["prefix_cache_hit_rate"]
             reqs = str(row["requests"]) + (f" ({row['failed']} failed)" if row["failed"] else "")
+            # a free-paced turn's tokens/s, acceptance and hit rate: the replay's ("all")
             t.add_row(c["method"], str(c["concurrency"]), str(row["turn"]), reqs,
                       _f(row["prompt_tokens_mean"], ".0f"), _f(row["ttft_ms"]["p50"], ".1f"),
                       _f(row["ttft_ms"]["p99"], ".1f"), _f(row["output_tokens_per_s"], ".0f"),
-                      _f(row["acceptance_length"]), "n/a" if hit is None else f"{100 * hit:.0f}")
+                      _f(row["acceptance_length"]),
+                      "-" if free and i < len(rows) - 1
+                      else "n/a" if hit is None else f"{100 * hit:.0f}",
+                      end_section=i == len(rows) - 2)
     return t
 
 

@@ -38,7 +38,10 @@ from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arg
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
                 seed=0, request_rate=None, num_prompts=None, dataset_name="random",
-                dataset_path=None, multi_turn=None)
+                dataset_path=None, multi_turn=None,
+                multi_turn_pacing=None)
+# --multi-turn-pacing (specdec/bench/multiturn.py replays them)
+MULTI_TURN_PACINGS = ("rounds", "free")
 QUICK = dict(DEFAULTS, concurrency=[1, 4], prompt_len=32, output_len=32, repeats=4)
 DEFINITIONS = {
     **{k: v for k, v in metrics.DEFINITIONS.items() if k not in ("dp", "collectives_per_step")},
@@ -408,6 +411,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "N user turns through /v1/chat/completions (each turn sends the earlier "
                    "turns with the server's replies; --concurrency: conversations in flight; "
                    "--num-prompts: conversations; report per turn; default: single turns)")
+    p.add_argument("--multi-turn-pacing", choices=MULTI_TURN_PACINGS, help="with --multi-turn: "
+                   "rounds (turn t of every conversation, then turn t+1: per-turn tokens/s and "
+                   "hit rate) or free (vLLM's: each conversation's next turn as soon as its "
+                   "reply ends, the next conversation when one ends; tokens/s over the whole "
+                   "replay) (default: rounds)")
     g = p.add_argument_group("with --launch: the server's engine (as specdec serve; "
                              "refused with --base-url)")
     add_speculation_arguments(g)
@@ -474,7 +482,8 @@ def engine_flags(args) -> list[str]:
 def options(args) -> dict:
     opts = dict(QUICK if args.quick else DEFAULTS, tokenizer=args.tokenizer or args.model)
     for key in ("concurrency", "request_rate", "num_prompts", "prompt_len", "output_len",
-                "repeats", "warmup", "seed", "dataset_name", "dataset_path", "multi_turn"):
+                "repeats", "warmup", "seed", "dataset_name", "dataset_path", "multi_turn",
+                "multi_turn_pacing"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)
     for key, low in (("prompt_len", 1), ("output_len", 2), ("repeats", 1), ("warmup", 0)):
@@ -493,6 +502,10 @@ def options(args) -> dict:
         if opts["request_rate"] is not None:
             raise UsageError("--request-rate with --multi-turn: a conversation's next turn "
                              "follows its reply (rounds), so there is no arrival rate to set")
+        opts["multi_turn_pacing"] = opts["multi_turn_pacing"] or "rounds"
+    elif opts["multi_turn_pacing"] is not None:
+        raise UsageError(f"--multi-turn-pacing={opts['multi_turn_pacing']} without "
+                         "--multi-turn: single turns have no pacing (allowed with --multi-turn N)")
     return opts
 
 
