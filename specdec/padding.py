@@ -126,15 +126,20 @@ class StepPlanner:
 
     ``allow_capture``: uniform decodes in a bucket replay graphs (False: no graph backend, or
     cross-rank layers); ``capture_mixed``: so do steps with prefill chunks whose token and
-    request counts are both capture sizes (the backends that capture per (Np, Bp) key)."""
+    request counts are both capture sizes (the backends that capture per (Np, Bp) key).
+    ``pad_tokens``: Np is a capture size (the backends with a graph per shape); False (eager,
+    compile_dynamic: any shape runs) keeps Np at the tokens fed (+ the padding requests'
+    spare token, SP-aligned, the largest over DP ranks), so no step computes padding rows
+    past the next capture size (a 9-token draft tree at one request: 9 rows, not 16)."""
 
     def __init__(self, padder: BatchPadder, dp: DPContext, num_speculative_tokens: int,
-                 allow_capture: bool, capture_mixed: bool = False):
+                 allow_capture: bool, capture_mixed: bool = False, pad_tokens: bool = True):
         self.padder = padder
         self.dp = dp
         self.num_speculative_tokens = num_speculative_tokens  # K when a step names none
         self.allow_capture = allow_capture
         self.capture_mixed = capture_mixed and allow_capture
+        self.pad_tokens = pad_tokens
 
     def plan(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
              num_spec_tokens: int | None = None) -> StepPlan:
@@ -149,13 +154,13 @@ class StepPlanner:
         else:
             bucket = dispatch(pad(num_reqs))
             reqs = bucket.num_tokens
-            if uniform_decode and bucket.graph:
+            if uniform_decode and bucket.graph and self.pad_tokens:
                 tokens, capture = reqs * tokens_per_req, CAPTURE_UNIFORM
             else:
                 # padding requests (Bp > B) sample at the last token: keep one padding token
                 spare = int(self.dp.size > 1 or reqs > num_reqs)
                 token_bucket = dispatch(pad(num_tokens + spare))
-                tokens = token_bucket.num_tokens
+                tokens = token_bucket.num_tokens if self.pad_tokens else pad(num_tokens + spare)
                 capture = CAPTURE_MIXED if bucket.graph and token_bucket.graph else 0
             if not self.allow_capture or (capture == CAPTURE_MIXED and not self.capture_mixed):
                 capture = 0
@@ -167,7 +172,8 @@ class StepPlanner:
         uniform = synced.capture == CAPTURE_UNIFORM
         reqs_padded = dispatch(synced.num_reqs).num_tokens
         tokens_padded = (reqs_padded * tokens_per_req if uniform
-                         else dispatch(synced.num_tokens).num_tokens)
+                         else dispatch(synced.num_tokens).num_tokens if self.pad_tokens
+                         else synced.num_tokens)
         for n in (reqs_padded, tokens_padded):
             if not self.padder.is_aligned(n):
                 raise AssertionError(f"padded size {n} is not a multiple of "

@@ -55,9 +55,12 @@ def test_bad_padder_arguments_name_the_field(kwargs, field):
         BatchPadder(**kwargs)
 
 
-def planner(k=3, sizes=(1, 2, 4, 8, 16), tp=1, sp=False, mixed=False):
-    return StepPlanner(BatchPadder(list(sizes), tp, sp), DPContext(), k, allow_capture=True,
-                       capture_mixed=mixed)
+def planner(k=3, sizes=(1, 2, 4, 8, 16), tp=1, sp=False, mixed=False, fixed_shapes=True):
+    """The runner's planner; ``fixed_shapes`` False: eager / compile_dynamic's (nothing
+    captured, Np not padded to a capture size)."""
+    return StepPlanner(BatchPadder(list(sizes), tp, sp), DPContext(), k,
+                       allow_capture=fixed_shapes, capture_mixed=mixed,
+                       pad_tokens=fixed_shapes)
 
 
 def test_plan_docstring_example():
@@ -96,6 +99,22 @@ def test_a_plan_fits_its_step(k, b, extra, uniform, tp, sp, mixed):
     if sp and tp > 1:
         assert plan.num_tokens_padded % tp == 0 and plan.num_reqs_padded % tp == 0
     assert plan.num_tokens_across_dp == (plan.num_tokens_padded,)
+
+
+@given(k=st.integers(0, 8), b=st.integers(1, 40), extra=st.integers(0, 60),
+       uniform=st.booleans(), tp=st.sampled_from([1, 2, 4]), sp=st.booleans())
+def test_a_step_that_takes_any_shape_is_not_padded_to_a_capture_size(k, b, extra, uniform,
+                                                                      tp, sp):
+    """eager / compile_dynamic: Np = the tokens fed, plus one for padding requests to sample
+    at, SP-aligned; nothing captured; Bp as with capture (a capture size)."""
+    n = b * (1 + k) if uniform else b + extra
+    plan = planner(k, tp=tp, sp=sp, fixed_shapes=False).plan(n, b, uniform)
+    captured = planner(k, tp=tp, sp=sp).plan(n, b, uniform)
+    assert plan.num_reqs_padded == captured.num_reqs_padded >= b
+    spare = int(plan.num_reqs_padded > b)
+    aligned = -(-(n + spare) // tp) * tp if sp and tp > 1 else n + spare
+    assert plan.num_tokens_padded == aligned <= captured.num_tokens_padded
+    assert not plan.capturable and not plan.uniform_decode
 
 
 def test_step_sizes_worked_example():

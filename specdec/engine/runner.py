@@ -185,7 +185,8 @@ class ModelRunner:
         # capturing backends; the compiling ones would stall serving on an inductor compile
         # per key, so run them eager
         self.planner = StepPlanner(padder, dp, k, allow_capture=backend.fixed_shapes,
-                                   capture_mixed=backend.captures)
+                                   capture_mixed=backend.captures,
+                                   pad_tokens=backend.fixed_shapes)
         self.buffers = StepBuffers(sizes.max_num_tokens, sizes.max_num_reqs, k,
                                    -(-max_model_len // block_size), device,
                                    header=header_words(dp.size))
