@@ -153,7 +153,7 @@ def main() -> None:
         llm.generate(["def main():"] * 4, max_tokens=32, ignore_eos=True)
     replay = replay_free if args.pacing == "free" else replay_rounds
     for r in range(args.repeats):
-        convs = multiturn.conversations(opts, tok, r)
+        convs = multiturn.conversations(opts, tok, 0, r)
         for name, llm in engines.items():
             replay(llm, probes[name], convs, stats[name])
     for name, s in stats.items():

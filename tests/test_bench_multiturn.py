@@ -210,3 +210,19 @@ def test_multi_turn_refusals(tmp_path, capsys):
         main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--multi-turn", "2",
               "--multi-turn-pacing", "fast"])
     assert "invalid choice: 'fast' (choose from 'rounds', 'free')" in capsys.readouterr().err
+
+
+def test_each_repeat_replays_conversations_no_earlier_repeat_sent(tmp_path):
+    """A repeat that replayed an earlier one's conversation would find its replies in a suffix
+    drafter's cache: repeats take consecutive slices of one seeded shuffle, and recur only
+    once the file has no unsent conversation left."""
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps({"category": "c", "turns": [f"task {i}", "more"]})
+                           for i in range(5)) + "\n")
+    opts = dict(num_prompts=2, _concurrency=2, multi_turn=2, dataset_name="spec_bench",
+                dataset_path=str(f), prompt_len=8)
+    tok = load_tokenizer(DEFAULT_MODEL)
+    sent = [[c.turns[0] for c in multiturn.conversations(opts, tok, 3, r)] for r in range(3)]
+    assert all(len(s) == 2 for s in sent) and len(set(sent[0] + sent[1])) == 4
+    assert len(set(sent[0] + sent[1] + sent[2])) == 5  # the fifth, then one recurs
+    assert sent[0] == [c.turns[0] for c in multiturn.conversations(opts, tok, 3)]

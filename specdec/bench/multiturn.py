@@ -43,19 +43,22 @@ def prefix_cache_counts(scraped: dict) -> tuple[float, float] | None:
     return got[0], got[1]
 
 
-def conversations(opts: dict, tok, seed: int) -> list[datasets.Conversation]:
-    """``num_prompts`` (default: the concurrency's) conversations of at most ``multi_turn``
-    user turns: the dataset's (a seeded shuffle, ``datasets.pick``) or generated ones."""
+def conversations(opts: dict, tok, seed: int, repeat: int = 0) -> list[datasets.Conversation]:
+    """Repeat ``repeat``'s ``num_prompts`` (default: the concurrency's) conversations of at
+    most ``multi_turn`` user turns: the dataset's (slice ``repeat`` of a seeded shuffle,
+    ``datasets.pick``: each repeat replays conversations no earlier repeat sent while the file
+    has enough, then they recur, as vLLM oversamples; a replayed conversation would find its
+    replies in a suffix drafter's cache) or generated ones."""
     n, turns = opts["num_prompts"] or opts["_concurrency"], opts["multi_turn"]
     data = datasets.load(opts["dataset_name"], opts["dataset_path"],
                          lambda text: len(tok.encode(text).ids))
     if data is None:
         source = bench_sweep.PromptSource(tok, tok.get_vocab_size())
-        windows = source.prompts(n * turns, opts["prompt_len"], seed)
+        windows = source.prompts(n * turns, opts["prompt_len"], seed + repeat)
         return [datasets.Conversation([tok.decode(w) for w in windows[i * turns:(i + 1) * turns]],
                                       [None] * turns, None, f"random:{i}") for i in range(n)]
     return [c._replace(turns=c.turns[:turns], max_tokens=c.max_tokens[:turns])
-            for c in datasets.pick(data.conversations, n, seed)]
+            for c in datasets.pick(data.conversations, n * (repeat + 1), seed)[n * repeat:]]
 
 
 async def replay(base_url: str, body: dict, convs: list[datasets.Conversation],
@@ -220,7 +223,7 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
     for c in opts["concurrency"]:
         reps, by_turn = [], []  # by_turn: free pacing's per-turn figures, per repeat
         for r in range(opts["repeats"]):
-            convs = conversations(dict(opts, _concurrency=c), tok, opts["seed"] + r)
+            convs = conversations(dict(opts, _concurrency=c), tok, opts["seed"], r)
             scrapes = []
             rounds = asyncio.run(replay(base_url, body, convs, c, opts["output_len"],
                                         lambda _: scrapes.append(bench_serve.scrape(base_url)),
