@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specdec.bench.serve import MULTI_TURN_PACINGS
+
 TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
 COMMON = ["--multi-turn", "5", "--concurrency", "4", "--output-len", "32",
           "--dataset-name", "spec_bench", "--dataset-path", str(TRACE)]
@@ -74,7 +76,7 @@ def main() -> None:
     p.add_argument("--speculative-config", default='{"method":"suffix"}',
                    help="the speculative side's config (default suffix, vLLM's defaults)")
     p.add_argument("--out", default="/tmp/bench-agentic", help="the runs' results folders")
-    p.add_argument("--pacing", choices=("rounds", "free"), default="rounds",
+    p.add_argument("--pacing", choices=MULTI_TURN_PACINGS, default="rounds",
                    help="--multi-turn-pacing of every run (default rounds)")
     p.add_argument("--conversations", type=int, default=4,
                    help="--num-prompts: conversations per repeat (default 4; the trace has 16)")

@@ -1,9 +1,11 @@
 """Where a turn's time goes on the agentic trace, in process: plain and a speculative config
 (default suffix) on two engines built as ``specdec bench serve --launch`` builds the server's
 (4 rows, the model's max_model_len, 256 batched tokens, prefix caching on), the trace's
-conversations replayed in the same lock-step rounds as ``bench serve --multi-turn 5`` (each
-round's 4 chats to the end, 32 greedy tokens each, the reply appended as the assistant turn),
-repeat r of one engine, then of the other (interleaved).
+conversations replayed as ``bench serve --multi-turn 5`` replays them (``--pacing rounds``:
+lock-step rounds, each round's 4 chats to the end; ``free``: 4 slots, a conversation's next
+turn queued when its reply ends; 32 greedy tokens a reply, appended as the assistant turn;
+each repeat ``--conversations`` the earlier repeats did not send), repeat r of one engine,
+then of the other (interleaved).
 
 Per engine, over every round: the round wall time and its share in steps that hold a prefill
 chunk (speculation cannot shorten them) against decode-only steps; per decode-only step its
@@ -12,6 +14,7 @@ per request (1 + the step's most drafts), the tokens accepted, and the host time
 drafter's search (``next_drafts``, timed by a wrapper here, not in the engine).
 
     python -m benchmarks.profile_agentic [--speculative-config '{"method":"suffix"}'] [--repeats 3]
+        [--pacing rounds|free] [--conversations 4]
 """
 
 import argparse
@@ -24,6 +27,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench import multiturn
+from specdec.bench.serve import MULTI_TURN_PACINGS
 from specdec.bench.sweep import model_limit
 from specdec.engine.chat_template import load_chat_template
 from specdec.engine.llm import DEFAULT_MODEL
@@ -128,7 +132,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--speculative-config", default='{"method":"suffix"}')
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--pacing", choices=("rounds", "free"), default="rounds",
+    p.add_argument("--pacing", choices=MULTI_TURN_PACINGS, default="rounds",
                    help="bench serve's --multi-turn-pacing (default rounds)")
     p.add_argument("--conversations", type=int, default=4,
                    help="conversations per repeat (default 4; the trace has 16)")

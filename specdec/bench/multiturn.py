@@ -181,8 +181,8 @@ def free_turns(recs: list[dict]) -> list[dict]:
     by_turn: dict[int, list[dict]] = {}
     for rec in recs:
         by_turn.setdefault(rec["turn"], []).append(rec)
-    return [dict(round_figures(by_turn[t], {}, {}), output_tokens_per_s=None, span_s=None,
-                 acceptance_length=None) for t in sorted(by_turn)]
+    return [dict(round_figures(by_turn[t], {}, {}), output_tokens_per_s=None, span_s=None)
+            for t in sorted(by_turn)]
 
 
 def overall(reps: list[list[dict]]) -> dict:

@@ -38,8 +38,7 @@ from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arg
 SCHEMA_VERSION = 1
 DEFAULTS = dict(concurrency=[1, 4, 16], prompt_len=64, output_len=64, repeats=3, warmup=1,
                 seed=0, request_rate=None, num_prompts=None, dataset_name="random",
-                dataset_path=None, multi_turn=None,
-                multi_turn_pacing=None)
+                dataset_path=None, multi_turn=None, multi_turn_pacing=None)
 # --multi-turn-pacing (specdec/bench/multiturn.py replays them)
 MULTI_TURN_PACINGS = ("rounds", "free")
 QUICK = dict(DEFAULTS, concurrency=[1, 4], prompt_len=32, output_len=32, repeats=4)
