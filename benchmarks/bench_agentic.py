@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specdec.bench import multiturn
 from specdec.bench.serve import MULTI_TURN_PACINGS
 
 TRACE = Path(__file__).resolve().parent.parent / "specdec/bench/traces/agentic.jsonl"
@@ -46,24 +47,15 @@ def run(side_args: list[str], out: Path, shape: list[str]) -> dict:
 def figures(config: dict) -> dict:
     """Per turn (1-based; rounds pacing only: free-paced turns overlap) and "all" (the
     report's ``overall``): tokens/s (output tokens / summed round spans), TTFT p50 (ms) and
-    acceptance length, over the run's repeats."""
-    by_turn: dict = {}
+    acceptance length, over the run's repeats (``multiturn.overall`` of the turn's rounds)."""
+    repeats, pooled = config["repeats"], {}
     if config["pacing"] == "rounds":
-        for rounds in config["repeats"]:
-            for t, r in enumerate(rounds, 1):
-                acc = by_turn.setdefault(t, dict(tokens=0, span=0.0, ttft=[], acc=0, steps=0))
-                acc["tokens"] += r["output_tokens"]
-                acc["span"] += r["span_s"]
-                acc["ttft"] += r["ttft_ms"]
-                acc["acc"] += r["accepted"]
-                acc["steps"] += r["verify_steps"]
-    out = {t: dict(tok_s=a["tokens"] / a["span"], ttft_p50=statistics.median(a["ttft"]),
-                   acc_len=1 + a["acc"] / a["steps"] if a["steps"] else 1.0)
-           for t, a in sorted(by_turn.items())}
-    whole = config["overall"]
-    out["all"] = dict(tok_s=whole["output_tokens_per_s"], ttft_p50=whole["ttft_ms"]["p50"],
-                      acc_len=whole["acceptance_length"] or 1.0)
-    return out
+        for t in range(1, max(map(len, repeats)) + 1):
+            pooled[t] = multiturn.overall([[rounds[t - 1]] for rounds in repeats
+                                           if t <= len(rounds)])
+    pooled["all"] = config["overall"]
+    return {key: dict(tok_s=s["output_tokens_per_s"], ttft_p50=s["ttft_ms"]["p50"],
+                      acc_len=s["acceptance_length"] or 1.0) for key, s in pooled.items()}
 
 
 def spread(xs: list[float]) -> str:
