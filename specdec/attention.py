@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec import kernels, platform
-from specdec.kernels.paged_attention_torch import TreeMask, check_softcap
+from specdec.kernels.paged_attention_torch import (PagedPlan, TreeMask, attention_bias,
+                                                   check_softcap, paged_attention)
 from specdec.linear_state import LinearStateSpec, StateCache, StateLayout
 
 
@@ -155,6 +156,7 @@ class PagedKV:
         self.meta = meta
         self._write_slots: torch.Tensor | None = None
         self._plan = None
+        self._biases: dict = {}  # the torch formula's masks, (group, window) -> attention_bias
         self._state_layout: StateLayout | None = None
         # the torch formulas: the cache's rule, and a draft tree's mask until the Triton
         # kernels' tree path has run on a GPU (``platform.unverified_gpu_paths``)
@@ -225,10 +227,15 @@ class PagedKV:
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec,
                    sinks: torch.Tensor | None) -> torch.Tensor:
-        attention = (kernels.TORCH_IMPLS["paged_attention"] if self.torch_attention
-                     else kernels.paged_attention)
-        return attention(q, k_cache, v_cache, self._plan, sliding_window=spec.sliding_window,
-                         scale=spec.scale, softcap=spec.logit_softcap, sinks=sinks)
+        kw = dict(sliding_window=spec.sliding_window, scale=spec.scale,
+                  softcap=spec.logit_softcap, sinks=sinks)
+        if not isinstance(self._plan, PagedPlan):  # the Triton kernel's plan
+            return kernels.paged_attention(q, k_cache, v_cache, self._plan, **kw)
+        # the torch formula: one additive mask per (query group, window), shared by the layers
+        key = (q.shape[1] // k_cache.shape[1], spec.sliding_window)
+        if key not in self._biases:
+            self._biases[key] = attention_bias(self._plan, *key, q.dtype)
+        return paged_attention(q, k_cache, v_cache, self._plan, bias=self._biases[key], **kw)
 
     def attend_latent(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor,
                       scale: float) -> torch.Tensor:

@@ -205,7 +205,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [..., Hq, Tq, D], k/v [..., Hkv, Tk, D] (Hkv divides Hq: grouped), mask [..., 1 or
-    Hq, Tq, Tk] bool (True: attend) -> [..., Hq, Tq, D]. SDPA; with ``softcap`` c or
+    Hq, Tq, Tk] bool (True: attend) or additive (``attention_bias``) -> [..., Hq, Tq, D].
+    SDPA; with ``softcap`` c or
     ``sinks``, the same math spelled out as transformers' eager attention: scores ``q.k *
     scale`` in float32, ``c * tanh(s / c)``, masked, softmax, cast to v's dtype, times v.
     ``sinks`` (gpt-oss): one extra logit per query row, broadcastable to [..., Hq, Tq, 1],
@@ -219,7 +220,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = (q @ k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     if sinks is None:
         return scores.softmax(-1).to(v.dtype) @ v
     sink = sinks.float().expand(*scores.shape[:-1], 1)
@@ -248,35 +249,51 @@ def tokens_of(out: torch.Tensor, p: PagedPlan) -> torch.Tensor:
     return flat if p.out_rows is None else flat.index_select(0, p.out_rows)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    p: PagedPlan, *, sliding_window: int | None = None,
-                    scale: float | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
-
-    ``sliding_window`` W (None: full causal) drops the keys before ``visible - W`` with an
-    [R, T, L] mask built per call; ``scale`` None is ``D ** -0.5``; ``softcap`` (None: none)
-    caps the scores; ``sinks`` [Hq] (None: none) adds a per-head logit to each softmax
-    (``masked_attention``)."""
+def attention_bias(p: PagedPlan, group: int, sliding_window: int | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The plan's key mask as SDPA's additive mask for ``group`` query heads per kv head (0
+    where a query row attends, -inf elsewhere; a window W drops keys before ``visible - W``)
+    -> [R, 1, T * group, L] ``dtype``. The same for every layer with that group and window:
+    ``PagedKV`` builds it once per forward (SDPA would convert a bool mask in every call)."""
     check_sliding_window(sliding_window)
-    check_softcap(softcap)
-    hq, d = q.shape[1:]
-    hkv = k_cache.shape[1]
-    g = hq // hkv
     rows, t, length = p.key_mask.shape
     mask = p.key_mask
     if sliding_window is not None:
         key_pos = torch.arange(length, device=mask.device)
         end = p.visible if p.window_end is None else p.window_end
         mask = mask & (key_pos >= (end - sliding_window)[..., None])
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+    return bias[:, None, :, None, :].expand(rows, 1, t, group, length).reshape(
+        rows, 1, t * group, length)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    p: PagedPlan, *, sliding_window: int | None = None,
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
+
+    ``sliding_window`` W (None: full causal) drops the keys before ``visible - W``; ``scale``
+    None is ``D ** -0.5``; ``softcap`` (None: none) caps the scores; ``sinks`` [Hq] (None:
+    none) adds a per-head logit to each softmax (``masked_attention``); ``bias``: this call's
+    ``attention_bias`` (same group and window) where the caller keeps it across layers,
+    None: built here."""
+    check_sliding_window(sliding_window)
+    check_softcap(softcap)
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    rows, t, length = p.key_mask.shape
+    if bias is None:
+        bias = attention_bias(p, g, sliding_window, q.dtype)
     keys = gather_keys(k_cache, p).transpose(1, 2)  # [R, Hkv, L, D]
     values = gather_keys(v_cache, p).transpose(1, 2)
     # [R, Hkv, T * G, D] x [R, Hkv, D, L]: query row (t, g) of each kv head
     queries = rows_of(q, p).reshape(rows, t, hkv, g, d).permute(0, 2, 1, 3, 4)
-    mask = mask[:, None, :, None, :].expand(rows, 1, t, g, length)
     if sinks is not None:  # query row (t, g) of kv head h takes head h * G + g's sink
         sinks = sinks.view(hkv, 1, g).expand(hkv, t, g).reshape(hkv, t * g, 1)
-    out = masked_attention(queries.reshape(rows, hkv, t * g, d), keys, values,
-                           mask.reshape(rows, 1, t * g, length), scale=scale, softcap=softcap,
-                           sinks=sinks)
+    out = masked_attention(queries.reshape(rows, hkv, t * g, d), keys, values, bias,
+                           scale=scale, softcap=softcap, sinks=sinks)
     return tokens_of(out.view(rows, hkv, t, g, d).permute(0, 2, 1, 3, 4), p).reshape(-1, hq, d)
