@@ -12,11 +12,12 @@ import string
 import httpx
 import jinja2
 import pytest
+from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from specdec.entrypoints.api_server import build_app, encode_chat
 from specdec.entrypoints.async_engine import AsyncEngine
-from specdec.entrypoints.chat import load_chat_template
+from specdec.entrypoints.chat import load_chat_template, plain_template
 from specdec.entrypoints.protocol import ApiError, ChatMessage
 from specdec.entrypoints.serve import served_model
 from specdec.entrypoints.stub_engine import StubLLM
@@ -197,3 +198,17 @@ def test_a_broken_template_is_a_usage_error_at_start_up(tmp_path, template, says
 def test_a_folder_without_a_template_gets_the_plain_one(tmp_path):
     render = load_chat_template(tmp_path)
     assert render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+@given(turns=st.lists(st.tuples(st.text(max_size=12), st.text(max_size=12)), min_size=1,
+                      max_size=4))
+def test_the_plain_templates_next_prompt_repeats_the_prompt_and_its_reply(turns):
+    """Each turn's prompt starts with the earlier turn's prompt followed by its reply as
+    generated, so a multi-turn chat's prefix-cache hits reach into the replies."""
+    messages = []
+    for user, reply in turns:
+        messages.append({"role": "user", "content": user})
+        prompt = plain_template(messages)
+        messages.append({"role": "assistant", "content": reply})
+        assert plain_template(messages + [{"role": "user", "content": "next"}]).startswith(
+            prompt + reply)

@@ -67,8 +67,12 @@ def template_messages(name: str, messages) -> list[dict]:
 
 
 def plain_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """``[{"role": "user", "content": "hi"}]`` -> ``"user: hi\\nassistant:"``."""
-    return ("".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    """``[{"role": "user", "content": "hi"}]`` -> ``"user: hi\\nassistant:"``. An assistant
+    message is the generation prompt then its content (``"assistant:" + content + "\\n"``,
+    no space added), so a conversation's next prompt repeats the text the model was given and
+    the reply it generated: the prefix cache then reuses the reply's K/V too."""
+    return ("".join(f"{m['role']}:{'' if m['role'] == 'assistant' else ' '}{m['content']}\n"
+                    for m in messages)
             + ("assistant:" if add_generation_prompt else ""))
 
 
