@@ -16,8 +16,14 @@ pairs. Each pair's line also gives the machine's 1-minute load average: on a sha
 a load spike in one run of a pair moves that pair's ratio (plain ran at 91-210 tok/s within
 an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
 
+``--compare cache``: instead, pairs of one engine with prefix caching off and on (plain, or
+``--cache-side spec``: the speculative config), printed per turn as TTFT p50 and p99 off /
+on, their ratios and the hit rate: issue 54's "from the third turn on, p50 time to first
+token at least 3x lower with the cache".
+
     python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
         [--pacing rounds|free] [--conversations 4] [--repeats 3] [--out /tmp/bench-agentic]
+        [--compare spec|cache] [--cache-side plain|spec]
 """
 
 import argparse
@@ -55,11 +61,41 @@ def figures(config: dict) -> dict:
                                            if t <= len(rounds)])
     pooled["all"] = config["overall"]
     return {key: dict(tok_s=s["output_tokens_per_s"], ttft_p50=s["ttft_ms"]["p50"],
-                      acc_len=s["acceptance_length"] or 1.0) for key, s in pooled.items()}
+                      ttft_p99=s["ttft_ms"]["p99"], acc_len=s["acceptance_length"] or 1.0,
+                      hit=s["prefix_cache_hit_rate"]) for key, s in pooled.items()}
 
 
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def compare_cache(flags: list[str], pairs: int, out: Path, shape: list[str]) -> None:
+    """``pairs`` interleaved runs of one engine with prefix caching off, then on; prints each
+    pair's TTFT p50 off / on per turn, then per turn the median (min-max) over the pairs."""
+    sides = {"off": [*flags, "--no-enable-prefix-caching"], "on": flags}
+    runs = []
+    for i in range(pairs):
+        pair = {side: figures(run(f, out / f"pair{i}-cache-{side}", shape))
+                for side, f in sides.items()}
+        runs.append(pair)
+        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): TTFT p50 off / on: "
+              + "  ".join(f"{k}: {pair['off'][k]['ttft_p50']:.0f} / {pair['on'][k]['ttft_p50']:.0f}"
+                          f" ms = {pair['off'][k]['ttft_p50'] / pair['on'][k]['ttft_p50']:.1f}x"
+                          for k in pair["on"] if k in pair["off"]), flush=True)
+    keys = [k for k in runs[0]["on"] if all(k in q[s] for q in runs for s in sides)]
+    print(f"\n{' '.join(flags)}: prefix caching off vs on, {pairs} interleaved pairs; median "
+          "(min-max) over pairs")
+    print("turn | TTFT p50 ms off | on | off/on | TTFT p99 ms off | on | off/on | hit % | "
+          "tok/s off | on")
+    for k in keys:
+        off, on = ([q[s][k] for q in runs] for s in sides)
+        cells = [str(k)]
+        for key in ("ttft_p50", "ttft_p99"):
+            cells += [spread([x[key] for x in off]), spread([x[key] for x in on]),
+                      spread([a[key] / b[key] for a, b in zip(off, on)])]
+        cells += [spread([100 * (x["hit"] or 0) for x in on]),
+                  spread([x["tok_s"] for x in off]), spread([x["tok_s"] for x in on])]
+        print(" | ".join(cells))
 
 
 def main() -> None:
@@ -73,6 +109,11 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=4,
                    help="--num-prompts: conversations per repeat (default 4; the trace has 16)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per run (default 3)")
+    p.add_argument("--compare", choices=["spec", "cache"], default="spec",
+                   help="spec: plain against --speculative-config, the cache on (default); "
+                        "cache: one engine with prefix caching off against on")
+    p.add_argument("--cache-side", choices=["plain", "spec"], default="plain",
+                   help="--compare cache's engine (default plain)")
     args = p.parse_args()
     for key in ("pairs", "conversations", "repeats"):
         if getattr(args, key) < 1:
@@ -81,6 +122,11 @@ def main() -> None:
              "--repeats", str(args.repeats)]
     sides = {"plain": ["--method", "none"],
              "spec": ["--speculative-config", args.speculative_config]}
+    if args.compare == "cache":
+        compare_cache(sides[args.cache_side], args.pairs, Path(args.out), shape)
+        return
+    if args.cache_side != "plain":
+        raise SystemExit(f"--cache-side {args.cache_side}: only with --compare cache")
     out = Path(args.out)
     pairs = []
     for i in range(args.pairs):
