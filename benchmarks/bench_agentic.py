@@ -69,20 +69,33 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
+def interleaved(sides: dict, pairs: int, out: Path, shape: list[str], describe
+                ) -> tuple[list[dict], list]:
+    """``pairs`` rounds of one run per side (``sides``: name -> its flags, run in that order)
+    -> (per round {side: figures}, the keys every run has); prints each round's line: the load
+    average and ``describe(round)``."""
+    runs = []
+    for i in range(pairs):
+        pair = {side: figures(run(flags, out / f"pair{i}-{side}", shape))
+                for side, flags in sides.items()}
+        runs.append(pair)
+        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): {describe(pair)}",
+              flush=True)
+    return runs, [k for k in runs[0][next(iter(sides))] if all(k in q[s] for q in runs
+                                                                for s in sides)]
+
+
 def compare_cache(flags: list[str], pairs: int, out: Path, shape: list[str]) -> None:
     """``pairs`` interleaved runs of one engine with prefix caching off, then on; prints each
     pair's TTFT p50 off / on per turn, then per turn the median (min-max) over the pairs."""
     sides = {"off": [*flags, "--no-enable-prefix-caching"], "on": flags}
-    runs = []
-    for i in range(pairs):
-        pair = {side: figures(run(f, out / f"pair{i}-cache-{side}", shape))
-                for side, f in sides.items()}
-        runs.append(pair)
-        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): TTFT p50 off / on: "
-              + "  ".join(f"{k}: {pair['off'][k]['ttft_p50']:.0f} / {pair['on'][k]['ttft_p50']:.0f}"
-                          f" ms = {pair['off'][k]['ttft_p50'] / pair['on'][k]['ttft_p50']:.1f}x"
-                          for k in pair["on"] if k in pair["off"]), flush=True)
-    keys = [k for k in runs[0]["on"] if all(k in q[s] for q in runs for s in sides)]
+
+    def ttft(pair: dict) -> str:
+        return "TTFT p50 off / on: " + "  ".join(
+            f"{k}: {off['ttft_p50']:.0f} / {on['ttft_p50']:.0f} ms = "
+            f"{off['ttft_p50'] / on['ttft_p50']:.1f}x"
+            for k, on in pair["on"].items() if (off := pair["off"].get(k)))
+    runs, keys = interleaved(sides, pairs, out, shape, ttft)
     print(f"\n{' '.join(flags)}: prefix caching off vs on, {pairs} interleaved pairs; median "
           "(min-max) over pairs")
     print("turn | TTFT p50 ms off | on | off/on | TTFT p99 ms off | on | off/on | hit % | "
@@ -127,18 +140,10 @@ def main() -> None:
         return
     if args.cache_side != "plain":
         raise SystemExit(f"--cache-side {args.cache_side}: only with --compare cache")
-    out = Path(args.out)
-    pairs = []
-    for i in range(args.pairs):
-        pair = {side: figures(run(flags, out / f"pair{i}-{side}", shape))
-                for side, flags in sides.items()}
-        pairs.append(pair)
-        keys = [k for k in pair["plain"] if k in pair["spec"]]
-        print(f"pair {i + 1} (load average {os.getloadavg()[0]:.1f}): " + "  ".join(
-            f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
-            f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x" for k in keys),
-            flush=True)
-    keys = [k for k in pairs[0]["plain"] if all(k in q[s] for q in pairs for s in sides)]
+    pairs, keys = interleaved(sides, args.pairs, Path(args.out), shape, lambda pair: "  ".join(
+        f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
+        f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x"
+        for k in pair["plain"] if k in pair["spec"]))
     print(f"\n{args.speculative_config} vs plain, {args.pairs} interleaved pairs; median "
           "(min-max) over pairs")
     print("turn | plain tok/s | spec tok/s | spec/plain tok/s | TTFT p50 ms plain | spec | "
