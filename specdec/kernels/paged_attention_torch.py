@@ -206,9 +206,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [..., Hq, Tq, D], k/v [..., Hkv, Tk, D] (Hkv divides Hq: grouped), mask [..., 1 or
     Hq, Tq, Tk] bool (True: attend) or additive (``attention_bias``) -> [..., Hq, Tq, D].
-    SDPA; with ``softcap`` c or
-    ``sinks``, the same math spelled out as transformers' eager attention: scores ``q.k *
-    scale`` in float32, ``c * tanh(s / c)``, masked, softmax, cast to v's dtype, times v.
+    SDPA; with ``softcap`` c or ``sinks``, the same math spelled out as transformers' eager
+    attention: scores ``q.k * scale`` in float32, ``c * tanh(s / c)``, masked, softmax, cast
+    to v's dtype, times v.
     ``sinks`` (gpt-oss): one extra logit per query row, broadcastable to [..., Hq, Tq, 1],
     that joins the softmax and is then dropped (its row's weights sum to less than 1)."""
     gqa = q.shape[-3] != k.shape[-3]
