@@ -51,21 +51,32 @@ def run(side_args: list[str], out: Path, shape: list[str]) -> dict:
 
 
 def figures(config: dict) -> dict:
-    """Per turn (1-based; rounds pacing only: free-paced turns overlap) and "all" (the
-    report's ``overall``): tokens/s (output tokens / summed round spans), TTFT p50 (ms) and
-    acceptance length, over the run's repeats (``multiturn.overall`` of the turn's rounds)."""
+    """Per turn (1-based) and "all" (the report's ``overall``): tokens/s (output tokens /
+    summed round spans), TTFT p50 and p99 (ms), acceptance length and prefix-cache hit rate,
+    over the run's repeats (``multiturn.overall`` of the turn's rounds). Free-paced turns
+    overlap: per turn only the TTFT (the rest None; "all" has them)."""
     repeats, pooled = config["repeats"], {}
-    if config["pacing"] == "rounds":
+    rounds_paced = config["pacing"] == "rounds"
+    if rounds_paced:
         for t in range(1, max(map(len, repeats)) + 1):
             pooled[t] = multiturn.overall([[rounds[t - 1]] for rounds in repeats
                                            if t <= len(rounds)])
+    else:  # the report's turns: TTFT over the repeats, the rest None
+        pooled = {turn["turn"]: turn for turn in config["turns"]}
     pooled["all"] = config["overall"]
+
+    def acceptance(key, s):  # plain verifies no drafts: 1.0
+        return (s["acceptance_length"] or 1.0) if rounds_paced or key == "all" else None
+
     return {key: dict(tok_s=s["output_tokens_per_s"], ttft_p50=s["ttft_ms"]["p50"],
-                      ttft_p99=s["ttft_ms"]["p99"], acc_len=s["acceptance_length"] or 1.0,
+                      ttft_p99=s["ttft_ms"]["p99"], acc_len=acceptance(key, s),
                       hit=s["prefix_cache_hit_rate"]) for key, s in pooled.items()}
 
 
-def spread(xs: list[float]) -> str:
+def spread(xs: list) -> str:
+    """Median (min-max), or n/a where a run has no figure (None)."""
+    if any(x is None for x in xs):
+        return "n/a"
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
@@ -106,7 +117,7 @@ def compare_cache(flags: list[str], pairs: int, out: Path, shape: list[str]) -> 
         for key in ("ttft_p50", "ttft_p99"):
             cells += [spread([x[key] for x in off]), spread([x[key] for x in on]),
                       spread([a[key] / b[key] for a, b in zip(off, on)])]
-        cells += [spread([100 * (x["hit"] or 0) for x in on]),
+        cells += [spread([None if x["hit"] is None else 100 * x["hit"] for x in on]),
                   spread([x["tok_s"] for x in off]), spread([x["tok_s"] for x in on])]
         print(" | ".join(cells))
 
@@ -143,7 +154,8 @@ def main() -> None:
     pairs, keys = interleaved(sides, args.pairs, Path(args.out), shape, lambda pair: "  ".join(
         f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
         f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x"
-        for k in pair["plain"] if k in pair["spec"]))
+        for k in pair["plain"] if pair["plain"][k]["tok_s"] and k in pair["spec"]))
+    keys = [k for k in keys if all(q[s][k]["tok_s"] for q in pairs for s in sides)]
     print(f"\n{args.speculative_config} vs plain, {args.pairs} interleaved pairs; median "
           "(min-max) over pairs")
     print("turn | plain tok/s | spec tok/s | spec/plain tok/s | TTFT p50 ms plain | spec | "
