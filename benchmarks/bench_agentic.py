@@ -105,7 +105,8 @@ def compare_cache(flags: list[str], pairs: int, out: Path, shape: list[str]) -> 
         return "TTFT p50 off / on: " + "  ".join(
             f"{k}: {off['ttft_p50']:.0f} / {on['ttft_p50']:.0f} ms = "
             f"{off['ttft_p50'] / on['ttft_p50']:.1f}x"
-            for k, on in pair["on"].items() if (off := pair["off"].get(k)))
+            for k, on in pair["on"].items()
+            if (off := pair["off"].get(k)) and off["ttft_p50"] and on["ttft_p50"])
     runs, keys = interleaved(sides, pairs, out, shape, ttft)
     print(f"\n{' '.join(flags)}: prefix caching off vs on, {pairs} interleaved pairs; median "
           "(min-max) over pairs")
@@ -116,7 +117,8 @@ def compare_cache(flags: list[str], pairs: int, out: Path, shape: list[str]) -> 
         cells = [str(k)]
         for key in ("ttft_p50", "ttft_p99"):
             cells += [spread([x[key] for x in off]), spread([x[key] for x in on]),
-                      spread([a[key] / b[key] for a, b in zip(off, on)])]
+                      spread([a[key] / b[key] if a[key] and b[key] else None
+                              for a, b in zip(off, on)])]
         cells += [spread([None if x["hit"] is None else 100 * x["hit"] for x in on]),
                   spread([x["tok_s"] for x in off]), spread([x["tok_s"] for x in on])]
         print(" | ".join(cells))
@@ -154,7 +156,8 @@ def main() -> None:
     pairs, keys = interleaved(sides, args.pairs, Path(args.out), shape, lambda pair: "  ".join(
         f"{k}: {pair['plain'][k]['tok_s']:.0f} / {pair['spec'][k]['tok_s']:.0f} tok/s "
         f"= {pair['spec'][k]['tok_s'] / pair['plain'][k]['tok_s']:.2f}x"
-        for k in pair["plain"] if pair["plain"][k]["tok_s"] and k in pair["spec"]))
+        for k in pair["plain"] if pair["plain"][k]["tok_s"]
+        and pair["spec"].get(k, {}).get("tok_s")))
     keys = [k for k in keys if all(q[s][k]["tok_s"] for q in pairs for s in sides)]
     print(f"\n{args.speculative_config} vs plain, {args.pairs} interleaved pairs; median "
           "(min-max) over pairs")

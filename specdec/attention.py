@@ -156,7 +156,9 @@ class PagedKV:
         self.meta = meta
         self._write_slots: torch.Tensor | None = None
         self._plan = None
-        self._biases: dict = {}  # the torch formula's masks, (group, window) -> attention_bias
+        # the torch formula's masks, (group, window) -> attention_bias [R, 1, T * group, L],
+        # kept for the forward: one per key (a model with windowed layers holds two)
+        self._biases: dict = {}
         self._state_layout: StateLayout | None = None
         # the torch formulas: the cache's rule, and a draft tree's mask until the Triton
         # kernels' tree path has run on a GPU (``platform.unverified_gpu_paths``)

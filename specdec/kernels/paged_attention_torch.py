@@ -252,9 +252,10 @@ def tokens_of(out: torch.Tensor, p: PagedPlan) -> torch.Tensor:
 def attention_bias(p: PagedPlan, group: int, sliding_window: int | None,
                    dtype: torch.dtype) -> torch.Tensor:
     """The plan's key mask as SDPA's additive mask for ``group`` query heads per kv head (0
-    where a query row attends, -inf elsewhere; a window W drops keys before ``visible - W``)
-    -> [R, 1, T * group, L] ``dtype``. The same for every layer with that group and window:
-    ``PagedKV`` builds it once per forward (SDPA would convert a bool mask in every call)."""
+    where a query row attends, -inf elsewhere; a window W drops keys before ``window_end - W``,
+    ``window_end`` defaulting to ``visible``) -> [R, 1, T * group, L] ``dtype``. The same for
+    every layer with that group and window: ``PagedKV`` builds it once per forward and keeps
+    it for the forward (SDPA would convert a bool mask in every call)."""
     check_sliding_window(sliding_window)
     rows, t, length = p.key_mask.shape
     mask = p.key_mask
@@ -275,11 +276,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D], k_cache/v_cache [S, Hkv, D] -> [N, Hq, D] (module docstring).
 
-    ``sliding_window`` W (None: full causal) drops the keys before ``visible - W``; ``scale``
-    None is ``D ** -0.5``; ``softcap`` (None: none) caps the scores; ``sinks`` [Hq] (None:
-    none) adds a per-head logit to each softmax (``masked_attention``); ``bias``: this call's
-    ``attention_bias`` (same group and window) where the caller keeps it across layers,
-    None: built here."""
+    ``sliding_window`` W (None: full causal) drops the keys before ``window_end - W``
+    (``visible - W`` where the plan has no window ends); ``scale`` None is ``D ** -0.5``;
+    ``softcap`` (None: none) caps the scores; ``sinks`` [Hq] (None: none) adds a per-head
+    logit to each softmax (``masked_attention``); ``bias``: this call's ``attention_bias``
+    (same group and window) where the caller keeps it across layers, None: built here."""
     check_sliding_window(sliding_window)
     check_softcap(softcap)
     hq, d = q.shape[1:]
