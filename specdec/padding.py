@@ -159,8 +159,9 @@ class StepPlanner:
             else:
                 # padding requests (Bp > B) sample at the last token: keep one padding token
                 spare = int(self.dp.size > 1 or reqs > num_reqs)
-                token_bucket = dispatch(pad(num_tokens + spare))
-                tokens = token_bucket.num_tokens if self.pad_tokens else pad(num_tokens + spare)
+                fed = pad(num_tokens + spare)
+                token_bucket = dispatch(fed)
+                tokens = token_bucket.num_tokens if self.pad_tokens else fed
                 capture = CAPTURE_MIXED if bucket.graph and token_bucket.graph else 0
             if not self.allow_capture or (capture == CAPTURE_MIXED and not self.capture_mixed):
                 capture = 0
