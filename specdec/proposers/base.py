@@ -231,6 +231,11 @@ class HeadProposer(PaddedProposer):
                 t if t is not None else check_score_temperature(
                     head.config.extra.get("tree_score_temperature", 1.0),
                     "the head's config.json tree_score_temperature"))
+            # each candidate's depth (c_1: the root's k, then k x k per depth), the tie-break
+            # of the drafts' choice
+            k, depth = self.tree.top_k, self.tree.max_depth
+            self.candidate_depth = torch.cat([torch.zeros(k, device=self.device)] + [
+                torch.full((k * k,), float(d), device=self.device) for d in range(1, depth)])
         if isinstance(self.tree, StaticTree):
             self.head_ancestors = torch.tensor(self.tree.head_ancestors, device=self.device)
             self.tree_levels = self.tree.levels()
@@ -559,6 +564,7 @@ class HeadProposer(PaddedProposer):
         k, device = t.top_k, hidden.device
         scale = temperature.clamp(min=self.score_temperature)[:, None]  # [Bp, 1]
         score, token = self.top_tokens(logits_hidden, k, scale)  # [Bp, k]
+        child_scale = scale.expand(bp, k).reshape(-1, 1)  # [Bp * k, 1], a frontier node's
         tokens, scores, parents = [token], [score], [torch.full((bp, k), -1, device=device)]
         frontier = torch.arange(k, device=device).expand(bp, k)  # candidate of each node
         parent_out = hidden[:, None].expand(bp, k, -1)  # the hidden state each one reads
@@ -566,8 +572,7 @@ class HeadProposer(PaddedProposer):
         ancestors = (1 | (1 << row))[None].expand(bp, k)
         for depth in range(1, t.max_depth):
             logits_h, out = level(token, parent_out, depth, row, ancestors)
-            child_score, child = self.top_tokens(
-                logits_h.flatten(0, 1), k, scale.expand(bp, k).reshape(-1, 1))
+            child_score, child = self.top_tokens(logits_h.flatten(0, 1), k, child_scale)
             child_score = (score[..., None] + child_score.view(bp, k, k)).flatten(1)
             tokens.append(child.view(bp, k * k))
             scores.append(child_score)
@@ -584,10 +589,8 @@ class HeadProposer(PaddedProposer):
             ancestors = ancestors.gather(1, up) | (1 << row)[None]
         tokens, scores, parents = (torch.cat(c, dim=1) for c in (tokens, scores, parents))
         # a child scores at most its parent; a tie goes to the shallower (the parent)
-        depth_of = torch.cat([torch.zeros(k, device=device)] + [
-            torch.full((k * k,), float(d), device=device) for d in range(1, t.max_depth)])
-        chosen = (scores - 1e-6 * depth_of).topk(t.num_nodes - 1, dim=1).indices.sort(
-            dim=1).values
+        chosen = (scores - 1e-6 * self.candidate_depth).topk(
+            t.num_nodes - 1, dim=1).indices.sort(dim=1).values
         node_of = torch.zeros_like(parents).scatter(
             1, chosen, 1 + torch.arange(t.num_nodes - 1, device=device).expand_as(chosen)
             .to(parents.dtype))
