@@ -111,7 +111,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
     ax.set_xlabel("ITL per output token (ms)")
     ax.set_title("ITL distribution per configuration (all repeats"
                  + (f"; {fixed}" if fixed else "") + ")" + where, fontsize=10)
-    if all(len(d) and np.nanmin(d) > 0 for d in data) and np.nanmax(
+    if all(np.isfinite(d).any() and np.nanmin(d) > 0 for d in data) and np.nanmax(
             [np.nanmax(d) for d in data]) / np.nanmin([np.nanmin(d) for d in data]) > 30:
         ax.set_xscale("log")
         _readable_log_axis(ax.xaxis)
