@@ -564,7 +564,7 @@ class HeadProposer(PaddedProposer):
         k, device = t.top_k, hidden.device
         scale = temperature.clamp(min=self.score_temperature)[:, None]  # [Bp, 1]
         score, token = self.top_tokens(logits_hidden, k, scale)  # [Bp, k]
-        child_scale = scale.expand(bp, k).reshape(-1, 1)  # [Bp * k, 1], a frontier node's
+        child_scale = scale.expand(bp, k).reshape(-1, 1)  # [Bp * k, 1]: per frontier node
         tokens, scores, parents = [token], [score], [torch.full((bp, k), -1, device=device)]
         frontier = torch.arange(k, device=device).expand(bp, k)  # candidate of each node
         parent_out = hidden[:, None].expand(bp, k, -1)  # the hidden state each one reads
