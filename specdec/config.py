@@ -36,8 +36,8 @@ FULL_GRAPH_MODES = ("torchair", "full_cuda_graph")
 # Methods whose head reads the target's intermediate ("aux") hidden states.
 AUX_HIDDEN_STATE_METHODS = ("eagle3", "extract_hidden_states")
 K_POLICIES = ("goodput",)  # num_speculative_tokens_policy values (specdec/engine/k_policy.py)
-# Methods that draft a tree (speculative_token_tree): a head run on the device
-TREE_METHODS = ("mtp", "eagle", "eagle3")
+# Methods that draft a tree (speculative_token_tree): a head or draft model run on the device
+TREE_METHODS = ("mtp", "eagle", "eagle3", "draft_model")
 
 
 @dataclass(slots=True)

@@ -1,9 +1,11 @@
 """method ``draft_model``: a separate small causal LM drafts for the embedded target. A copy of
 the target as its own draft model is accepted at every position (acceptance K + 1); a tiny
 transformers Llama of the target's tokenizer drafts without changing a greedy token (padded
-and ragged, eager and replay, one request and eight, data parallel with an idle rank); a
-draft model of another vocabulary or tokenizer, or none, is refused by name."""
+and ragged, eager and replay, one request and eight, data parallel with an idle rank); its
+draft trees (static and dynamic) the same; a draft model of another vocabulary or tokenizer,
+or none, is refused by name."""
 
+import itertools
 import json
 import shutil
 
@@ -85,6 +87,131 @@ def test_sampled_padded_equals_sampled_ragged(small_llama):
 def test_data_parallel_with_an_idle_rank(small_llama, plain):
     """Two DP ranks, one prompt: the idle rank runs the draft model's dummy forwards."""
     outs = engine(spec(small_llama), data_parallel_size=2).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain[:1]
+
+
+TREE = [(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]  # depth 3, 6 drafts
+SHAPES = {"static": {"speculative_token_tree": TREE},
+          "dynamic": {"tree_topk": 2, "num_draft_tokens": 6}}
+FULL = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]  # 14 drafts
+
+
+def first_drafts(model, tree=None, prompt=PROMPTS[2]) -> tuple[list[int], list[int]]:
+    """A request's drafts and their parents after its prefill (``tree``: a static tree's
+    paths or a dynamic tree's keys; None: chain K=3)."""
+    config = spec(model)
+    if isinstance(tree, dict):
+        config.update(tree)
+    elif tree is not None:
+        config["speculative_token_tree"] = tree
+    llm = engine(config, max_num_seqs=2)
+    req = llm.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while req.is_prefilling:
+        llm.step()
+    return req.spec_token_ids, req.spec_parents
+
+
+def test_a_copys_tree_is_accepted_along_its_first_choices(plain):
+    """The target's own folder as the draft model of a static tree holding the chain of first
+    choices: that path is the target's greedy tokens, so every verifying step accepts the
+    whole depth (the root's row, positions and tree mask off by one would lose it)."""
+    config = {**spec(DEFAULT_MODEL), **SHAPES["static"]}
+    outs = engine(config, max_num_seqs=2).generate(
+        PROMPTS[:2], SamplingParams(max_tokens=13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain[:2]
+    for o in outs:
+        assert o.num_accepted == [3, 3, 3] and o.acceptance_length == K + 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "replay"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_small_llamas_tree_keeps_plain_greedys_tokens(small_llama, plain, shape, backend):
+    """Four at a time, arrivals mid-decode (``generate`` admits as rows free), no host read
+    in a step."""
+    llm = engine({**spec(small_llama), **SHAPES[shape]}, graph_backend=backend, max_num_seqs=4,
+                 check_host_syncs=True)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=13, ignore_eos=True))
+    assert [o.token_ids for o in outs] == plain
+    assert sum(sum(o.num_drafted) for o in outs) > 0
+    assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
+    if backend == "replay":
+        assert any(s.captured for s in llm.steps)
+
+
+def test_a_trees_first_choice_path_is_the_chain(small_llama):
+    """Along its first choices, the full binary tree of depth 3 holds chain K=3's drafts:
+    each depth's draft-model forward reads its node's path (the root's row one position past
+    the kept tokens, then the node rows) as the chain's steps read theirs."""
+    chain, _ = first_drafts(small_llama)
+    got, _ = first_drafts(small_llama, FULL)
+    assert [got[FULL.index(p)] for p in [(0,), (0, 0), (0, 0, 0)]] == chain
+    assert first_drafts(small_llama, [(0,), (0, 0), (0, 0, 0)])[0] == chain
+
+
+def test_each_tree_nodes_logits_are_the_models_over_its_path(small_llama):
+    """After the prefill, the full binary tree of depth 3: the root's and every node with
+    children's draft-model logits (recorded at its forward) equal transformers' logits at
+    the last position of the prompt + the next token + the node's path (its positions, tree
+    mask, K/V rows and attention bound all show here)."""
+    from hf_models import hf_model
+    llm = engine({**spec(small_llama), "speculative_token_tree": FULL}, max_num_seqs=1)
+    head, rows = llm.runner.proposer.head, []
+    head.register_forward_hook(lambda m, args, out: rows.append(m.compute_logits(out[0])))
+    req = llm.add_request(PROMPTS[2], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.step()
+    assert not req.is_prefilling and len(rows) == 4  # the prefix pass, root, depths 1 and 2
+    got = torch.cat(rows[1:])  # the root, (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)
+    paths = [()] + FULL[:6]
+    drafts = {p: t for p, t in zip(FULL, req.spec_token_ids)}
+    hf = hf_model(small_llama).double()
+    for path, logits in zip(paths, got):
+        ids = req.token_ids + [drafts[path[:d]] for d in range(1, len(path) + 1)]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_trees_drafts_are_the_models_along_each_path(small_llama):
+    """A dynamic tree verifying every candidate (top 2, depth 3: 2 + 2 x 4 = 10 drafts): its
+    depth-2 nodes are the full static tree's, and its frontier nodes' children are that
+    tree's children of the same nodes."""
+    static, _ = first_drafts(small_llama, FULL)
+    dynamic, parents = first_drafts(small_llama, {"tree_topk": 2, "num_draft_tokens": 11})
+    assert dynamic[:6] == static[:6] and parents[:6] == [0, 0, 1, 1, 2, 2]
+    for i, up in enumerate(parents[6:]):
+        assert 3 <= up <= 6
+        assert dynamic[6 + i] == static[6 + 2 * (up - 3) + i % 2]
+    assert len(set(parents[6:])) == 2
+
+
+@pytest.mark.parametrize("shape", ["chain", *SHAPES])
+def test_an_idle_ranks_forwards_are_a_busy_steps(small_llama, shape):
+    """What data parallelism needs of ``dummy_run``: an idle rank runs the draft model over
+    the same token counts, in the same order, as a busy rank's step of the same plan (the
+    prefix pass over Np, then each loop step's or the tree's root and depths' over Bp rows
+    and their nodes), recorded at the draft model's forward."""
+    llm = engine({**spec(small_llama), **SHAPES.get(shape, {})}, max_num_seqs=2)
+    proposer, plans, calls = llm.runner.proposer, [], []
+    propose = proposer.propose
+    proposer.propose = lambda x: plans.append(x.plan) or propose(x)
+    proposer.head.register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[0]))
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+            for p in PROMPTS[:2]]
+    while any(r.is_prefilling for r in reqs):
+        llm.step()
+    calls.clear()
+    llm.step()  # two decodes
+    busy = list(calls)
+    calls.clear()
+    proposer.dummy_run(plans[-1])
+    assert calls == busy and len(busy) > 2
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_tree_with_an_idle_data_parallel_rank(small_llama, plain, shape):
+    """Two ranks, one prompt: the idle rank's dummy forwards run beside the tree steps."""
+    outs = engine({**spec(small_llama), **SHAPES[shape]}, data_parallel_size=2).generate(
         PROMPTS[:1], SamplingParams(max_tokens=13, ignore_eos=True))
     assert [o.token_ids for o in outs] == plain[:1]
 

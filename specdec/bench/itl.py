@@ -46,7 +46,7 @@ from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # no
                                  build_engines, check_sweep, check_syncs,
                                  comparison_warnings, copy_bandwidth, environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
-                                 synthetic_model, weight_read)
+                                 synthetic_model, weight_read, OPT_IN_METHODS)
 from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
 from specdec.engine.inputs import checkpoint_dtype
@@ -161,9 +161,10 @@ def sweep_from_args(args) -> dict:
         if v is not None:
             sweep[key] = v
     tree = tree_keys(args)
-    if tree:  # the drafters that draft trees, padded; a static tree's depth as K
-        sweep["tree"] = tree
-        sweep.setdefault("methods", ["none", *TREE_METHODS])
+    if tree:  # the drafters that draft trees (draft_model when named), padded; a static
+        sweep["tree"] = tree  # tree's depth as K
+        sweep.setdefault("methods",
+                         ["none", *(m for m in TREE_METHODS if m not in OPT_IN_METHODS)])
         sweep.setdefault("modes", ["padded"])
         if "speculative_token_tree" in tree and "k" not in sweep:
             sweep["k"] = [tree_depth(tree["speculative_token_tree"])]

@@ -527,9 +527,16 @@ class HeadProposer(PaddedProposer):
         rows = torch.arange(p.shape[0], device=p.device)
         level = functools.partial(self._tree_level, p=p, rows=rows, num_reqs=num_reqs,
                                   block_table=block_table, loop_seq_len=loop_seq_len)
+        logits_hidden, hidden = self.tree_root(logits_hidden, hidden, level)
         if isinstance(self.tree, DynamicTree):
             return self._dynamic_tree(logits_hidden, hidden, level, temperature)
         return self._static_tree(logits_hidden, hidden, level)
+
+    def tree_root(self, logits_hidden: torch.Tensor, hidden: torch.Tensor, level
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's outputs [Bp, H] each, the tree's first ranks: a head's are its first
+        pass's at the sample index (head row 0, written there)."""
+        return logits_hidden, hidden
 
     def _static_tree(self, logits_hidden, hidden, level) -> torch.Tensor:
         """``padded_tree`` of a ``StaticTree``: node k is rank ``t.rank[k]`` of its parent's
@@ -630,7 +637,8 @@ class HeadProposer(PaddedProposer):
                     block_table: torch.Tensor, loop_seq_len: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over m tree nodes of one depth of every request: tokens [Bp, m]
-        int32, hidden [Bp, m, H] (their parents' outputs), head_rows [m] int64 (ascending;
+        int32, hidden [Bp, m, H] (their parents' outputs; None: a model that reads none),
+        head_rows [m] int64 (ascending;
         node j's K/V at key p + head_rows[j], p [Bp, 1] the root's), ancestors [Bp, m] int64
         (``TreeMask``'s over head rows) -> (logits hidden, hidden) [Bp, m, H] each."""
         bp, m = tokens.shape
@@ -647,7 +655,8 @@ class HeadProposer(PaddedProposer):
                                               device=p.device),
                                  seq_lens.to(torch.int32), block_table, loop_seq_len,
                                  max_query_len=m, tree=tree)
-        logits_h, out = self.head(tokens.flatten(), pos.flatten(), hidden.flatten(0, 1),
+        logits_h, out = self.head(tokens.flatten(), pos.flatten(),
+                                  None if hidden is None else hidden.flatten(0, 1),
                                   kv=self.kv.bind(meta))
         return logits_h.view(bp, m, -1), out.view(bp, m, -1)
 
@@ -658,16 +667,21 @@ class HeadProposer(PaddedProposer):
         tokens, then the step's K-1 loop forwards over Bp rows. Every KV write goes to slot
         -1."""
         self._dummy_forward(plan.num_tokens_padded)
-        if isinstance(self.tree, DynamicTree):  # one forward per depth below the leaves
-            for _ in range(1, self.tree.max_depth):
-                self._dummy_forward(plan.num_reqs_padded * self.tree.top_k)
-            return
-        if self.tree is not None:  # one forward per depth over its nodes with children
-            for lv in self.tree_levels[:-1]:
-                self._dummy_forward(plan.num_reqs_padded * len(lv.heads))
+        if self.tree is not None:
+            self._dummy_tree(plan.num_reqs_padded)
             return
         for _ in range(1, plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)
+
+    def _dummy_tree(self, num_reqs_padded: int) -> None:
+        """A tree's forwards past its root: one per depth over its nodes with children (a
+        dynamic tree: its frontier's, every depth below the leaves)."""
+        if isinstance(self.tree, DynamicTree):
+            for _ in range(1, self.tree.max_depth):
+                self._dummy_forward(num_reqs_padded * self.tree.top_k)
+            return
+        for lv in self.tree_levels[:-1]:
+            self._dummy_forward(num_reqs_padded * len(lv.heads))
 
     def _dummy_forward(self, n: int) -> None:
         """One head forward over n padding tokens (one dummy request, slots -1)."""

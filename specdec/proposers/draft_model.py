@@ -13,6 +13,11 @@ no shift). Per step, for Np tokens and Bp requests:
 
 So a step costs one wide pass and K narrow ones (a head: one and K - 1). The ragged path runs
 the same over the kept tokens only.
+
+A draft tree (``padded_tree``) is a head's tree one position on: the prefix pass leaves the
+next token out of the draft model's KV, so the root runs first, as head row 0 at position
+p + 1 (``tree_root``), and its logits rank the root's children; each depth then runs as a
+head's, its nodes at p + 1 + depth. One forward more than a head's tree, and one K/V row.
 """
 
 from pathlib import Path
@@ -41,8 +46,10 @@ class DraftLMProposer(HeadProposer):
         return load_draft_lm(path, target, tokenizer, load_model, dtype=dtype, device=device)
 
     def loop_seq_len(self, max_seq_len: int) -> int:
-        """The loop's K steps reach one position past a head's K - 1."""
-        return min(max_seq_len + self.num_speculative_tokens, self.max_model_len)
+        """The loop's K steps reach one position past a head's K - 1 (a tree: the root's
+        row past a head's rows)."""
+        rows = self.num_speculative_tokens if self.tree is None else 1 + self.tree.head_rows
+        return min(max_seq_len + rows, self.max_model_len)
 
     def draft_features(self, x: DraftInputs) -> torch.Tensor:
         """The draft model reads no target state: the token ids stand in (never read)."""
@@ -61,7 +68,11 @@ class DraftLMProposer(HeadProposer):
     def padded_loop(self, x: PaddedStepInputs, next_ids: torch.Tensor, hidden: None,
                     positions: torch.Tensor, num_rejected: torch.Tensor, *, loop_seq_len: int,
                     num_drafts: int) -> torch.Tensor:
-        """The K loop steps from the next tokens -> drafts [Bp, num_drafts] (0: none)."""
+        """The K loop steps from the next tokens -> drafts [Bp, num_drafts] (0: none); a
+        tree's nodes (``padded_tree``) from the root, one position past the kept tokens."""
+        if self.tree is not None and num_drafts:
+            return self.padded_tree(next_ids, None, positions + 1, x.num_reqs, x.block_table,
+                                    loop_seq_len, x.temperature)
         drafts = self.draft_loop_steps(next_ids, None, positions, x.seq_lens, num_rejected,
                                        x.num_reqs, x.block_table, loop_seq_len, num_drafts)
         return torch.stack(drafts, dim=1) if drafts else next_ids.new_zeros((len(next_ids), 0))
@@ -80,10 +91,23 @@ class DraftLMProposer(HeadProposer):
         return (torch.stack([d[:b] for d in drafts], dim=1) if drafts
                 else next_ids.new_zeros((b, 0)))
 
+    def tree_root(self, next_ids: torch.Tensor, hidden: None, level
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's forward: each request's next token [Bp] int32 as head row 0 (depth 0,
+        seeing its prefix and itself) -> its outputs [Bp, H] each."""
+        rows = torch.zeros(1, dtype=torch.int64, device=next_ids.device)
+        logits_h, out = level(next_ids[:, None], None, 0, rows,
+                              rows.new_ones((next_ids.shape[0], 1)))
+        return logits_h[:, 0], out[:, 0]
+
     @torch.inference_mode()
     def dummy_run(self, plan: StepPlan) -> None:
         """An idle DP rank: the prefix pass over Np tokens, then the step's K loop forwards
-        over Bp."""
+        over Bp (a tree: the root's, then its depths')."""
         self._dummy_forward(plan.num_tokens_padded)
+        if self.tree is not None:
+            self._dummy_forward(plan.num_reqs_padded)
+            self._dummy_tree(plan.num_reqs_padded)
+            return
         for _ in range(plan.num_spec_tokens):
             self._dummy_forward(plan.num_reqs_padded)
