@@ -185,6 +185,21 @@ def test_a_dynamic_trees_drafts_are_the_models_along_each_path(small_llama):
     assert len(set(parents[6:])) == 2
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_sampled_tree_under_async_scheduling_equals_sync(small_llama, shape):
+    """The next tree step built on the device from the accepted path and the draft model's
+    nodes: the same sampled tokens and acceptance as the synchronous engine."""
+    params = SamplingParams(max_tokens=13, temperature=0.8, seed=5, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        llm = engine({**spec(small_llama), **SHAPES[shape]}, max_num_seqs=4,
+                     async_scheduling=overlap)
+        outs = llm.generate(PROMPTS[:4], params)
+        runs.append([(o.token_ids, o.num_accepted) for o in outs])
+    assert runs[0] == runs[1]
+    assert sum(s.overlapped for s in llm.steps) > 0
+
+
 @pytest.mark.parametrize("shape", ["chain", *SHAPES])
 def test_an_idle_ranks_forwards_are_a_busy_steps(small_llama, shape):
     """What data parallelism needs of ``dummy_run``: an idle rank runs the draft model over
