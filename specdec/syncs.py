@@ -72,31 +72,66 @@ def _syncing_index(index) -> bool:
     return False
 
 
+def _getitem(args, kwargs) -> str | None:
+    if _syncing_index(args[1]):
+        return "Tensor.__getitem__ (boolean mask or tensor slice bound)"
+    return None
+
+
+def _setitem(args, kwargs) -> str | None:
+    if _syncing_index(args[1]) and isinstance(args[2], Tensor):
+        return "Tensor.__setitem__ (boolean mask or tensor slice bound)"
+    return None
+
+
+def _where(args, kwargs) -> str | None:
+    return "torch.where (one argument: nonzero)" if len(args) + len(kwargs) == 1 else None
+
+
+def _repeat_interleave(args, kwargs) -> str | None:
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+    if isinstance(repeats, Tensor) and kwargs.get("output_size") is None:
+        return "repeat_interleave (tensor repeats without output_size)"
+    return None
+
+
+def _from_python_data(name: str):
+    def check(args, kwargs) -> str | None:
+        if args and not isinstance(args[0], Tensor):
+            return f"torch.{name} (from Python data)"
+        return None
+    return check
+
+
+def _to(args, kwargs) -> str | None:
+    targets = [*args[1:], kwargs.get("device")]
+    if any(_is_cpu(t) for t in targets):
+        return "Tensor.to (CPU)"
+    if any(isinstance(t, Tensor) and t.device.type == "cpu" for t in targets) \
+            and args[0].device.type != "cpu":
+        return "Tensor.to (a CPU tensor)"
+    return None
+
+
+# func -> (args, kwargs) -> the op's name if that call would sync, else None. Every other
+# function never syncs: one dict lookup decides for nearly every call the guards see.
+_CHECKS = {func: (lambda args, kwargs, name=name: name) for func, name in _ALWAYS_SYNC.items()}
+_CHECKS.update({
+    Tensor.__getitem__: _getitem,
+    Tensor.__setitem__: _setitem,
+    torch.where: _where,
+    torch.repeat_interleave: _repeat_interleave,
+    Tensor.repeat_interleave: _repeat_interleave,
+    torch.tensor: _from_python_data("tensor"),
+    torch.as_tensor: _from_python_data("as_tensor"),
+    Tensor.to: _to,
+})
+
+
 def sync_op_name(func, args, kwargs) -> str | None:
     """The name of the op if calling func(*args, **kwargs) would sync, else None."""
-    name = _ALWAYS_SYNC.get(func)
-    if name is not None:
-        return name
-    if func is Tensor.__getitem__ and _syncing_index(args[1]):
-        return "Tensor.__getitem__ (boolean mask or tensor slice bound)"
-    if func is Tensor.__setitem__ and _syncing_index(args[1]) and isinstance(args[2], Tensor):
-        return "Tensor.__setitem__ (boolean mask or tensor slice bound)"
-    if func is torch.where and len(args) + len(kwargs) == 1:
-        return "torch.where (one argument: nonzero)"
-    if func in (torch.repeat_interleave, Tensor.repeat_interleave):
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
-        if isinstance(repeats, Tensor) and kwargs.get("output_size") is None:
-            return "repeat_interleave (tensor repeats without output_size)"
-    if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], Tensor):
-        return f"torch.{func.__name__} (from Python data)"
-    if func is Tensor.to:
-        targets = [*args[1:], kwargs.get("device")]
-        if any(_is_cpu(t) for t in targets):
-            return "Tensor.to (CPU)"
-        if any(isinstance(t, Tensor) and t.device.type == "cpu" for t in targets) \
-                and args[0].device.type != "cpu":
-            return "Tensor.to (a CPU tensor)"
-    return None
+    check = _CHECKS.get(func)
+    return None if check is None else check(args, kwargs)
 
 
 _host_side_depth = 0  # > 0 inside host_side(): the tensors there live on the host by design
@@ -139,11 +174,12 @@ class _SyncMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # traced into a graph: a sync would break fullgraph
-            return func(*args, **kwargs)
-        name = sync_op_name(func, args, kwargs) if not _host_side_depth else None
-        if name is not None:
-            self.on_sync(name)
+        check = _CHECKS.get(func)
+        # (traced into a graph by a compiler: a sync would break fullgraph; not checked)
+        if check is not None and not _host_side_depth and not torch.compiler.is_compiling():
+            name = check(args, kwargs)
+            if name is not None:
+                self.on_sync(name)
         return func(*args, **kwargs)
 
 
