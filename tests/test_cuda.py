@@ -15,14 +15,18 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
            "for i in range(10):"]
 
 
-def build(method, backend, spec_extra=None, **kw):
+def speculative_config(method, spec_extra=None) -> dict | None:
     spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
                                         **(spec_extra or {})}
     if method == "draft_model":  # the target's own folder drafts (accepted at every position)
         from specdec.engine.llm import DEFAULT_MODEL
         spec["model"] = str(DEFAULT_MODEL)
-    return LLM(speculative_config=spec, device="cuda", dtype=torch.float32,
-               graph_backend=backend, max_num_seqs=4, **kw)
+    return spec
+
+
+def build(method, backend, spec_extra=None, **kw):
+    return LLM(speculative_config=speculative_config(method, spec_extra), device="cuda",
+               dtype=torch.float32, graph_backend=backend, max_num_seqs=4, **kw)
 
 
 def generate(method, backend, **kw):
@@ -203,17 +207,17 @@ def test_async_scheduling_equals_sync_on_cuda(method):
                                                                (0, 0, 0)]},
                                   {"tree_topk": 2, "num_draft_tokens": 6}],
                          ids=["static", "dynamic"])
-@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "draft_model"])
 def test_captured_draft_tree_equals_eager(method, tree):
     """A draft tree's step (the Triton paged-attention kernel's tree mask, the accepted path's
-    K/V moved, the head's per-depth forwards) captured: eager's tokens and acceptance, and
-    the CPU's greedy tokens; no host sync in the step."""
+    K/V moved, the head's per-depth forwards; a draft model's root forward first) captured:
+    eager's tokens and acceptance, and the CPU's greedy tokens; no host sync in the step."""
     eager, eager_acc, _ = generate(method, "eager", spec_extra=tree)
     captured, captured_acc, llm = generate(method, "cuda_graph", spec_extra=tree,
                                            check_host_syncs=True)
     assert captured == eager and captured_acc == eager_acc
     assert llm.runner.target_graph.captured
     assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
-    cpu = LLM(speculative_config={"method": method, "num_speculative_tokens": 3, **tree},
-              device="cpu", dtype=torch.float32, max_num_seqs=4).generate(PROMPTS, max_tokens=48)
+    cpu = LLM(speculative_config=speculative_config(method, tree), device="cpu",
+              dtype=torch.float32, max_num_seqs=4).generate(PROMPTS, max_tokens=48)
     assert captured == [o.token_ids for o in cpu]
