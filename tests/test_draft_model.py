@@ -139,6 +139,20 @@ def test_a_small_llamas_tree_keeps_plain_greedys_tokens(small_llama, plain, shap
         assert any(s.captured for s in llm.steps)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_tree_decodes_up_to_max_model_len(shape):
+    """A prompt ending 8 tokens before max_model_len (128: the block table's last block),
+    7 tokens out, the target's copy drafting (accepted deep, so trees reach the end): the
+    root's and the nodes' rows past the end write nothing, and the tokens are plain
+    greedy's."""
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompt = [1 + i % 97 for i in range(120)]
+    want = engine().generate([prompt], params)[0].token_ids
+    out = engine({**spec(DEFAULT_MODEL), **SHAPES[shape]}, max_num_seqs=2).generate(
+        [prompt], params)[0]
+    assert out.token_ids == want and sum(out.num_accepted) >= 3
+
+
 def test_a_trees_first_choice_path_is_the_chain(small_llama):
     """Along its first choices, the full binary tree of depth 3 holds chain K=3's drafts:
     each depth's draft-model forward reads its node's path (the root's row one position past
