@@ -44,7 +44,7 @@ def build(target, draft_lm, method, cache: bool, padded: bool = True, **kw) -> L
     kw.update(enable_prefix_caching=cache, max_num_seqs=3)
     if method == "draft_model":  # the draft model object stands for its folder
         spec = {"method": method, "num_speculative_tokens": 3, "model": "draft",
-                "disable_padded_drafter_batch": not padded}
+                "disable_padded_drafter_batch": not padded, **kw.pop("tree", {})}
         return LLM(target=target, draft_head=DraftLM(draft_lm), speculative_config=spec,
                    dtype=torch.float64, max_num_batched_tokens=16, max_model_len=64, **kw)
     head = tiny_head(method, target) if method in ("mtp", "eagle", "eagle3") else None
@@ -95,10 +95,13 @@ def test_cache_hits_equal_no_cache(target, draft_lm, method, backend):
 @pytest.mark.parametrize("tree", [{"speculative_token_tree": [(0,), (1,), (0, 0), (0, 0, 0)]},
                                   {"tree_topk": 2, "num_draft_tokens": 6}],
                          ids=["static", "dynamic"])
-def test_draft_tree_hits_equal_no_cache(target, draft_lm, tree):
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_draft_tree_hits_equal_no_cache(target, draft_lm, tree, method):
     """A tree step's accepted path is moved into place in the step that verifies it, before
-    its blocks can be registered: hits equal a run without the cache, drafts included."""
-    cached, plain = (build(target, draft_lm, "eagle3", c, tree=tree) for c in (True, False))
+    its blocks can be registered: hits equal a run without the cache, drafts included (a
+    draft model's root and node rows lie past the kept tokens, rewritten by the next prefix
+    pass)."""
+    cached, plain = (build(target, draft_lm, method, c, tree=tree) for c in (True, False))
     assert run(cached) == run(plain)
     assert sum(s.prefix_cache_hits for s in cached.steps) >= 6 * BLOCK
 
