@@ -128,12 +128,6 @@ _CHECKS.update({
 })
 
 
-def sync_op_name(func, args, kwargs) -> str | None:
-    """The name of the op if calling func(*args, **kwargs) would sync, else None."""
-    check = _CHECKS.get(func)
-    return None if check is None else check(args, kwargs)
-
-
 _host_side_depth = 0  # > 0 inside host_side(): the tensors there live on the host by design
 
 

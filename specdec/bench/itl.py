@@ -41,12 +41,12 @@ from specdec.bench.plots import (percentile_band, plot_footer, row_label,  # noq
 from specdec.bench.report import (TABLE_COLUMNS, _f, k_schedule_lines,  # noqa: F401
                                   results_table, skipped_lines, slower_hint, table_title)
 from specdec.bench.sweep import (DEFAULT_SWEEP, LIST_KEYS, METHODS, MODES,  # noqa: F401
-                                 QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig,
+                                 OPT_IN_METHODS, QUICK_SWEEP, SCHEMA_VERSION, WORKLOADS, BenchConfig,
                                  DatasetPrompts, Engine, PromptSource, ReqStats,
                                  build_engines, check_sweep, check_syncs,
                                  comparison_warnings, copy_bandwidth, environment, expand, load_sweep, load_warnings, measure,
                                  measure_dp, merge_ranks, run_figures, run_round, run_sweep,
-                                 synthetic_model, weight_read, OPT_IN_METHODS)
+                                 synthetic_model, weight_read)
 from specdec.config import TREE_METHODS
 from specdec.engine.config import DTYPE_ALIASES, DTYPE_CHOICES, auto_dtype
 from specdec.engine.inputs import checkpoint_dtype

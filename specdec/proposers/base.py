@@ -638,9 +638,9 @@ class HeadProposer(PaddedProposer):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over m tree nodes of one depth of every request: tokens [Bp, m]
         int32, hidden [Bp, m, H] (their parents' outputs; None: a model that reads none),
-        head_rows [m] int64 (ascending;
-        node j's K/V at key p + head_rows[j], p [Bp, 1] the root's), ancestors [Bp, m] int64
-        (``TreeMask``'s over head rows) -> (logits hidden, hidden) [Bp, m, H] each."""
+        head_rows [m] int64 (ascending; node j's K/V at key p + head_rows[j], p [Bp, 1] the
+        root's), ancestors [Bp, m] int64 (``TreeMask``'s over head rows) -> (logits hidden,
+        hidden) [Bp, m, H] each."""
         bp, m = tokens.shape
         last = p + head_rows[-1]
         inactive = (rows >= num_reqs)[:, None] | (last >= self.max_model_len)
