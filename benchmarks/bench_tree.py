@@ -24,23 +24,32 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
         for both methods).
 
+``--methods draft_model`` runs a separate draft model: ``--draft-model DIR``, or by default
+the embedded model's first 2 layers with its final norm and lm_head (``layer_skip_draft``:
+LayerSkip's early exit, untrained), written to a temporary folder.
+
     python -m benchmarks.bench_tree [--num-prompts 64] [--prompt-len 64] [--output-len 64]
-        [--methods eagle3 mtp] [--graph-backend compile_dynamic] [--skip-speed | --speed-only]
+        [--methods eagle3 mtp draft_model] [--draft-model DIR] [--graph-backend
+        compile_dynamic] [--skip-speed | --speed-only]
 """
 
 import argparse
 import itertools
 import json
 import statistics
+import tempfile
 import time
 import unittest.mock
+from pathlib import Path
 
 import torch
 
+from benchmarks.layer_skip_draft import cut
 from specdec import LLM, SamplingParams
 from specdec.bench.sweep import PromptSource
 from specdec.draft_tree import StaticTree
 from specdec.engine import core
+from specdec.engine.llm import DEFAULT_MODEL
 
 WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
@@ -55,9 +64,12 @@ FITTED_8 = {
 }
 
 
-def engine(method: str, k: int, tree=None, **kw) -> LLM:
-    """``tree``: a static tree's paths, or a dynamic tree's (tree_topk, num_draft_tokens)."""
+def engine(method: str, k: int, tree=None, draft: Path | None = None, **kw) -> LLM:
+    """``tree``: a static tree's paths, or a dynamic tree's (tree_topk, num_draft_tokens);
+    ``draft``: method draft_model's folder."""
     spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = str(draft)
     if isinstance(tree, dict):
         spec.update(tree)
     elif tree is not None:
@@ -87,9 +99,9 @@ def run(llm: LLM, prompts, output_len: int, on_step=None, concurrency: int = 16)
             "tokens_per_s": sum(len(r.output_token_ids) for r in done) / seconds}
 
 
-def fit(method: str, prompts, output_len: int) -> dict:
+def fit(method: str, prompts, output_len: int, draft: Path | None = None) -> dict:
     """Node -> how often it ended on the accepted path, per verify step (``WIDE``)."""
-    llm = engine(method, 5, WIDE)
+    llm = engine(method, 5, WIDE, draft)
     tree, hits, steps = llm.spec.tree, [0] * len(WIDE), [0]
 
     def count(llm):
@@ -114,14 +126,15 @@ def fitted(rates: dict, size: int, top_k: int, depth: int) -> list[tuple[int, ..
 
 
 def speed(method: str, chain: tuple, tree: tuple, prompts, output_len: int,
-          graph_backend: str, repeats: int) -> dict:
+          graph_backend: str, repeats: int, draft: Path | None = None) -> dict:
     """Tokens/s at one request of the chain and the tree ((depth, tree) each), interleaved
     ``repeats`` times -> each one's runs, acceptance length (greedy: the same every run) and
     the median tree / chain ratio of the rounds."""
     # greedy rows only: start-up compiles the greedy paths alone (a third of its compiles);
     # one untimed prompt per engine then meets any shape start-up did not
     with unittest.mock.patch.object(core, "WARMUP_SAMPLING", ({},)):
-        llms = [engine(method, k, t, graph_backend=graph_backend) for k, t in (chain, tree)]
+        llms = [engine(method, k, t, draft, graph_backend=graph_backend)
+                for k, t in (chain, tree)]
     for llm in llms:
         run(llm, prompts[:1], output_len, concurrency=1)
     runs, accept = [[], []], [0.0, 0.0]
@@ -144,6 +157,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fit-seed", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["eagle3", "mtp"])
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="method draft_model's folder (default: the embedded model's first 2 "
+                         "layers, layer_skip_draft)")
     ap.add_argument("--graph-backend", default="compile_dynamic")
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -157,6 +173,12 @@ def main() -> None:
     source = PromptSource(base.tokenizer, base.vocab_size)
     prompts = source.prompts(args.num_prompts, args.prompt_len, args.seed)
     fit_prompts = source.prompts(args.num_prompts, args.prompt_len, args.fit_seed)
+    draft = args.draft_model
+    if draft is None and "draft_model" in args.methods:
+        draft = cut(DEFAULT_MODEL, Path(tempfile.mkdtemp()) / "layer-skip-2", 2)
+    if args.speed_only and args.speed_tree == "fitted" and set(args.methods) - set(FITTED_8):
+        ap.error(f"--speed-tree fitted has trees for {sorted(FITTED_8)} only; "
+                 "use --speed-tree dynamic")
     out = {}
     for method in args.methods:
         if args.speed_only:
@@ -164,9 +186,9 @@ def main() -> None:
                 method, (5, None),
                 (5, FITTED_8[method] if args.speed_tree == "fitted" else DYNAMIC_8),
                 prompts[:args.speed_prompts],
-                args.output_len, args.graph_backend, args.repeats)}
+                args.output_len, args.graph_backend, args.repeats, draft)}
             continue
-        rates = fit(method, fit_prompts, args.output_len)
+        rates = fit(method, fit_prompts, args.output_len, draft)
         rows = {f"chain K={k}": (k, None) for k in (3, 5)}
         for size, top_k, depth in SHAPES:
             tree = fitted(rates, size, top_k, depth)
@@ -180,7 +202,7 @@ def main() -> None:
                         "tree_score_temperature": 1.0})
         figures = {}
         for name, (k, tree) in rows.items():
-            figures[name] = run(engine(method, k, tree), prompts, args.output_len)
+            figures[name] = run(engine(method, k, tree, draft), prompts, args.output_len)
             figures[name].update(tree=tree, depth=k)
             print(f"{method:7s} {name:26s} AL {figures[name]['acceptance_length']:.2f} "
                   f"per depth {figures[name]['accepted_per_depth']} "
@@ -200,7 +222,8 @@ def main() -> None:
             continue
         out[method]["speed_1_request"] = speed(
             method, (chain["depth"], chain["tree"]), (best["depth"], best["tree"]),
-            prompts[:args.speed_prompts], args.output_len, args.graph_backend, args.repeats)
+            prompts[:args.speed_prompts], args.output_len, args.graph_backend, args.repeats,
+            draft)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=list)
