@@ -19,7 +19,8 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,
         chain, tree ... ``--repeats`` rounds, after one untimed prompt each; start-up
         compiles the greedy paths only): the median of the rounds' tree / chain ratios.
-        ``--speed-only``: no fit, no acceptance table; chain K=5 against ``--speed-tree``:
+        ``--speed-only``: no fit, no acceptance table; chain K=5 (``--speed-chain-k``)
+        against ``--speed-tree``:
         ``fitted`` (``FITTED_8``, the fitted static trees of docs/benchmarks.md) or
         ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
         for both methods).
@@ -165,6 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
+    ap.add_argument("--speed-chain-k", type=int, default=5)
     ap.add_argument("--speed-tree", choices=["fitted", "dynamic"], default="dynamic")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
@@ -183,7 +185,7 @@ def main() -> None:
     for method in args.methods:
         if args.speed_only:
             out[method] = {"speed_1_request": speed(
-                method, (5, None),
+                method, (args.speed_chain_k, None),
                 (5, FITTED_8[method] if args.speed_tree == "fitted" else DYNAMIC_8),
                 prompts[:args.speed_prompts],
                 args.output_len, args.graph_backend, args.repeats, draft)}
