@@ -72,6 +72,8 @@ def make_llm(target, method, k, padded, head=None, tree=None, **kw):
             spec["speculative_token_tree"] = tree
         if method == "eagle3":
             spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
+        if method == "draft_model":  # ``head``, a DraftLM, stands for its folder
+            spec["model"] = "draft"
     kw.setdefault("max_num_batched_tokens", 16)
     kw.setdefault("max_model_len", 64)
     kw.setdefault("max_num_seqs", 4)

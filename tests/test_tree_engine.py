@@ -14,6 +14,7 @@ from specdec import LLM, SamplingParams
 from specdec.engine import core
 
 from specdec.models.config import ModelConfig
+from specdec.models.draft_lm import DraftLM
 from specdec.models.llama import LlamaForCausalLM
 
 from helpers import PROMPTS, VOCAB, make_llm, tiny_head, tiny_target
@@ -85,22 +86,26 @@ def test_a_tree_decodes_up_to_max_model_len(shape):
     assert build("mtp", shape=SHAPES[shape]).generate([prompt], params)[0].token_ids == plain
 
 
-def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_tree_under_compile_dynamic_equals_eager(monkeypatch, method):
     """compile_dynamic (traced, no code generation: dynamo's eager backend) on tiny models:
     the tree's target step and draft step through their compiled graphs equal eager, the
     drafts of every step too (the tokens alone would hide a wrong draft: greedy output is the
-    target's whatever the drafts). (One prompt, the shape start-up warms up, not every
-    serving path: dynamo traces each graph in seconds; the full warm-up is test_graphs.py's.)"""
+    target's whatever the drafts); a head's tree, and a draft model's (its root's forward
+    first). (One prompt, the shape start-up warms up, not every serving path: dynamo traces
+    each graph in seconds; the full warm-up is test_graphs.py's.)"""
     monkeypatch.setattr(core, "WARMUP_SAMPLING", ({},))
     monkeypatch.setattr(core, "warmup_phases", lambda *sizes: (((3,),),))
     torch.manual_seed(0)
-    target = LlamaForCausalLM(ModelConfig(  # one layer: dynamo traces it in seconds
+    config = ModelConfig(  # one layer: dynamo traces it in seconds
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2)).to(torch.float64).eval()
-    head = tiny_head("eagle", target)
+        num_attention_heads=4, num_key_value_heads=2)
+    target = LlamaForCausalLM(config).to(torch.float64).eval()
+    head = (DraftLM(LlamaForCausalLM(config).to(torch.float64)) if method == "draft_model"
+            else tiny_head(method, target))
 
     def run(**kw):
-        llm = make_llm(target, "eagle", 3, True, head=head,
+        llm = make_llm(target, method, 3, True, head=head,
                        tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], max_num_seqs=2, **kw)
         req = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
         drafts = []
@@ -109,7 +114,8 @@ def test_tree_under_compile_dynamic_equals_eager(monkeypatch):
         return req.output_token_ids, drafts, llm
     tokens, drafts, llm = run(graph_backend="compile_dynamic", compile_backend="eager")
     assert (tokens, drafts) == run()[:2]
-    assert llm.runner.target_graph.graphs > 0 and llm.runner.proposer.step_graph.graphs > 0
+    # (through the compiled functions; an earlier test's graphs of the same shapes may serve)
+    assert llm.runner.target_graph.calls > 0 and llm.runner.proposer.step_graph.calls > 0
 
 
 def test_a_branching_tree_accepts_more_than_its_chain():
