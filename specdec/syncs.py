@@ -177,6 +177,21 @@ class _SyncMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextmanager
+def _guard(mode: _SyncMode):
+    """``with mode:``, then the torch function mode stack back to its depth before, however
+    the block ends: a KeyboardInterrupt (a signal handler's) can land between the mode's push
+    and the ``with``'s set-up, or in its exit before the pop, and would leave the guard on
+    for every later torch call of the thread."""
+    depth = torch._C._len_torch_function_stack()
+    try:
+        with mode:
+            yield
+    finally:
+        while torch._C._len_torch_function_stack() > depth:
+            torch._C._pop_torch_function_stack()
+
+
 def _raise(name: str):
     raise HostSyncError(f"host-device sync inside forbid_host_sync(): {name}")
 
@@ -189,7 +204,7 @@ def forbid_host_sync():
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        with _SyncMode(_raise):
+        with _guard(_SyncMode(_raise)):
             yield
     finally:
         if cuda:
@@ -210,5 +225,5 @@ def count_host_syncs():
     """Count (and name) the syncing ops run inside the block:
     `with count_host_syncs() as syncs: ...; syncs.count, syncs.ops`."""
     counter = SyncCount()
-    with _SyncMode(counter.ops.append):
+    with _guard(_SyncMode(counter.ops.append)):
         yield counter

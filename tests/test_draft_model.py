@@ -168,7 +168,6 @@ def test_each_tree_nodes_logits_are_the_models_over_its_path(small_llama):
     children's draft-model logits (recorded at its forward) equal transformers' logits at
     the last position of the prompt + the next token + the node's path (its positions, tree
     mask, K/V rows and attention bound all show here)."""
-    from hf_models import hf_model
     llm = engine({**spec(small_llama), "speculative_token_tree": FULL}, max_num_seqs=1)
     head, rows = llm.runner.proposer.head, []
     head.register_forward_hook(lambda m, args, out: rows.append(m.compute_logits(out[0])))
@@ -178,7 +177,7 @@ def test_each_tree_nodes_logits_are_the_models_over_its_path(small_llama):
     got = torch.cat(rows[1:])  # the root, (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)
     paths = [()] + FULL[:6]
     drafts = {p: t for p, t in zip(FULL, req.spec_token_ids)}
-    hf = hf_model(small_llama).double()
+    hf = hf_models.hf_model(small_llama).double()
     for path, logits in zip(paths, got):
         ids = req.token_ids + [drafts[path[:d]] for d in range(1, len(path) + 1)]
         with torch.no_grad():

@@ -110,6 +110,34 @@ def test_guard_is_removed_after_the_block():
     assert syncs.count == 2
 
 
+@pytest.mark.parametrize("where", ["after the push", "before the pop"])
+@pytest.mark.parametrize("guard", [forbid_host_sync, count_host_syncs])
+def test_an_interrupt_in_the_modes_push_or_pop_leaves_no_guard(monkeypatch, guard, where):
+    """Ctrl-C (a signal handler raising KeyboardInterrupt) may land inside the guard mode's
+    own enter or exit: right after it pushed itself, or before it popped itself. Either
+    way the guard is gone after the block (test_errors.py's ctrl-c test once left it on,
+    and every later engine of that pytest worker failed its first torch.tensor)."""
+    from torch.overrides import TorchFunctionMode
+    from specdec import syncs
+
+    def enter(self):
+        TorchFunctionMode.__enter__(self)
+        raise KeyboardInterrupt
+
+    def exit_(self, *exc):
+        raise KeyboardInterrupt
+
+    if where == "after the push":
+        monkeypatch.setattr(syncs._SyncMode, "__enter__", enter, raising=False)
+    else:
+        monkeypatch.setattr(syncs._SyncMode, "__exit__", exit_, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        with guard():
+            pass
+    assert torch._C._len_torch_function_stack() == 0
+    assert x[0].item() == 0 and torch.tensor([1]).tolist() == [1]
+
+
 @given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
 def test_padded_path_runs_inside_the_guard(step_batch, b, k, seed):
     batch = step_batch(b, k, seed)
