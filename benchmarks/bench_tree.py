@@ -175,9 +175,9 @@ def main() -> None:
     source = PromptSource(base.tokenizer, base.vocab_size)
     prompts = source.prompts(args.num_prompts, args.prompt_len, args.seed)
     fit_prompts = source.prompts(args.num_prompts, args.prompt_len, args.fit_seed)
-    draft = args.draft_model
+    draft, scratch = args.draft_model, tempfile.TemporaryDirectory()  # removed at exit
     if draft is None and "draft_model" in args.methods:
-        draft = cut(DEFAULT_MODEL, Path(tempfile.mkdtemp()) / "layer-skip-2", 2)
+        draft = cut(DEFAULT_MODEL, Path(scratch.name) / "layer-skip-2", 2)
     if args.speed_only and args.speed_tree == "fitted" and set(args.methods) - set(FITTED_8):
         ap.error(f"--speed-tree fitted has trees for {sorted(FITTED_8)} only; "
                  "use --speed-tree dynamic")
