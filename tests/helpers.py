@@ -38,9 +38,26 @@ def tiny_target(seed: int = 0) -> LlamaForCausalLM:
 
 
 def tiny_head(method: str, target: LlamaForCausalLM, seed: int = 1):
+    """A random head of ``method`` for ``target``; ``draft_model``: a random 2-layer Llama
+    of its vocabulary (a DraftLM, the object standing for the draft model's folder)."""
     torch.manual_seed(seed)
+    if method == "draft_model":
+        from specdec.models.draft_lm import DraftLM
+        cfg = ModelConfig(vocab_size=target.config.vocab_size, hidden_size=16,
+                          intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, eos_token_id=target.config.vocab_size - 1)
+        return DraftLM(LlamaForCausalLM(cfg).to(torch.float64))
     extra = {"eagle_aux_hidden_state_layer_ids": AUX} if method == "eagle3" else {}
     return build_head(method, target, **extra).to(torch.float64).eval()
+
+
+def drafts_after_prefill(llm, prompt) -> tuple[list[int], list[int]]:
+    """One request's drafts and their parents after its prefill (the drafts its first
+    decode step verifies)."""
+    req = llm.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while req.is_prefilling:
+        llm.step()
+    return req.spec_token_ids, req.spec_parents
 
 
 def dense_greedy(target: LlamaForCausalLM, prompt: list[int], max_tokens: int,

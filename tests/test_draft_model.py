@@ -97,21 +97,6 @@ SHAPES = {"static": {"speculative_token_tree": TREE},
 FULL = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]  # 14 drafts
 
 
-def first_drafts(model, tree=None, prompt=PROMPTS[2]) -> tuple[list[int], list[int]]:
-    """A request's drafts and their parents after its prefill (``tree``: a static tree's
-    paths or a dynamic tree's keys; None: chain K=3)."""
-    config = spec(model)
-    if isinstance(tree, dict):
-        config.update(tree)
-    elif tree is not None:
-        config["speculative_token_tree"] = tree
-    llm = engine(config, max_num_seqs=2)
-    req = llm.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    while req.is_prefilling:
-        llm.step()
-    return req.spec_token_ids, req.spec_parents
-
-
 def test_a_copys_tree_is_accepted_along_its_first_choices(plain):
     """The target's own folder as the draft model of a static tree holding the chain of first
     choices: that path is the target's greedy tokens, so every verifying step accepts the
@@ -153,16 +138,6 @@ def test_a_tree_decodes_up_to_max_model_len(shape):
     assert out.token_ids == want and sum(out.num_accepted) >= 3
 
 
-def test_a_trees_first_choice_path_is_the_chain(small_llama):
-    """Along its first choices, the full binary tree of depth 3 holds chain K=3's drafts:
-    each depth's draft-model forward reads its node's path (the root's row one position past
-    the kept tokens, then the node rows) as the chain's steps read theirs."""
-    chain, _ = first_drafts(small_llama)
-    got, _ = first_drafts(small_llama, FULL)
-    assert [got[FULL.index(p)] for p in [(0,), (0, 0), (0, 0, 0)]] == chain
-    assert first_drafts(small_llama, [(0,), (0, 0), (0, 0, 0)])[0] == chain
-
-
 def test_each_tree_nodes_logits_are_the_models_over_its_path(small_llama):
     """After the prefill, the full binary tree of depth 3: the root's and every node with
     children's draft-model logits (recorded at its forward) equal transformers' logits at
@@ -183,19 +158,6 @@ def test_each_tree_nodes_logits_are_the_models_over_its_path(small_llama):
         with torch.no_grad():
             want = hf(torch.tensor([ids])).logits[0, -1]
         torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
-
-
-def test_a_dynamic_trees_drafts_are_the_models_along_each_path(small_llama):
-    """A dynamic tree verifying every candidate (top 2, depth 3: 2 + 2 x 4 = 10 drafts): its
-    depth-2 nodes are the full static tree's, and its frontier nodes' children are that
-    tree's children of the same nodes."""
-    static, _ = first_drafts(small_llama, FULL)
-    dynamic, parents = first_drafts(small_llama, {"tree_topk": 2, "num_draft_tokens": 11})
-    assert dynamic[:6] == static[:6] and parents[:6] == [0, 0, 1, 1, 2, 2]
-    for i, up in enumerate(parents[6:]):
-        assert 3 <= up <= 6
-        assert dynamic[6 + i] == static[6 + 2 * (up - 3) + i % 2]
-    assert len(set(parents[6:])) == 2
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

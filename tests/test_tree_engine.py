@@ -14,10 +14,9 @@ from specdec import LLM, SamplingParams
 from specdec.engine import core
 
 from specdec.models.config import ModelConfig
-from specdec.models.draft_lm import DraftLM
 from specdec.models.llama import LlamaForCausalLM
 
-from helpers import PROMPTS, VOCAB, make_llm, tiny_head, tiny_target
+from helpers import PROMPTS, VOCAB, drafts_after_prefill, make_llm, tiny_head, tiny_target
 
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]  # depth 3, 6 drafts
 # the shapes a test runs: the static tree above, and a dynamic one (EAGLE-2: top 2 per
@@ -97,12 +96,10 @@ def test_tree_under_compile_dynamic_equals_eager(monkeypatch, method):
     monkeypatch.setattr(core, "WARMUP_SAMPLING", ({},))
     monkeypatch.setattr(core, "warmup_phases", lambda *sizes: (((3,),),))
     torch.manual_seed(0)
-    config = ModelConfig(  # one layer: dynamo traces it in seconds
+    target = LlamaForCausalLM(ModelConfig(  # one layer: dynamo traces it in seconds
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2)
-    target = LlamaForCausalLM(config).to(torch.float64).eval()
-    head = (DraftLM(LlamaForCausalLM(config).to(torch.float64)) if method == "draft_model"
-            else tiny_head(method, target))
+        num_attention_heads=4, num_key_value_heads=2)).to(torch.float64).eval()
+    head = tiny_head(method, target)
 
     def run(**kw):
         llm = make_llm(target, method, 3, True, head=head,
@@ -237,20 +234,18 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
     assert code == 2 and "--tree-topk sets the drafter's tree" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp", "draft_model"])
 def test_a_trees_first_choice_path_is_the_chain(method):
     """Along its first choices, a static tree holds chain K=3's drafts, however many heads
     run beside them: the full binary tree of depth 3 (heads at 6 nodes, the path's last one
-    at K/V row 3, past a chain's rows) and a chain given as a tree."""
+    at K/V row 3, past a chain's rows) and a chain given as a tree. A draft model's tree
+    (its root's row one position past the kept tokens) the same."""
     target = tiny_target()
     head = tiny_head(method, target)
 
     def drafts(tree):
         llm = make_llm(target, method, 3, True, head=head, tree=tree)
-        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
-        while req.is_prefilling:
-            llm.step()
-        return req.spec_token_ids
+        return drafts_after_prefill(llm, PROMPTS[3])[0]
 
     full = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]
     chain = drafts(None)
@@ -259,7 +254,7 @@ def test_a_trees_first_choice_path_is_the_chain(method):
     assert drafts([(0,), (0, 0), (0, 0, 0)]) == chain
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
 def test_a_dynamic_trees_drafts_are_the_heads_along_each_path(method):
     """Every candidate of a dynamic tree is its parent's top-k under the head run along the
     parent's own path: with every candidate verified (top 2, depth 3: 2 + 2 x 4 = 10 drafts),
@@ -271,11 +266,8 @@ def test_a_dynamic_trees_drafts_are_the_heads_along_each_path(method):
     full = [p for d in (1, 2, 3) for p in itertools.product((0, 1), repeat=d)]
 
     def drafts(tree):
-        llm = make_llm(target, method, 3, True, head=head, tree=tree)
-        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
-        while req.is_prefilling:
-            llm.step()
-        return req.spec_token_ids, req.spec_parents
+        return drafts_after_prefill(make_llm(target, method, 3, True, head=head, tree=tree),
+                                    PROMPTS[3])
     static, _ = drafts(full)
     dynamic, parents = drafts({"tree_topk": 2, "num_draft_tokens": 11})
     assert dynamic[:6] == static[:6] and parents[:6] == [0, 0, 1, 1, 2, 2]
@@ -302,11 +294,8 @@ def test_the_score_temperature_chooses_between_depth_and_width(where):
             head.config.extra["tree_score_temperature"] = temperature
         elif temperature is not None and isinstance(tree, dict):
             tree = {**tree, "tree_score_temperature": temperature}
-        llm = make_llm(target, "eagle3", 3, True, head=head, tree=tree)
-        req = llm.add_request(PROMPTS[3], SamplingParams(max_tokens=4, ignore_eos=True))
-        while req.is_prefilling:
-            llm.step()
-        return req.spec_token_ids, req.spec_parents
+        return drafts_after_prefill(make_llm(target, "eagle3", 3, True, head=head, tree=tree),
+                                    PROMPTS[3])
 
     dynamic = {"tree_topk": 2, "num_draft_tokens": 4}
     chain, _ = drafts(None, None)
