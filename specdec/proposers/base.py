@@ -517,7 +517,8 @@ class HeadProposer(PaddedProposer):
         (logits_hidden, hidden [Bp, H]; positions [Bp] int64 there: the root's head row p;
         temperature [Bp] float32, each request's sampling temperature) -> [Bp, nodes - 1]
         int32 in node order (a dynamic tree: then each one's parent node, [Bp, 2 * (nodes -
-        1)]).
+        1)]). What ``tree_root`` takes: a draft model passes its next token ids [Bp] and None,
+        and its root's forward runs there.
 
         A node's children are the top ranks of the head's logits at it: the root's from the
         first pass, a depth-d node's from one head forward over depth d's nodes of every
