@@ -15,6 +15,7 @@ mask or a tensor slice bound. `x[mask] = python_scalar` is allowed (it becomes a
 masked_fill, which does not sync).
 """
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -128,35 +129,41 @@ _CHECKS.update({
 })
 
 
-_host_side_depth = 0  # > 0 inside host_side(): the tensors there live on the host by design
+class _HostSide(threading.local):
+    """This thread's ``host_side()`` / ``unguarded()`` nesting (the guard modes are per
+    thread too: another thread's block must not blind this thread's guard)."""
+    depth = 0
+
+
+_host_side = _HostSide()
 
 
 @contextmanager
 def host_side():
     """Mark a block whose tensors live in host memory by design (e.g. gloo's CPU-group
     all-reduce buffers): reading them is not a host-device sync, so the guards skip it."""
-    global _host_side_depth
-    _host_side_depth += 1
-    try:
+    depth = _host_side.depth
+    try:  # set and restored inside the try: an interrupt anywhere leaves the depth as it was
+        _host_side.depth = depth + 1
         yield
     finally:
-        _host_side_depth -= 1
+        _host_side.depth = depth
 
 
 @contextmanager
 def unguarded():
     """Suspend the guards for warm-up, graph capture and compilation (compilers and capture
     may sync by design): the guards prove the steady-state step, not its one-time set-up."""
-    global _host_side_depth
     cuda = torch.cuda.is_available()
     previous = torch.cuda.get_sync_debug_mode() if cuda else 0
-    _host_side_depth += 1
-    if cuda:
-        torch.cuda.set_sync_debug_mode(0)
+    depth = _host_side.depth
     try:
+        _host_side.depth = depth + 1
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
         yield
     finally:
-        _host_side_depth -= 1
+        _host_side.depth = depth
         if cuda:
             torch.cuda.set_sync_debug_mode(previous)
 
@@ -170,7 +177,7 @@ class _SyncMode(TorchFunctionMode):
         kwargs = kwargs or {}
         check = _CHECKS.get(func)
         # (traced into a graph by a compiler: a sync would break fullgraph; not checked)
-        if check is not None and not _host_side_depth and not torch.compiler.is_compiling():
+        if check is not None and not _host_side.depth and not torch.compiler.is_compiling():
             name = check(args, kwargs)
             if name is not None:
                 self.on_sync(name)

@@ -138,6 +138,79 @@ def test_an_interrupt_in_the_modes_push_or_pop_leaves_no_guard(monkeypatch, guar
     assert x[0].item() == 0 and torch.tensor([1]).tolist() == [1]
 
 
+def _line_tracer(code, raise_at=None):
+    """(line events seen in ``code``'s frames, a sys.settrace tracer recording them that
+    raises KeyboardInterrupt at event number ``raise_at``, as a signal handler may)."""
+    seen = []
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen.append(frame.f_lineno)
+            if len(seen) - 1 == raise_at:
+                raise KeyboardInterrupt
+        return local
+    return seen, lambda frame, event, arg: local if frame.f_code is code else None
+
+
+def _still_guarded() -> bool:
+    try:
+        with forbid_host_sync():
+            x[0].item()
+    except HostSyncError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("block", ["host_side", "unguarded"])
+def test_an_interrupt_entering_a_host_side_block_leaves_the_guard_on(block):
+    """Ctrl-C may land on any line of ``host_side()`` / ``unguarded()`` before its body runs
+    (each line in turn here). After it the guard still catches a sync: a nesting depth left
+    raised would silently skip every later check of the thread."""
+    import sys
+    from specdec import syncs
+    enter = getattr(syncs, block)
+    code = enter.__wrapped__.__code__
+    seen, tracer = _line_tracer(code)
+    sys.settrace(tracer)
+    try:
+        with enter():
+            before_body = len(seen)
+    finally:
+        sys.settrace(None)
+    assert before_body >= 2
+    for i in range(before_body):
+        _, tracer = _line_tracer(code, raise_at=i)
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                with enter():
+                    pass
+        finally:
+            sys.settrace(None)
+        assert _still_guarded(), f"interrupted at line event {i} of {block}()"
+
+
+def test_another_threads_host_side_block_leaves_this_threads_guard_on():
+    """A thread inside ``host_side()`` (its tensors on the host by design) does not switch
+    off the checks of a guard running on another thread."""
+    import threading
+    from specdec.syncs import host_side
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with host_side():
+            inside.set()
+            leave.wait(30)
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert _still_guarded()
+    finally:
+        leave.set()
+        thread.join()
+
+
 @given(b=st.integers(1, 256), k=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
 def test_padded_path_runs_inside_the_guard(step_batch, b, k, seed):
     batch = step_batch(b, k, seed)
