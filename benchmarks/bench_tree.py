@@ -27,7 +27,8 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
 
 ``--methods draft_model`` runs a separate draft model: ``--draft-model DIR``, or by default
 the embedded model's first 2 layers with its final norm and lm_head (``layer_skip_draft``:
-LayerSkip's early exit, untrained), written to a temporary folder.
+LayerSkip's early exit, untrained), written to a temporary folder with its fitted
+``tree_score_temperature``.
 
     python -m benchmarks.bench_tree [--num-prompts 64] [--prompt-len 64] [--output-len 64]
         [--methods eagle3 mtp draft_model] [--draft-model DIR] [--graph-backend
@@ -51,6 +52,7 @@ from specdec.bench.sweep import PromptSource
 from specdec.draft_tree import StaticTree
 from specdec.engine import core
 from specdec.engine.llm import DEFAULT_MODEL
+from specdec.train.tree_temperature import fit_draft_model
 
 WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repeat=d)
                if sum(p) <= 2} | {(3,)}, key=lambda p: (len(p), p))
@@ -178,6 +180,7 @@ def main() -> None:
     draft, scratch = args.draft_model, tempfile.TemporaryDirectory()  # removed at exit
     if draft is None and "draft_model" in args.methods:
         draft = cut(DEFAULT_MODEL, Path(scratch.name) / "layer-skip-2", 2)
+        fit_draft_model(DEFAULT_MODEL, draft)
     if args.speed_only and args.speed_tree == "fitted" and set(args.methods) - set(FITTED_8):
         ap.error(f"--speed-tree fitted has trees for {sorted(FITTED_8)} only; "
                  "use --speed-tree dynamic")

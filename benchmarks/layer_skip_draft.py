@@ -1,9 +1,11 @@
 """A draft model for method ``draft_model`` cut from a Llama-layout target: its first N layers,
 final norm and lm_head (LayerSkip's early exit, untrained), written as a checkpoint folder with
 the target's tokenizer. The embedded model ships no separate draft LM; this one lets the
-benchmarks run ``draft_model`` (chains and trees) on it.
+benchmarks run ``draft_model`` (chains and trees) on it. ``--fit-temperature`` also fits its
+``tree_score_temperature`` (``specdec.train.tree_temperature``), the score temperature of its
+dynamic trees.
 
-    python -m benchmarks.layer_skip_draft OUT [--layers 2] [--target DIR]
+    python -m benchmarks.layer_skip_draft OUT [--layers 2] [--target DIR] [--fit-temperature]
 """
 
 import argparse
@@ -15,6 +17,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from specdec.engine.llm import DEFAULT_MODEL
+from specdec.train.tree_temperature import fit_draft_model
 
 
 def cut(target: Path, out: Path, layers: int) -> Path:
@@ -41,8 +44,12 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--target", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--fit-temperature", action="store_true",
+                    help="fit its tree_score_temperature into its config.json")
     args = ap.parse_args()
     print(cut(args.target, args.out, args.layers))
+    if args.fit_temperature:
+        print(fit_draft_model(args.target, args.out)["draft_model"])
 
 
 if __name__ == "__main__":

@@ -124,6 +124,24 @@ def test_a_small_llamas_tree_keeps_plain_greedys_tokens(small_llama, plain, shap
         assert any(s.captured for s in llm.steps)
 
 
+def test_a_fitted_tree_temperature_is_the_draft_models_dynamic_tree_default(small_llama,
+                                                                              tmp_path):
+    """``tree_temperature.fit_draft_model`` writes the draft model's fitted T into its
+    folder's config.json; a dynamic tree scores its candidates at it unless the config
+    names another."""
+    from specdec.train.tree_temperature import GRID, fit_draft_model
+    folder = tmp_path / "draft"
+    shutil.copytree(small_llama, folder)
+    fitted = fit_draft_model(DEFAULT_MODEL, folder, prompts=2)["draft_model"]
+    t = json.loads((folder / "config.json").read_text())["tree_score_temperature"]
+    assert t == fitted["tree_score_temperature"] and min(GRID) <= t <= max(GRID)
+    assert fitted["pairs"] > 0 and fitted["nll"] <= fitted["nll_at_1"]
+    dynamic = {**spec(folder), **SHAPES["dynamic"]}
+    assert engine(dynamic).runner.proposer.score_temperature == t
+    named = engine({**dynamic, "tree_score_temperature": 0.5})
+    assert named.runner.proposer.score_temperature == 0.5
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_a_tree_decodes_up_to_max_model_len(shape):
     """A prompt ending 8 tokens before max_model_len (128: the block table's last block),

@@ -177,6 +177,45 @@ def test_temperature_pairs_are_the_depths_whose_earlier_drafts_matched(method):
     assert head.draft_to_target_ids(truth[:len(first)]).tolist() == first.tolist()
 
 
+@pytest.mark.parametrize("noise", [0.0, 0.05])
+def test_a_draft_models_temperature_pairs_are_its_chains_logits_where_drafts_matched(noise):
+    """For a draft model greedy_draft_pairs reads one pass over x. Its pairs are, per depth s,
+    the slots where the draft model's own chain matched x at depths 1..s-1, with the logits
+    that chain computes there: run here slot by slot, dense, fed its own argmax drafts. A copy
+    of the target (noise 0) matches everywhere; a perturbed copy only at some slots."""
+    from specdec.models.draft_lm import DraftLM
+    from specdec.train.tree_temperature import greedy_draft_pairs
+    target, copy = tiny_model(), tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    x = greedy_generate(target, torch.randint(0, 61, (3, 4), generator=gen), 12)
+    k, slots = 3, range(2, x.shape[1] - 4)
+    logits, truth = greedy_draft_pairs(target, DraftLM(copy), x, 4, k)
+    want_logits, want_truth, depth_of = [], [], []
+    with torch.no_grad():
+        chains = {}  # (b, i) -> the chain's logits at depths 1..k
+        for b in range(x.shape[0]):
+            for i in slots:
+                seq, steps = x[b, :i + 2].tolist(), []
+                for _ in range(k):
+                    hidden, _ = copy(torch.tensor([seq]), torch.arange(len(seq))[None])
+                    steps.append(copy.compute_logits(hidden[0, -1]).float())
+                    seq.append(int(steps[-1].argmax()))
+                chains[b, i] = steps, seq[i + 2:]
+        for s in range(k):
+            for (b, i), (steps, drafts) in chains.items():
+                if drafts[:s] == x[b, i + 2:i + 2 + s].tolist():
+                    want_logits.append(steps[s])
+                    want_truth.append(int(x[b, i + 2 + s]))
+                    depth_of.append(s)
+    assert truth.tolist() == want_truth
+    torch.testing.assert_close(logits, torch.stack(want_logits), atol=1e-4, rtol=1e-4)
+    assert (depth_of.count(k - 1) == len(chains)) == (noise == 0)
+    assert depth_of.count(k - 1) > 0
+
+
 def test_a_written_tree_temperature_is_the_loaded_heads(tmp_path):
     """tree_temperature.write puts each fitted T into its head folder's config.json, where
     load_head keeps it for the proposer (a dynamic tree's default score temperature)."""
@@ -184,5 +223,5 @@ def test_a_written_tree_temperature_is_the_loaded_heads(tmp_path):
     from specdec.train.tree_temperature import write
     target = tiny_model()
     tiny_model_head("mtp", target).save_pretrained(tmp_path / "mtp")
-    write(tmp_path, {"mtp": {"tree_score_temperature": 0.25}})
+    write({"mtp": tmp_path / "mtp"}, {"mtp": {"tree_score_temperature": 0.25}})
     assert load_head(tmp_path / "mtp", target).config.extra["tree_score_temperature"] == 0.25

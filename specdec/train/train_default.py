@@ -334,7 +334,7 @@ def main(argv=None) -> None:
                           args.seq - args.prompt_len)
     log(f"acceptance {acceptance}")
     temperatures = tree_temperature.fit(target, heads, tok)
-    tree_temperature.write(out, temperatures)
+    tree_temperature.write({name: out / name for name in heads}, temperatures)
     log(f"tree score temperatures {temperatures}")
     folders = {}
     for name in ("target",) + HEADS:
