@@ -11,6 +11,11 @@ prefix:   a closed loop of one request at a time, each a fresh ``--prompt-len``-
           a repeat misses, the others hit all but their tail). Ratio on / off < 1: TTFT falls.
 
     python -m benchmarks.bench_prefix_cache [--method eagle3] [--repeats 3] [--prompt-len 384]
+        [--model DIR]
+
+``--model``: another target folder (default: the embedded model), e.g. a hybrid
+linear-attention one, whose hits restore state snapshots and whose prefill chunks end on block
+boundaries.
 """
 
 import argparse
@@ -39,11 +44,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=384, help="prompt tokens (default 384)")
     p.add_argument("--output-len", type=int, default=16, help="output tokens (default 16)")
     p.add_argument("--device", default=None, help="default: the accelerator, else cpu")
+    p.add_argument("--model", default=None, help="target folder (default: the embedded model)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     a = p.parse_args()
     spec = (None if a.method == "none"
             else {"method": a.method, "num_speculative_tokens": 3})
-    engines = {on: LLM(speculative_config=spec, device=a.device, enable_prefix_caching=on,
+    engines = {on: LLM(a.model, spec, device=a.device, enable_prefix_caching=on,
                        max_num_seqs=a.num_prompts, max_num_batched_tokens=512,
                        max_model_len=a.prompt_len + 8 + a.output_len + 8) for on in (True, False)}
     vocab = engines[True].vocab_size

@@ -91,11 +91,12 @@ class KVCache:
     ``k[i], v[i]`` are [num_blocks * block_size + 1 (trash), Hkv_i, D_i]; for a latent spec
     (``value_dim`` set) ``v[i]`` is the view ``k[i][..., :value_dim]`` (nothing allocated).
     A ``LinearStateSpec`` layer gets empty K/V and ``state_slots`` slots for each of
-    ``state_rows`` request rows (the last one the trash row) in ``self.state``."""
+    ``state_rows`` request rows (the last one the trash row), and ``state_snapshots`` states
+    for the prefix cache, in ``self.state``."""
 
     def __init__(self, specs: list[KVCacheSpec | LinearStateSpec], num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device | str,
-                 state_rows: int = 1, state_slots: int = 1):
+                 state_rows: int = 1, state_slots: int = 1, state_snapshots: int = 0):
         num_slots = num_blocks * block_size + 1
         self.specs = list(specs)
         paged = [s for s in specs if isinstance(s, KVCacheSpec)]
@@ -103,7 +104,7 @@ class KVCache:
             s, KVCacheSpec) else (0,), dtype=dtype, device=device) for s in specs]
         self.v = [k[..., :s.value_dim] if getattr(s, "value_dim", None) is not None
                   else torch.zeros_like(k) for s, k in zip(specs, self.k)]
-        self.state = (StateCache(specs, state_rows, state_slots, device)
+        self.state = (StateCache(specs, state_rows, state_slots, device, state_snapshots)
                       if len(paged) < len(specs) else None)
         self.block_size = block_size
         self.trash_slot = num_slots - 1

@@ -74,17 +74,38 @@ class StateCache:
 
     ``conv[i]`` [rows * S, conv_kernel - 1, conv_dim] and ``ssm[i]`` [rows * S, Hv, Dk, Dv]
     float32 (flat slot = row * S + slot); the last row is the trash row.
-    ``current`` [rows] int64: each row's slot to start the next step from."""
+    ``current`` [rows] int64: each row's slot to start the next step from.
+    ``snap_conv[i]`` / ``snap_ssm[i]`` [snapshots, ...]: states kept for the prefix cache
+    (``save`` / ``restore``; the block allocator says which snapshot holds which prefix)."""
 
-    def __init__(self, specs: list, num_rows: int, num_slots: int, device):
+    def __init__(self, specs: list, num_rows: int, num_slots: int, device,
+                 snapshots: int = 0):
         self.num_rows, self.num_slots = num_rows, num_slots
         n = num_rows * num_slots
-        self.conv, self.ssm = {}, {}
+        self.conv, self.ssm, self.snap_conv, self.snap_ssm = {}, {}, {}, {}
         for i, s in enumerate(specs):
             if isinstance(s, LinearStateSpec):
-                self.conv[i] = torch.zeros(n, s.conv_kernel - 1, s.conv_dim, device=device)
-                self.ssm[i] = torch.zeros(n, s.num_heads, s.key_dim, s.value_dim, device=device)
+                for store, size in ((self.conv, n), (self.snap_conv, snapshots)):
+                    store[i] = torch.zeros(size, s.conv_kernel - 1, s.conv_dim, device=device)
+                for store, size in ((self.ssm, n), (self.snap_ssm, snapshots)):
+                    store[i] = torch.zeros(size, s.num_heads, s.key_dim, s.value_dim,
+                                           device=device)
         self.current = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def save(self, row: int, snapshot: int) -> None:
+        """Snapshot ``snapshot`` := the state in row ``row``'s slot 0: where a prefill chunk
+        leaves it (``accept`` sets slot 0 current after one), read before the row runs again."""
+        for i in self.conv:
+            self.snap_conv[i][snapshot].copy_(self.conv[i][row * self.num_slots])
+            self.snap_ssm[i][snapshot].copy_(self.ssm[i][row * self.num_slots])
+
+    def restore(self, snapshot: int, row: int) -> None:
+        """Row ``row`` starts its next step from snapshot ``snapshot`` (copied to its slot 0,
+        made current): a request whose prompt's prefix the cache held."""
+        for i in self.conv:
+            self.conv[i][row * self.num_slots].copy_(self.snap_conv[i][snapshot])
+            self.ssm[i][row * self.num_slots].copy_(self.snap_ssm[i][snapshot])
+        self.current[row] = 0
 
     @property
     def trash_row(self) -> int:

@@ -77,12 +77,17 @@ class Simulation:
     KV reads (the prefix through the position, plus ``lookahead`` tokens: a head's KV reads
     the next token), and junk at rejected drafts and where the draft loop runs."""
 
-    def __init__(self, lookahead: int, rng: random.Random, num_blocks: int):
-        self.pool = BlockAllocator(num_blocks, BS, caching=True, lookahead=lookahead)
+    def __init__(self, lookahead: int, rng: random.Random, num_blocks: int,
+                 snapshots: int = 0):
+        self.pool = BlockAllocator(num_blocks, BS, caching=True, lookahead=lookahead,
+                                   snapshots=snapshots)
         self.sched = Scheduler(2, 10, MAX_LEN, self.pool, num_speculative_tokens=K,
                                reserve_ahead=1 + K)
         self.kv = {}  # slot -> the tokens its KV was computed from, or "junk"
         self.entries = {}  # entry id -> key, every one ever registered
+        # linear attention: each row's slot-0 state and each snapshot, as the tokens it has
+        # consumed (or "junk")
+        self.state, self.snapshot = {}, {}
         self.rng, self.la, self.n, self.prompts = rng, lookahead, 0, []
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
@@ -96,12 +101,23 @@ class Simulation:
 
     def step(self) -> None:
         waiting = {r.request_id for r in self.sched.waiting}
-        for s in self.sched.schedule():
+        scheduled = self.sched.schedule()
+        saves, restores = self.sched.take_state_copies()
+        for row, snapshot in saves:
+            self.snapshot[snapshot] = self.state[row]
+        for snapshot, row in restores:
+            self.state[row] = self.snapshot[snapshot]
+        for s in scheduled:
             r = s.request
             if r.request_id in waiting:  # admitted: what it hit is its own prefix's KV
                 assert r.num_computed_tokens == r.num_cached_tokens < r.num_tokens
                 for pos in range(r.num_cached_tokens):
                     assert self.kv[self.slot(r, pos)] == tuple(r.token_ids[:pos + 1 + self.la])
+                if self.pool.snapshots and r.num_cached_tokens:  # and its state the prefix's
+                    assert self.state[r.row] == tuple(r.token_ids[:r.num_cached_tokens])
+            if self.pool.snapshots and r.is_prefilling:  # chunks end on block boundaries
+                end = r.num_computed_tokens + s.num_tokens
+                assert end % BS == 0 or end // BS == r.num_computed_tokens // BS
             self.run(s)
         self.check()
 
@@ -119,6 +135,8 @@ class Simulation:
                 accepted += 1
             r.token_ids.append(next_token(r.token_ids))  # the sampled token
             r.num_computed_tokens = end - d + accepted
+        # the state after the step's last kept token (a decode's: not a prefix state here)
+        self.state[r.row] = tuple(r.token_ids[:end]) if s.is_discarded or not d else "junk"
         for pos in range(start, min(end + K, len(r.block_ids) * BS)):
             # kept positions read the request's tokens (a head: the one after too); rejected
             # drafts and the draft loop write junk
@@ -151,6 +169,17 @@ class Simulation:
             start = len(tokens) - BS - self.la
             for j in range(BS):
                 assert self.kv[block * BS + j] == tuple(tokens[:start + j + 1 + self.la])
+        # snapshots: each held by one live entry, holding (once the saves due before the
+        # next step have run) the state after its block
+        live = {entry: key for key, (_, entry) in pool.cached.items()}
+        assert set(pool.snapshot_of) <= set(live)
+        assert sorted([*pool.snapshot_of.values(), *pool.free_snapshots]) == list(
+            range(pool.snapshots))
+        due = {snapshot: self.state[row] for row, snapshot in self.sched.state_saves}
+        for entry, snapshot in pool.snapshot_of.items():
+            tokens = self.prefix(live[entry])
+            assert due.get(snapshot, self.snapshot.get(snapshot)) == tuple(
+                tokens[:len(tokens) - self.la])
 
     def prefix(self, key) -> list[int]:
         """Every token a key chain names (its last block's lookahead included)."""
@@ -171,10 +200,16 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("step"))), max_size=40)
 
 
+@pytest.mark.parametrize("snapshots", [0, 2], ids=["attention", "linear-attention"])
 @pytest.mark.parametrize("lookahead", [0, 1])
 @given(ops=OPS, seed=st.integers(0, 2**16))
-def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, ops, seed):
-    sim = Simulation(lookahead, random.Random(seed), num_blocks=2 * (MAX_LEN // BS))
+def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, snapshots, ops, seed):
+    """The pool's invariants after every step and abort; with state snapshots (a target with
+    linear attention, 2 snapshot slots) also: a hit's restored state is its prefix's, every
+    snapshot holds the state after its entry's block, and prefill chunks end on block
+    boundaries."""
+    sim = Simulation(lookahead, random.Random(seed), num_blocks=2 * (MAX_LEN // BS),
+                     snapshots=snapshots)
     for op in ops:
         if op[0] == "add":
             sim.add(op[1], op[2])

@@ -1,7 +1,8 @@
 """Prefix caching end to end: a run that hits the cache equals a run without it, token for token
-and draft for draft (plain, EAGLE, EAGLE-3, MTP, draft model, ngram, suffix; eager and captured
-through replay; greedy and seeded sampling), requests that end early leave no block held, and
-what cannot be cached is refused by name."""
+and draft for draft (plain, EAGLE, EAGLE-3, MTP, draft model, ngram, suffix; a hybrid
+linear-attention target through its state snapshots; eager and captured through replay; greedy
+and seeded sampling), requests that end early leave no block held, and what cannot be cached is
+refused by name."""
 
 import pytest
 import torch
@@ -164,15 +165,48 @@ def hybrid_target():
     return Qwen3_5ForCausalLM(cfg).to(torch.float64).eval()
 
 
-def test_hybrid_models_refuse_it_by_name_and_default_to_off():
+@pytest.fixture(scope="module")
+def qwen3_5_folder(tmp_path_factory):
+    """A tiny Qwen3.5 (linear, full, linear attention) with its MTP layer, as transformers
+    writes it."""
+    import hf_qwen3_5
+    return hf_qwen3_5.build_qwen3_5_mtp(tmp_path_factory.mktemp("qwen3_5") / "model")
+
+
+@pytest.mark.parametrize("backend,overlap", [("eager", False), ("replay", False),
+                                             ("replay", True)],
+                         ids=["eager", "replay", "replay-async"])
+@pytest.mark.parametrize("method", [None, "mtp"])
+def test_hybrid_hits_restore_state_snapshots_and_equal_no_cache(qwen3_5_folder, method,
+                                                                 backend, overlap):
+    """Qwen3.5's linear-attention state cannot be rebuilt from K/V blocks: a hit restores the
+    state snapshot kept where a prefill chunk ended on its last block (3 snapshot slots for
+    the batches' prefixes, so older ones are evicted). Tokens and drafts equal a run that
+    computes every prompt, greedy and seeded, with no host sync in a step (and under async
+    scheduling, whose overlapped decodes never end a prefill chunk)."""
+    spec = method and {"method": method, "num_speculative_tokens": 2}
+
+    def build(cache: bool) -> LLM:
+        return LLM(qwen3_5_folder, spec, dtype=torch.float64, max_model_len=64,
+                   max_num_seqs=3, max_num_batched_tokens=16, graph_backend=backend,
+                   enable_prefix_caching=cache, check_host_syncs=True,
+                   async_scheduling=overlap)
+    cached, plain = build(True), build(False)
+    assert cached.allocator.caching and cached.allocator.snapshots == 3
+    assert run(cached) == run(plain)
+    assert sum(s.prefix_cache_hits for s in cached.steps) >= 4 * BLOCK
+    assert {s.host_syncs for s in cached.steps if s.num_reqs} == {0}
+
+
+def test_hybrid_models_refuse_it_with_tensor_parallelism_by_name():
+    """The snapshots' copies are not sent to tensor-parallel peers yet: refused by name,
+    and off by default (said at start-up) there."""
     target = hybrid_target()
     with pytest.raises(ValueError, match=r"enable_prefix_caching=True: Qwen3_5ForCausalLM has "
-                                         r"linear-attention layers.*allowed: False or None"):
-        make_llm(target, None, 0, True, enable_prefix_caching=True)
-    llm = make_llm(target, None, 0, True)
-    assert llm.config.enable_prefix_caching is False and not llm.allocator.caching
-    assert llm.startup.startswith("prefix caching off: Qwen3_5ForCausalLM has linear")
-    assert make_llm(target, None, 0, True, enable_prefix_caching=False).startup is None
+                                         r"linear-attention layers.*tensor_parallel_size=2"
+                                         r".*allowed: False or None"):
+        LLM(target=target, dtype=torch.float64, max_model_len=64, tensor_parallel_size=2,
+            enable_prefix_caching=True)
 
 
 def test_extract_hidden_states_refuses_it_and_defaults_to_off(target, tmp_path):

@@ -20,6 +20,12 @@ write it; 0 otherwise. A cached block stays cached while free, until it is evict
 Worked example (block_size 2, lookahead 0): a request with tokens [5, 6, 7, 8, 9] and 5 final
 positions registers (-1, (5, 6)) -> entry 0 and (0, (7, 8)) -> entry 1; a prompt [5, 6, 7, 8,
 1] then hits both blocks (4 tokens), [5, 6, 7, 3, 1] hits the first only.
+
+A target with linear-attention layers (``snapshots`` > 0) cannot rebuild its recurrent state
+from K/V blocks: an entry is usable only with a *snapshot* of that state after its last token
+(``linear_state.StateCache.save``), and a hit ends at the deepest entry that has one. Entries
+get snapshots (``snapshot_for``) from the ``snapshots`` slots, least recently used first when
+none is free; an evicted entry frees its snapshot.
 """
 
 import itertools
@@ -32,11 +38,14 @@ class BlockAllocator:
     """Hands out KV block ids; every model (target and draft) shares one block table."""
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool = False,
-                 lookahead: int = 0):
+                 lookahead: int = 0, snapshots: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
         self.lookahead = lookahead
+        self.snapshots = snapshots  # > 0: hits need a state snapshot (linear attention)
+        self.snapshot_of: OrderedDict[int, int] = OrderedDict()  # entry -> snapshot, LRU first
+        self.free_snapshots = list(range(snapshots - 1, -1, -1))
         self.ref = [0] * num_blocks  # running requests holding each block
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[Key, tuple[int, int]] = {}  # key -> (block, entry id)
@@ -53,8 +62,10 @@ class BlockAllocator:
         for _ in range(max(needed, 0)):
             block, _ = self.free.popitem(last=False)
             key = self.key_of.pop(block, None)
-            if key is not None:  # evicted: its entry goes
-                del self.cached[key]
+            if key is not None:  # evicted: its entry goes, and its snapshot
+                snapshot = self.snapshot_of.pop(self.cached.pop(key)[1], None)
+                if snapshot is not None:
+                    self.free_snapshots.append(snapshot)
             self.ref[block] = 1
             block_ids.append(block)
 
@@ -70,8 +81,9 @@ class BlockAllocator:
     def hit(self, token_ids: list[int], num_blocks: int) -> tuple[list[int], list[int]]:
         """The cached blocks of the longest chain of ``token_ids``' first ``num_blocks`` full
         blocks (each block's key reads its ``lookahead`` tokens after it: the caller bounds
-        ``num_blocks`` so that they exist); each gets one more hold. -> (block ids, entry
-        ids)."""
+        ``num_blocks`` so that they exist); each gets one more hold. With ``snapshots``, the
+        chain ends at its deepest entry that has a snapshot (``snapshot_of[entries[-1]]``).
+        -> (block ids, entry ids)."""
         blocks, entries, parent, bs = [], [], -1, self.block_size
         for i in range(num_blocks):
             found = self.cached.get((parent, tuple(token_ids[i * bs:(i + 1) * bs
@@ -81,6 +93,12 @@ class BlockAllocator:
             block, parent = found
             blocks.append(block)
             entries.append(parent)
+        if self.snapshots:  # the state is known only where a snapshot was kept
+            while entries and entries[-1] not in self.snapshot_of:
+                blocks.pop()
+                entries.pop()
+            if entries:
+                self.snapshot_of.move_to_end(entries[-1])
         for block in blocks:
             if self.ref[block] == 0:
                 del self.free[block]
@@ -104,3 +122,15 @@ class BlockAllocator:
                 found = self.cached[key] = (block_ids[i], next(self._entry_ids))
                 self.key_of[block_ids[i]] = key
             entries.append(found[1])
+
+    def snapshot_for(self, entry: int) -> int | None:
+        """A snapshot slot for ``entry``'s state (the least recently used one when none is
+        free, its entry losing it); None when the entry has one already."""
+        if entry in self.snapshot_of:
+            return None
+        if self.free_snapshots:
+            snapshot = self.free_snapshots.pop()
+        else:
+            _, snapshot = self.snapshot_of.popitem(last=False)
+        self.snapshot_of[entry] = snapshot
+        return snapshot

@@ -29,6 +29,7 @@ from specdec.engine.scheduler import ScheduledRequest, Scheduler, is_uniform_dec
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.engine.text_stream import TextStream
 from specdec.graphs import Backend
+from specdec.linear_state import LinearStateSpec
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.padding import BatchPadder, StepPlan, StepSizes
 from specdec.proposers.factory import build_proposer
@@ -90,9 +91,12 @@ class EngineCore:
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
         # a cached block's key reads the tokens after it that the drafter's KV depends on
+        # linear attention: a cached prefix needs a snapshot of the state after it
+        snapshots = cfg.max_num_seqs if cfg.enable_prefix_caching and any(
+            isinstance(s, LinearStateSpec) for s in target.kv_cache_spec()) else 0
         self.allocator = BlockAllocator(
             num_blocks, cfg.block_size, caching=cfg.enable_prefix_caching,
-            lookahead=getattr(self.proposer, "cache_lookahead", 0))
+            lookahead=getattr(self.proposer, "cache_lookahead", 0), snapshots=snapshots)
         self._warming_up = False  # throwaway requests run (no drafter keeps anything of them)
         # a padded batch whose uniform decodes run a captured or compiled step feeds every
         # decode 1 + K tokens (filler after fewer drafts: the step keeps its shape); eager
@@ -107,7 +111,7 @@ class EngineCore:
         self.runner = ModelRunner(
             target, self.proposer, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             aux_layer_ids=aux_ids, padder=self.padder, dp=dp, device=self.device,
-            dtype=cfg.dtype, backend=backend, seed=cfg.seed, tp=tp,
+            dtype=cfg.dtype, backend=backend, seed=cfg.seed, tp=tp, state_snapshots=snapshots,
             step_ks=(k,) if self.tree is not None else spec.step_ks if spec else None,
             tree=self.tree)
         self._in_flight: Launched | None = None  # async: a step launched, not yet read
@@ -260,6 +264,7 @@ class EngineCore:
         """Schedule, plan and launch one step (device work queued, nothing read back)."""
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
+        self.runner.copy_states(*self.scheduler.take_state_copies())
         for s in scheduled:
             # first chunk (after the prefix the cache held): the prompt joins the table
             if s.request.num_computed_tokens == s.request.num_cached_tokens:

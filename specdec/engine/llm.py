@@ -64,9 +64,10 @@ class LLM:
         over the data x tensor parallel ranks (else by expert over the DP ranks, by width over
         the TP ranks; ``models.layers.parallel.ExpertPlacement``).
         ``enable_prefix_caching`` (vLLM's name; None: on): requests reuse the KV blocks (the
-        target's and the drafter's) of prompt prefixes computed before (``block_allocator``);
-        refused when True for a hybrid linear-attention target or extract_hidden_states, which
-        None turns off (``startup`` says so)."""
+        target's and the drafter's) of prompt prefixes computed before (``block_allocator``;
+        a hybrid linear-attention target's through state snapshots); refused when True for
+        extract_hidden_states or a hybrid target under tensor parallelism, which None turns
+        off (``startup`` says so)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -115,7 +116,8 @@ class LLM:
                              f"{tensor_parallel_size}: not supported yet; allowed: 1 (data "
                              "parallelism is)")
         self.target = target.eval()
-        self.prefix_caching_note = cfg.resolve_prefix_caching(no_prefix_caching(target, drafter))
+        self.prefix_caching_note = cfg.resolve_prefix_caching(
+            no_prefix_caching(target, drafter, tensor_parallel_size))
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
         head = None
@@ -128,8 +130,11 @@ class LLM:
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=load_on, tokenizer=self.tokenizer)
         kv_specs = target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec())
-        cfg.size_kv_cache(kv_specs, state_slots=1 + k)
-        cfg.check_memory(kv_specs, state_slots=1 + k)
+        # linear attention: 1 + K state slots per request row, and with prefix caching one
+        # snapshot per row (``state_snapshots``)
+        slots = 1 + k + (cfg.enable_prefix_caching and has_linear_attention(target))
+        cfg.size_kv_cache(kv_specs, state_slots=slots)
+        cfg.check_memory(kv_specs, state_slots=slots)
         dp_size = self.role.dp.size if self.role.dp is not None else data_parallel_size
         self.backend = resolve_backend(
             self.spec.graph_mode if self.spec else None, graph_backend, self.device,
@@ -444,11 +449,13 @@ def has_linear_attention(target) -> bool:
     return any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec())
 
 
-def no_prefix_caching(target, drafter) -> str | None:
-    """Why prefix caching cannot run with this target and drafter class; None: it can."""
-    if has_linear_attention(target):
-        return (f"{type(target).__name__} has linear-attention layers, whose recurrent state "
-                "cannot be rebuilt from cached KV blocks")
+def no_prefix_caching(target, drafter, tensor_parallel_size: int = 1) -> str | None:
+    """Why prefix caching cannot run with this target, drafter class and tensor parallelism;
+    None: it can."""
+    if has_linear_attention(target) and tensor_parallel_size > 1:
+        return (f"{type(target).__name__} has linear-attention layers, whose cached state "
+                f"snapshots are not copied on tensor-parallel peers yet "
+                f"(tensor_parallel_size={tensor_parallel_size})")
     if drafter is not None and drafter.reads_prompt_states:
         return ("method='extract_hidden_states' saves the target's hidden states at every "
                 "prompt position, and a cache hit computes none of them")

@@ -142,7 +142,7 @@ class ModelRunner:
                  padder: BatchPadder, dp: DPContext, device: torch.device, dtype: torch.dtype,
                  backend: Backend = EAGER, seed: int = 0,
                  tp: TPContext | None = None, step_ks: tuple[int, ...] | None = None,
-                 tree: StaticTree | DynamicTree | None = None):
+                 tree: StaticTree | DynamicTree | None = None, state_snapshots: int = 0):
         self.target = target
         self.proposer = proposer
         # the drafter's step follows the target's (a host drafter, ngram / suffix, has none)
@@ -163,9 +163,11 @@ class ModelRunner:
         self.dp = dp
         self.tp = tp or TPContext()
         self.device = device
-        # linear-attention layers: 1 + K state slots per request row, plus the trash row
+        # linear-attention layers: 1 + K state slots per request row, plus the trash row, and
+        # the prefix cache's snapshots
         self.kv = KVCache(target.kv_cache_spec(), num_kv_blocks, block_size, dtype, device,
-                          state_rows=max_num_seqs + 1, state_slots=1 + k)
+                          state_rows=max_num_seqs + 1, state_slots=1 + k,
+                          state_snapshots=state_snapshots)
         # one row per request slot, plus a trash row of zeros for padding rows (their backup
         # token is 0, a valid id)
         self.token_table = torch.full((max_num_seqs + 1, max_model_len + 1), -1,
@@ -229,6 +231,16 @@ class ModelRunner:
         self.token_table[row].fill_(-1)
         self.token_table[row, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.int32)
         self.broadcast.note_prompt(row, token_ids)
+
+    def copy_states(self, saves: list[tuple[int, int]], restores: list[tuple[int, int]]
+                    ) -> None:
+        """The prefix cache's linear-attention state copies before a step
+        (``Scheduler.take_state_copies``): (row, snapshot) saves, then (snapshot, row)
+        restores."""
+        for row, snapshot in saves:
+            self.kv.state.save(row, snapshot)
+        for snapshot, row in restores:
+            self.kv.state.restore(snapshot, row)
 
     def plan(self, scheduled: list[ScheduledRequest], k: int | None = None) -> StepPlan:
         """The step's one planning call (one DP all-reduce); all ranks get the same sizes.

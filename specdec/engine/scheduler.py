@@ -12,7 +12,11 @@ With prefix caching (the allocator's ``caching``), an admitted request first tak
 blocks of its prompt's longest cached prefix (``admit``): those tokens count as computed, and its
 first chunk starts after them; at least its last prompt token is always computed (its logits are
 sampled). A running request's final full blocks are registered at the start of each schedule and
-when it finishes (not after a failed step: reason "error").
+when it finishes (not after a failed step: reason "error"). A target with linear attention
+(the allocator's ``snapshots``) ends each prefill chunk on a block boundary when one lies inside
+it, the prompt's last chunk too (its tail runs the step after), and snapshots the state there
+for that block's entry (``state_saves``); a hit restores the snapshot of its last block into
+the request's row (``state_restores``). The engine runs both lists before the step's forward.
 """
 
 from collections import deque
@@ -69,6 +73,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.scheduled: list[ScheduledRequest] = []  # the last schedule()'s requests
+        # linear attention's state copies due before the next step: (row, snapshot) saves,
+        # then (snapshot, row) restores (``take_state_copies``)
+        self.state_saves: list[tuple[int, int]] = []
+        self.state_restores: list[tuple[int, int]] = []
         # the last schedule()'s prefix-cache lookups: prompt tokens queried, tokens hit
         self.cache_queries = self.cache_hits = 0
 
@@ -91,7 +99,7 @@ class Scheduler:
                 break
             filler = 0
             if req.is_prefilling:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = self.prefill_chunk(req, budget)
                 spec = []
             else:
                 # never verify drafts past max_model_len: the target has no room for them
@@ -109,11 +117,32 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self.admit(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.prefill_chunk(req, budget)
             scheduled.append(ScheduledRequest(req, n, []))
             self.reserve(req, n)
             budget -= n
         return scheduled
+
+    def prefill_chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req``'s next prefill chunk within ``budget``; with state snapshots, cut
+        at the last block boundary inside it (``snapshot_at`` set when it ends on one).
+
+        Example (block_size 16, snapshots): 40 tokens left from 0, budget 256 -> 32 (the 8
+        after run next step); from 32 -> 8."""
+        start, a = req.num_computed_tokens, self.allocator
+        n = min(req.num_tokens - start, budget)
+        if a.caching and a.snapshots:
+            boundary = (start + n) // a.block_size * a.block_size
+            if boundary > start:
+                n = boundary - start
+                req.snapshot_at = boundary
+        return n
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """-> (saves, restores) due before the next step, and forgets them."""
+        copies = self.state_saves, self.state_restores
+        self.state_saves, self.state_restores = [], []
+        return copies
 
     def cut_to_k(self, k: int) -> None:
         """The last schedule's decodes verify at most ``k`` drafts (k < ``step_k``: the DP
@@ -150,14 +179,24 @@ class Scheduler:
         usable = (req.num_tokens - max(a.lookahead, 1)) // a.block_size
         req.block_ids, req.block_entries = a.hit(req.token_ids, usable)
         req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * a.block_size
+        if a.snapshots and req.block_entries:
+            self.state_restores.append((a.snapshot_of[req.block_entries[-1]], req.row))
         self.cache_queries += req.num_tokens
         self.cache_hits += req.num_cached_tokens
 
     def register(self, req: Request) -> None:
-        """Put the request's final full blocks in the prefix cache (no-op without caching)."""
-        if self.allocator.caching:
-            self.allocator.register(req.block_ids, req.block_entries, req.token_ids,
-                                    req.num_computed_tokens)
+        """Put the request's final full blocks in the prefix cache (no-op without caching),
+        and with state snapshots the state its last prefill chunk ended on, for the entry of
+        the block ending there (the row has not run since: ``snapshot_at``)."""
+        a = self.allocator
+        if not a.caching:
+            return
+        a.register(req.block_ids, req.block_entries, req.token_ids, req.num_computed_tokens)
+        blocks, req.snapshot_at = (req.snapshot_at or 0) // a.block_size, None
+        if 0 < blocks <= len(req.block_entries):
+            snapshot = a.snapshot_for(req.block_entries[blocks - 1])
+            if snapshot is not None:
+                self.state_saves.append((req.row, snapshot))
 
     def reserve(self, req: Request, num_tokens: int) -> None:
         """KV blocks for ``num_tokens`` more fed tokens, the drafts after them and
