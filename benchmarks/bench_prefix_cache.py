@@ -14,8 +14,8 @@ prefix:   a closed loop of one request at a time, each a fresh ``--prompt-len``-
         [--model DIR]
 
 ``--model``: another target folder (default: the embedded model), e.g. a hybrid
-linear-attention one, whose hits restore state snapshots and whose prefill chunks end on block
-boundaries.
+linear-attention one, whose steps stage the state at block boundaries and whose hits restore
+state snapshots.
 """
 
 import argparse

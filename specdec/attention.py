@@ -16,7 +16,7 @@ import torch
 from specdec import kernels, platform
 from specdec.kernels.paged_attention_torch import (PagedPlan, TreeMask, attention_bias,
                                                    check_softcap, paged_attention)
-from specdec.linear_state import LinearStateSpec, StateCache, StateLayout
+from specdec.linear_state import LayerState, LinearStateSpec, StateCache, StateLayout
 
 
 @dataclass
@@ -104,7 +104,8 @@ class KVCache:
             s, KVCacheSpec) else (0,), dtype=dtype, device=device) for s in specs]
         self.v = [k[..., :s.value_dim] if getattr(s, "value_dim", None) is not None
                   else torch.zeros_like(k) for s, k in zip(specs, self.k)]
-        self.state = (StateCache(specs, state_rows, state_slots, device, state_snapshots)
+        self.state = (StateCache(specs, state_rows, state_slots, device, state_snapshots,
+                                 block_size)
                       if len(paged) < len(specs) else None)
         self.block_size = block_size
         self.trash_slot = num_slots - 1
@@ -166,17 +167,16 @@ class PagedKV:
         self.torch_attention = cache.torch_attention or (
             meta.tree is not None and not platform.unverified_gpu_paths())
 
-    def linear_state(self, layer_idx: int, num_tokens: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, StateLayout]:
-        """A linear-attention layer's (conv [R*S, kernel-1, C], ssm [R*S, Hv, Dk, Dv]) state
-        tensors and this forward's layout (built by the first layer that asks)."""
+    def linear_state(self, layer_idx: int, num_tokens: int) -> tuple[LayerState, StateLayout]:
+        """A linear-attention layer's state tensors (``LayerState``) and this forward's layout
+        (built by the first layer that asks)."""
         state = self.cache.state
         if state is None or layer_idx not in state.ssm:
             raise ValueError(f"layer {layer_idx} has no linear-attention state (its spec is "
                              "not a LinearStateSpec)")
         if self._state_layout is None:
             self._state_layout = state.layout(self.meta, num_tokens)
-        return state.conv[layer_idx], state.ssm[layer_idx], self._state_layout
+        return state.layer(layer_idx), self._state_layout
 
     def _plan_once(self, num_tokens: int):
         """The per-forward plan (and write slots), built by the first layer that attends."""

@@ -13,6 +13,13 @@ reads that slot; a request whose step starts at position 0 starts from zeros ins
 Example (K = 2): step 1 verifies [t, d1, d2] and writes slots 0, 1, 2; d1 is accepted and d2
 rejected -> sampled [d1, x, -1], valid 2 -> current slot 1 (state after t, d1); step 2 reads
 slot 1 and overwrites slots 0..2.
+
+Prefix caching (``snapshots`` > 0): a cached block is usable only with the state after its
+last token. Each step also *stages* each request's state after the last block boundary its
+tokens cross (position ``seq_len // block_size * block_size - 1``, when this step computes it)
+in the row's staging slot; the scheduler then ``save``s it into a snapshot for that block's
+entry once the position is known to be accepted, before the row runs again, and a hit
+``restore``s a snapshot into the request's row.
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ class LinearStateSpec:
         return 4 * values
 
 
+class LayerState(NamedTuple):
+    """One linear layer's tensors in a ``StateCache``: conv [R * S, kernel - 1, C] and ssm
+    [R * S, Hv, Dk, Dv] slots, and with snapshots the staged states stage_conv / stage_ssm
+    [R, ...] (else None)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    stage_conv: torch.Tensor | None
+    stage_ssm: torch.Tensor | None
+
+
 class StateLayout(NamedTuple):
     """One forward's map between the flat tokens and per-request rows, shared by every linear
     layer: token_index [B, T] int64 (flat token of request r's j-th token; clamped),
@@ -57,7 +75,8 @@ class StateLayout(NamedTuple):
     int64 (flat slot the state after token j goes to; the trash slot when none), valid [B, T]
     bool (j is one of the request's tokens), last_write [B] int64 (write at its last token),
     num_slots (S, host int: a request writes per-token states for at most its first S
-    tokens)."""
+    tokens); with snapshots, stage_index [B] int64 (j whose state is staged, -1: none) and
+    stage_row [B] int64 (the staging row it goes to: the trash row when none), else None."""
 
     token_index: torch.Tensor
     flat_to_bt: torch.Tensor
@@ -67,6 +86,8 @@ class StateLayout(NamedTuple):
     valid: torch.Tensor
     last_write: torch.Tensor
     num_slots: int
+    stage_index: torch.Tensor | None = None
+    stage_row: torch.Tensor | None = None
 
 
 class StateCache:
@@ -75,29 +96,39 @@ class StateCache:
     ``conv[i]`` [rows * S, conv_kernel - 1, conv_dim] and ``ssm[i]`` [rows * S, Hv, Dk, Dv]
     float32 (flat slot = row * S + slot); the last row is the trash row.
     ``current`` [rows] int64: each row's slot to start the next step from.
-    ``snap_conv[i]`` / ``snap_ssm[i]`` [snapshots, ...]: states kept for the prefix cache
-    (``save`` / ``restore``; the block allocator says which snapshot holds which prefix)."""
+    With ``snapshots`` > 0 (prefix caching; ``block_size``: the KV cache's), per layer
+    ``stage_conv[i]`` / ``stage_ssm[i]`` [rows, ...] (each row's staged state, the module
+    docstring) and ``snap_conv[i]`` / ``snap_ssm[i]`` [snapshots, ...] (the block allocator
+    says which snapshot holds which prefix)."""
 
     def __init__(self, specs: list, num_rows: int, num_slots: int, device,
-                 snapshots: int = 0):
+                 snapshots: int = 0, block_size: int = 0):
         self.num_rows, self.num_slots = num_rows, num_slots
+        self.snapshots, self.block_size = snapshots, block_size
         n = num_rows * num_slots
-        self.conv, self.ssm, self.snap_conv, self.snap_ssm = {}, {}, {}, {}
+        sizes = [n] + ([num_rows, snapshots] if snapshots else [])
+        stores = [({}, {}) for _ in sizes]  # (conv, ssm) per size
         for i, s in enumerate(specs):
             if isinstance(s, LinearStateSpec):
-                for store, size in ((self.conv, n), (self.snap_conv, snapshots)):
-                    store[i] = torch.zeros(size, s.conv_kernel - 1, s.conv_dim, device=device)
-                for store, size in ((self.ssm, n), (self.snap_ssm, snapshots)):
-                    store[i] = torch.zeros(size, s.num_heads, s.key_dim, s.value_dim,
-                                           device=device)
+                for (conv, ssm), size in zip(stores, sizes):
+                    conv[i] = torch.zeros(size, s.conv_kernel - 1, s.conv_dim, device=device)
+                    ssm[i] = torch.zeros(size, s.num_heads, s.key_dim, s.value_dim,
+                                         device=device)
+        (self.conv, self.ssm), *rest = stores
+        (self.stage_conv, self.stage_ssm), (self.snap_conv, self.snap_ssm) = rest or (
+            ({}, {}), ({}, {}))
         self.current = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
+    def layer(self, i: int) -> LayerState:
+        return LayerState(self.conv[i], self.ssm[i], self.stage_conv.get(i),
+                          self.stage_ssm.get(i))
+
     def save(self, row: int, snapshot: int) -> None:
-        """Snapshot ``snapshot`` := the state in row ``row``'s slot 0: where a prefill chunk
-        leaves it (``accept`` sets slot 0 current after one), read before the row runs again."""
+        """Snapshot ``snapshot`` := row ``row``'s staged state (its last step's, read before
+        the row runs again)."""
         for i in self.conv:
-            self.snap_conv[i][snapshot].copy_(self.conv[i][row * self.num_slots])
-            self.snap_ssm[i][snapshot].copy_(self.ssm[i][row * self.num_slots])
+            self.snap_conv[i][snapshot].copy_(self.stage_conv[i][row])
+            self.snap_ssm[i][snapshot].copy_(self.stage_ssm[i][row])
 
     def restore(self, snapshot: int, row: int) -> None:
         """Row ``row`` starts its next step from snapshot ``snapshot`` (copied to its slot 0,
@@ -122,7 +153,9 @@ class StateCache:
         drafts [2, 0, 0], max_query_len 3 -> token_index [[0, 1, 2], [3, 4, 5], [5, 5, 5]],
         flat_to_bt [0, 1, 2, 3, 4, 6], read [1, 3, 6], fresh [F, T, T],
         write [[0, 1, 2], [6, 3, 6], [6, 6, 6]] (6 = the trash row's slot 0),
-        valid [[T, T, T], [T, T, F], [T, F, F]], last_write [2, 3, 6].
+        valid [[T, T, T], [T, T, F], [T, F, F]], last_write [2, 3, 6]; with snapshots and
+        block_size 4: A's tokens are positions 7..9, so the boundary 8 is crossed after its
+        token 0: stage_index [0, -1, -1], stage_row [0, 2, 2].
         """
         qsl = meta.query_start_loc.long()
         b = qsl.shape[0] - 1
@@ -146,8 +179,14 @@ class StateCache:
         trash = self.trash_row * self.num_slots
         write = torch.where(keep, rows[:, None] * self.num_slots + slot.clamp(min=0), trash)
         last_write = write.gather(1, (lens - 1).clamp(min=0)[:, None])[:, 0]
+        stage_index = stage_row = None
+        if self.snapshots:  # the state after the last block boundary the tokens cross
+            end = meta.seq_lens.long()
+            boundary = end // self.block_size * self.block_size
+            stage_index = torch.where(boundary > end - lens, boundary - 1 - (end - lens), -1)
+            stage_row = torch.where(stage_index >= 0, rows, self.trash_row)
         return StateLayout(token_index, flat_to_bt, read, fresh, write, valid, last_write,
-                           self.num_slots)
+                           self.num_slots, stage_index, stage_row)
 
     def accept(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         """After verification: row r's current slot = (valid entries of sampled[r]) - 1, at

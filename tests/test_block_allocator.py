@@ -85,9 +85,9 @@ class Simulation:
                                reserve_ahead=1 + K)
         self.kv = {}  # slot -> the tokens its KV was computed from, or "junk"
         self.entries = {}  # entry id -> key, every one ever registered
-        # linear attention: each row's slot-0 state and each snapshot, as the tokens it has
-        # consumed (or "junk")
-        self.state, self.snapshot = {}, {}
+        # linear attention: each row's staged state and each snapshot, as the tokens it has
+        # consumed (or "junk"), and each row's state to start its next step from
+        self.staged, self.snapshot, self.state = {}, {}, {}
         self.rng, self.la, self.n, self.prompts = rng, lookahead, 0, []
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
@@ -104,7 +104,7 @@ class Simulation:
         scheduled = self.sched.schedule()
         saves, restores = self.sched.take_state_copies()
         for row, snapshot in saves:
-            self.snapshot[snapshot] = self.state[row]
+            self.snapshot[snapshot] = self.staged[row]
         for snapshot, row in restores:
             self.state[row] = self.snapshot[snapshot]
         for s in scheduled:
@@ -115,15 +115,19 @@ class Simulation:
                     assert self.kv[self.slot(r, pos)] == tuple(r.token_ids[:pos + 1 + self.la])
                 if self.pool.snapshots and r.num_cached_tokens:  # and its state the prefix's
                     assert self.state[r.row] == tuple(r.token_ids[:r.num_cached_tokens])
-            if self.pool.snapshots and r.is_prefilling:  # chunks end on block boundaries
-                end = r.num_computed_tokens + s.num_tokens
-                assert end % BS == 0 or end // BS == r.num_computed_tokens // BS
             self.run(s)
         self.check()
 
     def run(self, s) -> None:
         r, start, d = s.request, s.request.num_computed_tokens, len(s.spec_token_ids)
         end = start + s.num_tokens
+        # the engine's part: the step stages the state after the last block boundary it
+        # crosses (fed tokens, drafts included: what a rejected draft makes of it is junk)
+        boundary = end // BS * BS
+        fed = r.token_ids[:start + 1] + list(s.spec_token_ids) if d else r.token_ids[:end]
+        if boundary > start:
+            self.staged[r.row] = tuple(fed[:boundary])
+        r.snapshot_at = boundary if boundary > start and self.pool.snapshots else None
         if s.is_discarded:
             r.num_computed_tokens = end
         else:
@@ -135,8 +139,6 @@ class Simulation:
                 accepted += 1
             r.token_ids.append(next_token(r.token_ids))  # the sampled token
             r.num_computed_tokens = end - d + accepted
-        # the state after the step's last kept token (a decode's: not a prefix state here)
-        self.state[r.row] = tuple(r.token_ids[:end]) if s.is_discarded or not d else "junk"
         for pos in range(start, min(end + K, len(r.block_ids) * BS)):
             # kept positions read the request's tokens (a head: the one after too); rejected
             # drafts and the draft loop write junk
@@ -175,7 +177,7 @@ class Simulation:
         assert set(pool.snapshot_of) <= set(live)
         assert sorted([*pool.snapshot_of.values(), *pool.free_snapshots]) == list(
             range(pool.snapshots))
-        due = {snapshot: self.state[row] for row, snapshot in self.sched.state_saves}
+        due = {snapshot: self.staged[row] for row, snapshot in self.sched.state_saves}
         for entry, snapshot in pool.snapshot_of.items():
             tokens = self.prefix(live[entry])
             assert due.get(snapshot, self.snapshot.get(snapshot)) == tuple(
@@ -205,9 +207,9 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS, seed=st.integers(0, 2**16))
 def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, snapshots, ops, seed):
     """The pool's invariants after every step and abort; with state snapshots (a target with
-    linear attention, 2 snapshot slots) also: a hit's restored state is its prefix's, every
-    snapshot holds the state after its entry's block, and prefill chunks end on block
-    boundaries."""
+    linear attention, 2 snapshot slots) also: a hit's restored state is its prefix's, and
+    every snapshot holds the state after its entry's block (a step staging the state after
+    the last boundary its tokens cross, drafts included: only an accepted one is kept)."""
     sim = Simulation(lookahead, random.Random(seed), num_blocks=2 * (MAX_LEN // BS),
                      snapshots=snapshots)
     for op in ops:

@@ -3,6 +3,7 @@ worked examples, and the recurrence against transformers' chunked form."""
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from specdec.attention import AttentionMetadata
 from specdec.linear_state import LinearStateSpec, StateCache
@@ -36,6 +37,13 @@ def test_layout_worked_example():
     assert lay.write.tolist() == [[0, 1, 2], [6, 3, 6], [6, 6, 6]]
     assert lay.valid.tolist() == [[True] * 3, [True, True, False], [True, False, False]]
     assert lay.last_write.tolist() == [2, 3, 6] and lay.num_slots == 3
+    assert lay.stage_index is None  # no snapshots: nothing staged
+    staging = StateCache([SPEC], num_rows=3, num_slots=3, device="cpu", snapshots=2,
+                         block_size=4)
+    lay = staging.layout(_meta(rows=torch.tensor([0, 1, 2], dtype=torch.int32),
+                               num_draft_tokens=torch.tensor([2, 0, 0], dtype=torch.int32),
+                               max_query_len=3), 6)
+    assert lay.stage_index.tolist() == [0, -1, -1] and lay.stage_row.tolist() == [0, 2, 2]
 
 
 def test_layout_without_rows_puts_every_request_on_the_trash_row():
@@ -111,3 +119,23 @@ def test_chunked_form_equals_the_token_by_token_rule(chunk):
     after_six = gated_delta_scan(q[1:, :6], k[1:, :6], v[1:, :6], decay[1:, :6],
                                  beta[1:, :6], state[1:])[1]
     torch.testing.assert_close(got_state[1:], after_six, rtol=1e-5, atol=1e-5)
+
+
+@given(t=st.integers(1, 12), chunk=st.integers(1, 5), at=st.lists(st.integers(-1, 12),
+                                                                  min_size=2, max_size=2),
+       seed=st.integers(0, 2**16))
+def test_the_chunked_forms_state_at_a_token_is_the_recurrences(t, chunk, at, seed):
+    """``gated_delta_chunked(..., at=)``: the state after token at[b] of each sequence is the
+    token-by-token rule's state there (its ``on_state``); the initial state where at[b] lies
+    outside the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, dk, dv = 2, 2, 4, 3
+    q, k = (l2norm(torch.randn(b, t, h, dk, generator=g)) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=g)
+    decay, beta = -torch.rand(b, t, h, generator=g), torch.rand(b, t, h, generator=g)
+    state = torch.randn(b, h, dk, dv, generator=g)
+    seen = []
+    gated_delta_scan(q, k, v, decay, beta, state, lambda j, st: seen.append(st))
+    want = torch.stack([seen[i][j] if 0 <= i < t else state[j] for j, i in enumerate(at)])
+    *_, got = gated_delta_chunked(q, k, v, decay, beta, state, chunk, at=torch.tensor(at))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -198,6 +198,26 @@ def test_hybrid_hits_restore_state_snapshots_and_equal_no_cache(qwen3_5_folder, 
     assert {s.host_syncs for s in cached.steps if s.num_reqs} == {0}
 
 
+@pytest.mark.parametrize("method", [None, "mtp"])
+def test_a_hybrid_hit_reaches_into_the_earlier_reply(qwen3_5_folder, method):
+    """A second turn (the first's prompt, its reply, a new message) hits past the first
+    prompt's last block boundary: decode steps stage the state at the boundaries their
+    accepted tokens cross (with MTP: verify steps, drafts included). Its tokens equal a run
+    without the cache."""
+    spec = method and {"method": method, "num_speculative_tokens": 2}
+    first = COMMON + [1, 2, 3]  # 35 tokens: its last boundary is 32
+    outs = []
+    for cache in (True, False):
+        llm = LLM(qwen3_5_folder, spec, dtype=torch.float64, max_model_len=96,
+                  enable_prefix_caching=cache)
+        reply = llm.generate([first], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+        second = first + reply.token_ids + [4, 5, 6]
+        outs.append(llm.generate([second], GREEDY)[0].token_ids)
+        hits = sum(s.prefix_cache_hits for s in llm.steps)
+        assert hits == (4 * BLOCK if cache else 0)  # up to 64 of 68: 29 tokens of the reply
+    assert outs[0] == outs[1]
+
+
 def test_hybrid_models_refuse_it_with_tensor_parallelism_by_name():
     """The snapshots' copies are not sent to tensor-parallel peers yet: refused by name,
     and off by default (said at start-up) there."""

@@ -359,9 +359,17 @@ class EngineCore:
         decoding = ([not s.request.is_prefilling for s in scheduled]
                     if self.k_policy is not None else [])
         new_tokens = {}
+        # linear attention: the step staged each row's state after the last block boundary
+        # its tokens crossed; usable unless the next step (already launched) overwrites it
+        bs, overlapped = self.allocator.block_size, self._in_flight is not None
         for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
             if s.request.status == Status.FINISHED:  # async: it ended at the step before
                 continue
+            if self.allocator.snapshots:
+                start = s.request.num_computed_tokens
+                boundary = (start + s.num_tokens) // bs * bs
+                s.request.snapshot_at = (boundary if boundary > start and not overlapped
+                                         else None)
             new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
         if self._in_flight is not None:  # the next step verifies the drafts just read
             for s in self._in_flight.scheduled:

@@ -130,9 +130,9 @@ class LLM:
             head = load_checked_head(self.spec, target, model_dir=model, draft_head=draft_head,
                                      dtype=cfg.dtype, device=load_on, tokenizer=self.tokenizer)
         kv_specs = target.kv_cache_spec() + ([] if head is None else head.kv_cache_spec())
-        # linear attention: 1 + K state slots per request row, and with prefix caching one
-        # snapshot per row (``state_snapshots``)
-        slots = 1 + k + (cfg.enable_prefix_caching and has_linear_attention(target))
+        # linear attention: 1 + K state slots per request row, and with prefix caching a
+        # staging slot and a snapshot per row (``linear_state.StateCache``)
+        slots = 1 + k + 2 * (cfg.enable_prefix_caching and has_linear_attention(target))
         cfg.size_kv_cache(kv_specs, state_slots=slots)
         cfg.check_memory(kv_specs, state_slots=slots)
         dp_size = self.role.dp.size if self.role.dp is not None else data_parallel_size

@@ -13,10 +13,11 @@ blocks of its prompt's longest cached prefix (``admit``): those tokens count as 
 first chunk starts after them; at least its last prompt token is always computed (its logits are
 sampled). A running request's final full blocks are registered at the start of each schedule and
 when it finishes (not after a failed step: reason "error"). A target with linear attention
-(the allocator's ``snapshots``) ends each prefill chunk on a block boundary when one lies inside
-it, the prompt's last chunk too (its tail runs the step after), and snapshots the state there
-for that block's entry (``state_saves``); a hit restores the snapshot of its last block into
-the request's row (``state_restores``). The engine runs both lists before the step's forward.
+(the allocator's ``snapshots``): a step stages each request's state after the last block
+boundary its tokens cross (``linear_state``); registering then snapshots it for that block's
+entry when the boundary's tokens are final (``snapshot_at``, set by the engine;
+``state_saves``), and a hit restores the snapshot of its last block into the request's row
+(``state_restores``). The engine runs both lists before the step's forward.
 """
 
 from collections import deque
@@ -99,7 +100,7 @@ class Scheduler:
                 break
             filler = 0
             if req.is_prefilling:
-                n = self.prefill_chunk(req, budget)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
                 spec = []
             else:
                 # never verify drafts past max_model_len: the target has no room for them
@@ -117,26 +118,11 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self.admit(req)
-            n = self.prefill_chunk(req, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled.append(ScheduledRequest(req, n, []))
             self.reserve(req, n)
             budget -= n
         return scheduled
-
-    def prefill_chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req``'s next prefill chunk within ``budget``; with state snapshots, cut
-        at the last block boundary inside it (``snapshot_at`` set when it ends on one).
-
-        Example (block_size 16, snapshots): 40 tokens left from 0, budget 256 -> 32 (the 8
-        after run next step); from 32 -> 8."""
-        start, a = req.num_computed_tokens, self.allocator
-        n = min(req.num_tokens - start, budget)
-        if a.caching and a.snapshots:
-            boundary = (start + n) // a.block_size * a.block_size
-            if boundary > start:
-                n = boundary - start
-                req.snapshot_at = boundary
-        return n
 
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """-> (saves, restores) due before the next step, and forgets them."""
@@ -186,14 +172,16 @@ class Scheduler:
 
     def register(self, req: Request) -> None:
         """Put the request's final full blocks in the prefix cache (no-op without caching),
-        and with state snapshots the state its last prefill chunk ended on, for the entry of
-        the block ending there (the row has not run since: ``snapshot_at``)."""
+        and with state snapshots its row's staged state, for the entry of the block ending at
+        ``snapshot_at`` once that block is registered (its tokens final: a rejected draft's
+        staged state never is)."""
         a = self.allocator
         if not a.caching:
             return
         a.register(req.block_ids, req.block_entries, req.token_ids, req.num_computed_tokens)
-        blocks, req.snapshot_at = (req.snapshot_at or 0) // a.block_size, None
-        if 0 < blocks <= len(req.block_entries):
+        end, req.snapshot_at = req.snapshot_at or 0, None
+        blocks = end // a.block_size
+        if a.snapshots and 0 < blocks <= len(req.block_entries):  # entries: final blocks
             snapshot = a.snapshot_for(req.block_entries[blocks - 1])
             if snapshot is not None:
                 self.state_saves.append((req.row, snapshot))

@@ -172,8 +172,8 @@ class Request:
     # prompt tokens it found cached when admitted
     block_entries: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # linear attention: the block boundary its last prefill chunk ended on (its row's slot 0
-    # holds the state there until its next step; the scheduler snapshots it), else None
+    # linear attention with prefix caching: the block boundary whose state its row's staging
+    # slot holds from its last step (the scheduler snapshots it once final), else None
     snapshot_at: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "eos", "stop", "length", "error" or "abort"

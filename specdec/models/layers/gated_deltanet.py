@@ -64,8 +64,8 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK,
+                        at: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``gated_delta_scan`` (same arguments, no per-token states) a chunk of C tokens at a
     time. Within a chunk, with c_i the cumulative sum of g up to token i, S0 the state before
     it, and the rows of K, Q, V its tokens' vectors, the per-token updates
@@ -73,10 +73,12 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
         (I + A) U = beta V - beta e^c K S0,   A[i, j] = beta_i e^(c_i - c_j) k_i . k_j  (j < i)
 
-    and then o = e^c Q S0 + (Q K^T * e^(c_i - c_j), j <= i) U, and the state after the chunk is
-    e^(c_C) S0 + (e^(c_C - c) K)^T U. -> (o [B, T, H, Dv], the state after the last token).
+    and then o = e^c Q S0 + (Q K^T * e^(c_i - c_j), j <= i) U, and the state after token i is
+    e^(c_i) S0 + (e^(c_i - c_j) K, j <= i)^T U (after the chunk: i = C).
+    -> (o [B, T, H, Dv], the state after the last token); ``at`` [B] int64 given: and the
+    state after each sequence's token ``at[b]`` (``state`` where that is not in 0..T-1).
     """
-    outs = []
+    outs, state_at = [], state
     for lo in range(0, q.shape[1], chunk):
         qc, kc, vc = (x[:, lo:lo + chunk].transpose(1, 2) for x in (q, k, v))  # [B, H, C, D]
         gc, bc = (x[:, lo:lo + chunk].transpose(1, 2) for x in (g, beta))  # [B, H, C]
@@ -90,10 +92,17 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         u = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state
         outs.append((c.exp()[..., None] * qc @ state
                      + (qc @ kc.transpose(-1, -2) * decay) @ u).transpose(1, 2))
+        if at is not None:  # the state after token at[b], for the sequences it falls in
+            i = (at - lo).clamp(0, n - 1)[:, None, None]  # [B, 1, 1]
+            c_i = c.gather(-1, i.expand(-1, c.shape[1], 1))  # [B, H, 1]
+            w = (c_i - c).masked_fill(torch.arange(n, device=q.device) > i, float("-inf"))
+            here = c_i.exp()[..., None] * state + (w.exp()[..., None] * kc).transpose(-1, -2) @ u
+            inside = ((at >= lo) & (at < lo + n))[:, None, None, None]
+            state_at = torch.where(inside, here, state_at)
         last = c[..., -1:]
         state = last.exp()[..., None] * state + \
             ((last - c).exp()[..., None] * kc).transpose(-1, -2) @ u
-    return torch.cat(outs, 1), state
+    return (torch.cat(outs, 1), state) + (() if at is None else (state_at,))
 
 
 class GatedDeltaNet(nn.Module):
@@ -138,11 +147,11 @@ class GatedDeltaNet(nn.Module):
         hv, dv = self.hv, self.dv
         qkv, z, b, a = self._projections(self.in_proj(x))
         if kv is None:
-            o = self._mix(qkv, b, a, None, None, None)
+            o = self._mix(qkv, b, a, None, None)
         else:
-            conv, ssm, lay = kv.linear_state(self.layer_idx, x.shape[0])
+            state, lay = kv.linear_state(self.layer_idx, x.shape[0])
             bt = lay.token_index
-            o = self._mix(qkv[bt], b[bt], a[bt], conv, ssm, lay)
+            o = self._mix(qkv[bt], b[bt], a[bt], state, lay)
             o = o.flatten(0, 1)[lay.flat_to_bt]
         o = self.norm(o.to(x.dtype), z.reshape(*z.shape[:-1], hv, dv))
         return self.out_proj(o.flatten(-2))
@@ -161,9 +170,10 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([t.reshape(*lead, -1) for t in (q, k, v)], dim=-1)
         return qkv, z.reshape(*lead, hv * dv), b.reshape(*lead, hv), a.reshape(*lead, hv)
 
-    def _mix(self, qkv, b, a, conv, ssm, lay) -> torch.Tensor:
-        """qkv [B, T, C], b/a [B, T, Hv] -> o [B, T, Hv, Dv] float32; reads and writes the
-        state slots when a layout is given, else starts from zeros."""
+    def _mix(self, qkv, b, a, cache, lay) -> torch.Tensor:
+        """qkv [B, T, C], b/a [B, T, Hv] -> o [B, T, Hv, Dv] float32; with a layout, reads
+        and writes ``cache`` (the layer's ``LayerState``: its slots, and the staged states
+        when the layout stages), else starts from zeros."""
         bsz, _, c = qkv.shape
         km1 = self.conv_kernel - 1
         if lay is None:
@@ -171,12 +181,16 @@ class GatedDeltaNet(nn.Module):
             state = qkv.new_zeros(bsz, self.hv, self.dk, self.dv, dtype=torch.float32)
         else:
             keep = ~lay.fresh
-            conv_in = (conv[lay.read] * keep[:, None, None]).to(qkv.dtype)
-            state = ssm[lay.read] * keep[:, None, None, None]
+            conv_in = (cache.conv[lay.read] * keep[:, None, None]).to(qkv.dtype)
+            state = cache.ssm[lay.read] * keep[:, None, None, None]
         seq = torch.cat([conv_in, qkv], 1)  # [B, km1 + T, C]
         if lay is not None:  # the window after token j: inputs j+1 .. j+km1 of seq
             windows = seq.unfold(1, km1, 1)[:, 1:].transpose(-1, -2)  # [B, T, km1, C]
-            conv.index_copy_(0, lay.write.flatten(), windows.reshape(-1, km1, c).float())
+            cache.conv.index_copy_(0, lay.write.flatten(), windows.reshape(-1, km1, c).float())
+            if lay.stage_index is not None:
+                rows = torch.arange(bsz, device=qkv.device)
+                cache.stage_conv.index_copy_(
+                    0, lay.stage_row, windows[rows, lay.stage_index.clamp(min=0)].float())
         mixed = F.silu(F.conv1d(seq.transpose(1, 2), self.conv1d.weight, groups=c))
         mixed = mixed.transpose(1, 2).float()  # [B, T, C]
         hk, dk = self.hk, self.dk
@@ -195,15 +209,24 @@ class GatedDeltaNet(nn.Module):
         valid = lay.valid[..., None]  # padding positions keep the state as it is
         beta, g = beta * valid, g * valid
         s = lay.num_slots  # the tokens whose states may fill a slot: one by one
+        stage, staged = lay.stage_index, state
 
         def on_state(j, st):
-            ssm.index_copy_(0, lay.write[:, j], st)
+            nonlocal staged
+            cache.ssm.index_copy_(0, lay.write[:, j], st)
+            if stage is not None:
+                staged = torch.where((stage == j)[:, None, None, None], st, staged)
 
         head = (q[:, :s], k[:, :s], v[:, :s], g[:, :s], beta[:, :s])
         o, state = gated_delta_scan(*head, state, on_state)
-        if q.shape[1] <= s:
-            return o
-        rest, state = gated_delta_chunked(q[:, s:], k[:, s:], v[:, s:], g[:, s:],
-                                          beta[:, s:], state)
-        ssm.index_copy_(0, lay.last_write, state)
-        return torch.cat([o, rest], 1)
+        if q.shape[1] > s:
+            rest, state, *at = gated_delta_chunked(
+                q[:, s:], k[:, s:], v[:, s:], g[:, s:], beta[:, s:], state,
+                at=None if stage is None else stage - s)
+            cache.ssm.index_copy_(0, lay.last_write, state)
+            if at:
+                staged = torch.where((stage >= s)[:, None, None, None], at[0], staged)
+            o = torch.cat([o, rest], 1)
+        if stage is not None:
+            cache.stage_ssm.index_copy_(0, lay.stage_row, staged)
+        return o
