@@ -105,18 +105,17 @@ class StateCache:
                  snapshots: int = 0, block_size: int = 0):
         self.num_rows, self.num_slots = num_rows, num_slots
         self.snapshots, self.block_size = snapshots, block_size
-        n = num_rows * num_slots
-        sizes = [n] + ([num_rows, snapshots] if snapshots else [])
-        stores = [({}, {}) for _ in sizes]  # (conv, ssm) per size
-        for i, s in enumerate(specs):
-            if isinstance(s, LinearStateSpec):
-                for (conv, ssm), size in zip(stores, sizes):
-                    conv[i] = torch.zeros(size, s.conv_kernel - 1, s.conv_dim, device=device)
-                    ssm[i] = torch.zeros(size, s.num_heads, s.key_dim, s.value_dim,
-                                         device=device)
-        (self.conv, self.ssm), *rest = stores
-        (self.stage_conv, self.stage_ssm), (self.snap_conv, self.snap_ssm) = rest or (
-            ({}, {}), ({}, {}))
+        linear = [(i, s) for i, s in enumerate(specs) if isinstance(s, LinearStateSpec)]
+
+        def zeros(size: int) -> tuple[dict, dict]:
+            """Each linear layer's (conv, ssm) states of ``size`` slots."""
+            return ({i: torch.zeros(size, s.conv_kernel - 1, s.conv_dim, device=device)
+                     for i, s in linear},
+                    {i: torch.zeros(size, s.num_heads, s.key_dim, s.value_dim, device=device)
+                     for i, s in linear})
+        self.conv, self.ssm = zeros(num_rows * num_slots)
+        self.stage_conv, self.stage_ssm = zeros(num_rows) if snapshots else ({}, {})
+        self.snap_conv, self.snap_ssm = zeros(snapshots) if snapshots else ({}, {})
         self.current = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def layer(self, i: int) -> LayerState:

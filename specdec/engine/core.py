@@ -90,10 +90,10 @@ class EngineCore:
         self.proposer, aux_ids = (None, ()) if spec is None else build_proposer(
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
-        # a cached block's key reads the tokens after it that the drafter's KV depends on
         # linear attention: a cached prefix needs a snapshot of the state after it
         snapshots = cfg.max_num_seqs if cfg.enable_prefix_caching and any(
             isinstance(s, LinearStateSpec) for s in target.kv_cache_spec()) else 0
+        # a cached block's key reads the tokens after it that the drafter's KV depends on
         self.allocator = BlockAllocator(
             num_blocks, cfg.block_size, caching=cfg.enable_prefix_caching,
             lookahead=getattr(self.proposer, "cache_lookahead", 0), snapshots=snapshots)
