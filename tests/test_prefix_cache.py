@@ -152,19 +152,6 @@ def test_prompt_logprobs_requests_read_nothing_from_the_cache(target):
     assert outs[0][0].prompt_logprobs == outs[1][0].prompt_logprobs
 
 
-def hybrid_target():
-    """A tiny Qwen3.5 (linear attention, then full attention) on random weights."""
-    from specdec.models.qwen3_5 import Qwen3_5ForCausalLM
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=16, layer_types=["linear_attention", "full_attention"],
-                      extra=dict(linear_conv_kernel_dim=4, linear_key_head_dim=8,
-                          linear_value_head_dim=8, linear_num_key_heads=2,
-                          linear_num_value_heads=2, partial_rotary_factor=0.25))
-    return Qwen3_5ForCausalLM(cfg).to(torch.float64).eval()
-
-
 @pytest.fixture(scope="module")
 def qwen3_5_folder(tmp_path_factory):
     """A tiny Qwen3.5 (linear, full, linear attention) with its MTP layer, as transformers
@@ -216,17 +203,6 @@ def test_a_hybrid_hit_reaches_into_the_earlier_reply(qwen3_5_folder, method):
         hits = sum(s.prefix_cache_hits for s in llm.steps)
         assert hits == (4 * BLOCK if cache else 0)  # up to 64 of 68: 29 tokens of the reply
     assert outs[0] == outs[1]
-
-
-def test_hybrid_models_refuse_it_with_tensor_parallelism_by_name():
-    """The snapshots' copies are not sent to tensor-parallel peers yet: refused by name,
-    and off by default (said at start-up) there."""
-    target = hybrid_target()
-    with pytest.raises(ValueError, match=r"enable_prefix_caching=True: Qwen3_5ForCausalLM has "
-                                         r"linear-attention layers.*tensor_parallel_size=2"
-                                         r".*allowed: False or None"):
-        LLM(target=target, dtype=torch.float64, max_model_len=64, tensor_parallel_size=2,
-            enable_prefix_caching=True)
 
 
 def test_extract_hidden_states_refuses_it_and_defaults_to_off(target, tmp_path):

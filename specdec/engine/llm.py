@@ -66,8 +66,7 @@ class LLM:
         ``enable_prefix_caching`` (vLLM's name; None: on): requests reuse the KV blocks (the
         target's and the drafter's) of prompt prefixes computed before (``block_allocator``;
         a hybrid linear-attention target's through state snapshots); refused when True for
-        extract_hidden_states or a hybrid target under tensor parallelism, which None turns
-        off (``startup`` says so)."""
+        extract_hidden_states, which None turns off (``startup`` says so)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -116,8 +115,7 @@ class LLM:
                              f"{tensor_parallel_size}: not supported yet; allowed: 1 (data "
                              "parallelism is)")
         self.target = target.eval()
-        self.prefix_caching_note = cfg.resolve_prefix_caching(
-            no_prefix_caching(target, drafter, tensor_parallel_size))
+        self.prefix_caching_note = cfg.resolve_prefix_caching(no_prefix_caching(target, drafter))
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
         head = None
@@ -449,13 +447,8 @@ def has_linear_attention(target) -> bool:
     return any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec())
 
 
-def no_prefix_caching(target, drafter, tensor_parallel_size: int = 1) -> str | None:
-    """Why prefix caching cannot run with this target, drafter class and tensor parallelism;
-    None: it can."""
-    if has_linear_attention(target) and tensor_parallel_size > 1:
-        return (f"{type(target).__name__} has linear-attention layers, whose cached state "
-                f"snapshots are not copied on tensor-parallel peers yet "
-                f"(tensor_parallel_size={tensor_parallel_size})")
+def no_prefix_caching(target, drafter) -> str | None:
+    """Why prefix caching cannot run with this target and drafter class; None: it can."""
     if drafter is not None and drafter.reads_prompt_states:
         return ("method='extract_hidden_states' saves the target's hidden states at every "
                 "prompt position, and a cache hit computes none of them")

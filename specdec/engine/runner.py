@@ -236,7 +236,8 @@ class ModelRunner:
                     ) -> None:
         """The prefix cache's linear-attention state copies before a step
         (``Scheduler.take_state_copies``): (row, snapshot) saves, then (snapshot, row)
-        restores."""
+        restores. This rank's only: no hybrid family is tensor-parallel yet, so no peer
+        needs them."""
         for row, snapshot in saves:
             self.kv.state.save(row, snapshot)
         for snapshot, row in restores:
