@@ -221,3 +221,31 @@ def test_captured_draft_tree_equals_eager(method, tree):
     cpu = LLM(speculative_config=speculative_config(method, tree), device="cpu",
               dtype=torch.float32, max_num_seqs=4).generate(PROMPTS, max_tokens=48)
     assert captured == [o.token_ids for o in cpu]
+
+
+def hybrid_two_turns(folder, method, device: str, backend: str) -> tuple[list, list, LLM]:
+    """A tiny Qwen3.5's reply to a 35-token prompt, then its reply to prompt + reply + 3
+    tokens (a prefix-cache hit into the first reply: 64 of 68 tokens) -> (first reply,
+    second reply, the engine)."""
+    spec = method and {"method": method, "num_speculative_tokens": 2}
+    first = [(i * 5 + 3) % 400 + 3 for i in range(35)]
+    llm = LLM(folder, spec, device=device, dtype=torch.float32, max_model_len=96,
+              graph_backend=backend, check_host_syncs=True)
+    reply = llm.generate([first], max_tokens=30, ignore_eos=True)[0].token_ids
+    second = llm.generate([first + reply + [4, 5, 6]], max_tokens=10, ignore_eos=True)[0]
+    assert sum(s.prefix_cache_hits for s in llm.steps) == 64
+    return reply, second.token_ids, llm
+
+
+@pytest.mark.parametrize("method", [None, "mtp"])
+def test_hybrid_prefix_cache_hits_captured_on_cuda_equal_the_cpu(tmp_path, method):
+    """Qwen3.5 (gated DeltaNet + gated attention, its MTP layer) captured on CUDA with
+    prefix caching on (the state staged in the captured steps, snapshots restored): the
+    CPU's greedy tokens, no sync in a step."""
+    pytest.importorskip("transformers")  # writes the checkpoint
+    import hf_qwen3_5
+    folder = hf_qwen3_5.build_qwen3_5_mtp(tmp_path / "qwen3_5")
+    *cuda, llm = hybrid_two_turns(folder, method, "cuda", "cuda_graph")
+    *cpu, _ = hybrid_two_turns(folder, method, "cpu", "eager")
+    assert cuda == cpu
+    assert {s.host_syncs for s in llm.steps if s.num_reqs} == {0}
