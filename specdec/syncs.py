@@ -143,7 +143,7 @@ def host_side():
     """Mark a block whose tensors live in host memory by design (e.g. gloo's CPU-group
     all-reduce buffers): reading them is not a host-device sync, so the guards skip it."""
     depth = _host_side.depth
-    try:  # set and restored inside the try: an interrupt anywhere leaves the depth as it was
+    try:  # set inside the try: an interrupt while entering leaves the depth as it was
         _host_side.depth = depth + 1
         yield
     finally:

@@ -205,6 +205,36 @@ def test_a_hybrid_hit_reaches_into_the_earlier_reply(qwen3_5_folder, method):
     assert outs[0] == outs[1]
 
 
+def test_a_failed_state_copy_leaves_no_snapshot_without_its_state(qwen3_5_folder,
+                                                                   monkeypatch):
+    """A step that fails while copying states (Ctrl-C, a device error) leaves those
+    snapshots unused: a later hit on that prefix equals a run without the cache (a snapshot
+    whose save never ran would restore a zero state)."""
+    from specdec.engine.runner import ModelRunner
+    prompt = COMMON + [1, 2, 3]  # 35 tokens; 14 more cross the boundary at 48 as it ends
+    outs = []
+    for cache in (True, False):
+        llm = LLM(qwen3_5_folder, dtype=torch.float64, max_model_len=64,
+                  enable_prefix_caching=cache)
+        first = llm.add_request(prompt, SamplingParams(max_tokens=14, ignore_eos=True))
+        while first.finish_reason is None:  # its finish registers a snapshot, saved next step
+            llm.step()
+        assert bool(llm.scheduler.state_saves) == cache
+        copy = ModelRunner.copy_states
+
+        def fail(self, saves, restores):
+            monkeypatch.setattr(ModelRunner, "copy_states", copy)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(ModelRunner, "copy_states", fail)
+        other = llm.add_request([7, 8, 9], GREEDY)
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+        assert other.finish_reason == "error"
+        second = prompt + first.output_token_ids + [5]  # its usable blocks end at 48
+        outs.append(llm.generate([second], GREEDY)[0].token_ids)
+    assert outs[0] == outs[1]
+
+
 def test_extract_hidden_states_refuses_it_and_defaults_to_off(target, tmp_path):
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"output_dir": str(tmp_path),

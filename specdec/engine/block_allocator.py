@@ -134,3 +134,10 @@ class BlockAllocator:
             _, snapshot = self.snapshot_of.popitem(last=False)
         self.snapshot_of[entry] = snapshot
         return snapshot
+
+    def drop_snapshots(self, snapshots: list[int]) -> None:
+        """Free these snapshots, their entries losing them: copies into them that may not
+        have run (a step that failed while copying)."""
+        lost = set(snapshots)
+        for entry in [e for e, s in self.snapshot_of.items() if s in lost]:
+            self.free_snapshots.append(self.snapshot_of.pop(entry))

@@ -264,7 +264,12 @@ class EngineCore:
         """Schedule, plan and launch one step (device work queued, nothing read back)."""
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
-        self.runner.copy_states(*self.scheduler.take_state_copies())
+        saves, restores = self.scheduler.take_state_copies()
+        try:
+            self.runner.copy_states(saves, restores)
+        except BaseException:  # a snapshot whose save may not have run holds no state
+            self.allocator.drop_snapshots([snapshot for _, snapshot in saves])
+            raise
         for s in scheduled:
             # first chunk (after the prefix the cache held): the prompt joins the table
             if s.request.num_computed_tokens == s.request.num_cached_tokens:
