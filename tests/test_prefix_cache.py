@@ -167,10 +167,10 @@ def qwen3_5_folder(tmp_path_factory):
 def test_hybrid_hits_restore_state_snapshots_and_equal_no_cache(qwen3_5_folder, method,
                                                                  backend, overlap):
     """Qwen3.5's linear-attention state cannot be rebuilt from K/V blocks: a hit restores the
-    state snapshot kept where a prefill chunk ended on its last block (3 snapshot slots for
-    the batches' prefixes, so older ones are evicted). Tokens and drafts equal a run that
-    computes every prompt, greedy and seeded, with no host sync in a step (and under async
-    scheduling, whose overlapped decodes never end a prefill chunk)."""
+    snapshot of the state staged at its last block's boundary (3 snapshot slots for the
+    batches' prefixes, so older ones are evicted). Tokens and drafts equal a run that
+    computes every prompt, greedy and seeded, with no host sync in a step; under async
+    scheduling too (an overlapped step's staged state is never snapshotted)."""
     spec = method and {"method": method, "num_speculative_tokens": 2}
 
     def build(cache: bool) -> LLM:
