@@ -160,6 +160,19 @@ def qwen3_5_folder(tmp_path_factory):
     return hf_qwen3_5.build_qwen3_5_mtp(tmp_path_factory.mktemp("qwen3_5") / "model")
 
 
+def test_qwen3_next_hits_equal_no_cache(tmp_path):
+    """Qwen3-Next (the fused gated-DeltaNet projections, MoE layers and MTP layer) through
+    the same snapshots: tokens and drafts equal a run without the cache."""
+    import hf_qwen3_5
+    folder = hf_qwen3_5.build_qwen3_next_mtp(tmp_path / "qwen3_next")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    cached, plain = (LLM(folder, spec, dtype=torch.float64, max_model_len=64, max_num_seqs=3,
+                         max_num_batched_tokens=16, enable_prefix_caching=cache)
+                     for cache in (True, False))
+    assert run(cached) == run(plain)
+    assert sum(s.prefix_cache_hits for s in cached.steps) >= 4 * BLOCK
+
+
 @pytest.mark.parametrize("backend,overlap", [("eager", False), ("replay", False),
                                              ("replay", True)],
                          ids=["eager", "replay", "replay-async"])
