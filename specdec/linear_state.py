@@ -56,6 +56,11 @@ class LinearStateSpec:
         return 4 * values
 
 
+def has_linear_attention(model) -> bool:
+    """Whether a layer of ``model`` keeps a recurrent state (Qwen3.5's gated DeltaNet)."""
+    return any(isinstance(spec, LinearStateSpec) for spec in model.kv_cache_spec())
+
+
 class LayerState(NamedTuple):
     """One linear layer's tensors in a ``StateCache``: conv [R * S, kernel - 1, C] and ssm
     [R * S, Hv, Dk, Dv] slots, and with snapshots the staged states stage_conv / stage_ssm

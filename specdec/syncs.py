@@ -156,16 +156,14 @@ def unguarded():
     may sync by design): the guards prove the steady-state step, not its one-time set-up."""
     cuda = torch.cuda.is_available()
     previous = torch.cuda.get_sync_debug_mode() if cuda else 0
-    depth = _host_side.depth
-    try:
-        _host_side.depth = depth + 1
-        if cuda:
-            torch.cuda.set_sync_debug_mode(0)
-        yield
-    finally:
-        _host_side.depth = depth
-        if cuda:
-            torch.cuda.set_sync_debug_mode(previous)
+    with host_side():
+        try:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+            yield
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
 
 
 class _SyncMode(TorchFunctionMode):

@@ -29,7 +29,7 @@ from specdec.engine.scheduler import ScheduledRequest, Scheduler, is_uniform_dec
 from specdec.engine.sequence import Request, SamplingParams, Status
 from specdec.engine.text_stream import TextStream
 from specdec.graphs import Backend
-from specdec.linear_state import LinearStateSpec
+from specdec.linear_state import has_linear_attention
 from specdec.models.layers.linear import use_cpu_gemm_layout
 from specdec.padding import BatchPadder, StepPlan, StepSizes
 from specdec.proposers.factory import build_proposer
@@ -91,8 +91,8 @@ class EngineCore:
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
         # linear attention: a cached prefix needs a snapshot of the state after it
-        snapshots = cfg.max_num_seqs if cfg.enable_prefix_caching and any(
-            isinstance(s, LinearStateSpec) for s in target.kv_cache_spec()) else 0
+        snapshots = (cfg.max_num_seqs if cfg.enable_prefix_caching
+                     and has_linear_attention(target) else 0)
         # a cached block's key reads the tokens after it that the drafter's KV depends on
         self.allocator = BlockAllocator(
             num_blocks, cfg.block_size, caching=cfg.enable_prefix_caching,

@@ -23,7 +23,7 @@ from specdec.engine.outputs import RequestOutput, StepRecord
 from specdec.engine.parallel_sampling import fan_in, fan_out
 from specdec.engine.sequence import Request, SamplingParams
 from specdec.graphs import resolve_backend
-from specdec.linear_state import LinearStateSpec
+from specdec.linear_state import has_linear_attention
 from specdec.models.heads import SharedWeights
 from specdec.models.layers.moe import has_cross_rank_layers
 from specdec.models.layers.parallel import ExpertPlacement, check_shardable
@@ -440,11 +440,6 @@ class LLM:
         ids = [self._prompt_ids(self.tokenizer.encode(text, add_special_tokens=False).ids,
                                 name) for name, text in zip(names, texts)]
         return self._generate(ids, per_prompt, texts)
-
-
-def has_linear_attention(target) -> bool:
-    """Whether a layer of ``target`` keeps a recurrent state (Qwen3.5's gated DeltaNet)."""
-    return any(isinstance(spec, LinearStateSpec) for spec in target.kv_cache_spec())
 
 
 def no_prefix_caching(target, drafter) -> str | None:
