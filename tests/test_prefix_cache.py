@@ -198,24 +198,66 @@ def test_hybrid_hits_restore_state_snapshots_and_equal_no_cache(qwen3_5_folder, 
     assert {s.host_syncs for s in cached.steps if s.num_reqs} == {0}
 
 
+@pytest.mark.parametrize("backend,overlap", [("eager", False), ("replay", True)],
+                         ids=["eager", "replay-async"])
 @pytest.mark.parametrize("method", [None, "mtp"])
-def test_a_hybrid_hit_reaches_into_the_earlier_reply(qwen3_5_folder, method):
-    """A second turn (the first's prompt, its reply, a new message) hits past the first
-    prompt's last block boundary: decode steps stage the state at the boundaries their
-    accepted tokens cross (with MTP: verify steps, drafts included). Its tokens equal a run
-    without the cache."""
+def test_a_hybrid_hit_reaches_into_the_earlier_reply(qwen3_5_folder, method, backend,
+                                                     overlap):
+    """Second turns (the first's prompt, its reply or the reply's first 14 tokens, a new
+    message) hit past the first prompt's last block boundary: decode steps stage the state
+    at the boundaries their accepted tokens cross (with MTP: verify steps, drafts
+    included), under async scheduling too, where the reply's steps are continued before
+    they are read and a later boundary's staging must not reach the earlier's snapshot.
+    Their tokens and log-probabilities equal a run without the cache."""
     spec = method and {"method": method, "num_speculative_tokens": 2}
     first = COMMON + [1, 2, 3]  # 35 tokens: its last boundary is 32
     outs = []
     for cache in (True, False):
         llm = LLM(qwen3_5_folder, spec, dtype=torch.float64, max_model_len=96,
-                  enable_prefix_caching=cache)
-        reply = llm.generate([first], SamplingParams(max_tokens=30, ignore_eos=True))[0]
-        second = first + reply.token_ids + [4, 5, 6]
-        outs.append(llm.generate([second], GREEDY)[0].token_ids)
+                  enable_prefix_caching=cache, graph_backend=backend,
+                  async_scheduling=overlap)
+        reply = llm.generate([first], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+        assert any(s.overlapped for s in llm.steps) == overlap
+        seconds = [first + reply.token_ids[:14] + [4, 5, 6], first + reply.token_ids + [4]]
+        greedy = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
+        outs.append([(o.token_ids, [t.logprob for t in o.logprobs])
+                     for o in llm.generate(seconds, greedy)])
         hits = sum(s.prefix_cache_hits for s in llm.steps)
-        assert hits == (4 * BLOCK if cache else 0)  # up to 64 of 68: 29 tokens of the reply
-    assert outs[0] == outs[1]
+        # 48 of 52 (13 tokens of the reply; MTP's key reads one more) and 64 of 76
+        assert hits == ((3 + 4) * BLOCK if cache else 0)
+    for (ids, logprobs), (ids_plain, logprobs_plain) in zip(*outs):
+        assert ids == ids_plain and logprobs == pytest.approx(logprobs_plain, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_cycle_folder(tmp_path_factory):
+    """A tiny near-cycle Qwen3.5 whose MTP layer's drafts are often accepted."""
+    import hf_qwen3_5
+    return hf_qwen3_5.build_qwen3_5_mtp_cycle(tmp_path_factory.mktemp("qwen3_5") / "cycle")
+
+
+def test_async_snapshots_skip_a_boundary_the_next_step_restages(qwen3_5_cycle_folder):
+    """4-token blocks and 3-token MTP steps whose drafts are often accepted, under async
+    scheduling: the step after a boundary's step, launched before it is read, may cross the
+    next boundary and restage the row. Such a boundary gets no snapshot; the others do, and
+    hits at every depth of the reply equal a run without the cache (tokens and
+    log-probabilities)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    first = COMMON[:10]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    outs, hits = [], []
+    for cache in (True, False):
+        llm = LLM(qwen3_5_cycle_folder, spec, dtype=torch.float64, max_model_len=64, block_size=4,
+                  graph_backend="replay", async_scheduling=True, enable_prefix_caching=cache)
+        reply = llm.generate([first], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+        n = len(llm.steps)
+        seconds = [first + reply.token_ids[:m] + [4] for m in range(3, 30, 3)]
+        outs.append([(o.token_ids, [t.logprob for t in o.logprobs])
+                     for o in llm.generate(seconds, greedy)])
+        hits.append(sum(s.prefix_cache_hits for s in llm.steps[n:]))
+    assert hits[1] == 0 and hits[0] > len(seconds) * len(first)  # into the replies
+    for (ids, logprobs), (ids_plain, logprobs_plain) in zip(*outs):
+        assert ids == ids_plain and logprobs == pytest.approx(logprobs_plain, abs=1e-4)
 
 
 def test_a_failed_state_copy_leaves_no_snapshot_without_its_state(qwen3_5_folder,

@@ -264,12 +264,7 @@ class EngineCore:
         """Schedule, plan and launch one step (device work queued, nothing read back)."""
         start, ncoll = time.perf_counter(), len(self.dp.collectives)
         scheduled = self.scheduler.schedule()
-        saves, restores = self.scheduler.take_state_copies()
-        try:
-            self.runner.copy_states(saves, restores)
-        except BaseException:  # a snapshot whose save may not have run holds no state
-            self.allocator.drop_snapshots([snapshot for _, snapshot in saves])
-            raise
+        self._copy_states()
         for s in scheduled:
             # first chunk (after the prefix the cache held): the prompt joins the table
             if s.request.num_computed_tokens == s.request.num_cached_tokens:
@@ -294,6 +289,15 @@ class EngineCore:
         return self._execute(Launched(scheduled, batch, start, ncoll,
                                       cache=(self.scheduler.cache_queries,
                                              self.scheduler.cache_hits)))
+
+    def _copy_states(self) -> None:
+        """The prefix cache's state saves and restores due before the next forward."""
+        saves, restores = self.scheduler.take_state_copies()
+        try:
+            self.runner.copy_states(saves, restores)
+        except BaseException:  # a snapshot whose save may not have run holds no state
+            self.allocator.drop_snapshots([snapshot for _, snapshot in saves])
+            raise
 
     def _execute(self, launched: "Launched") -> "Launched":
         syncs = None
@@ -345,6 +349,7 @@ class EngineCore:
         self.runner.extend_block_tables(grown)
         batch = self.runner.advance_decode(launched.batch, *outputs)
         scheduled = [ScheduledRequest(s.request, 1 + k, [0] * k) for s in launched.scheduled]
+        self._copy_states()  # the snapshots of the step before ``launched``
         nxt = Launched(scheduled, batch, time.perf_counter(), len(self.dp.collectives),
                        overlapped=True)
         return self._execute(nxt)
@@ -365,17 +370,27 @@ class EngineCore:
                     if self.k_policy is not None else [])
         new_tokens = {}
         # linear attention: the step staged each row's state after the last block boundary
-        # its tokens crossed; usable unless the next step (already launched) overwrites it
-        bs, overlapped = self.allocator.block_size, self._in_flight is not None
+        # its tokens crossed. Async: the next step, already launched, runs before the save,
+        # so the staged state is usable only if that step's ``after`` tokens, from this
+        # one's accepted end, cross no boundary (it then stages nothing in the row); and
+        # the blocks are registered now, so that within a chain of continued steps the save
+        # runs before the step after that one.
+        bs, snapshots = self.allocator.block_size, self.allocator.snapshots
+        successor = ({id(s.request): s.num_tokens for s in self._in_flight.scheduled}
+                     if self._in_flight is not None else {})
         for i, (s, row, draft) in enumerate(zip(scheduled, sampled, drafts)):
-            if s.request.status == Status.FINISHED:  # async: it ended at the step before
+            r = s.request
+            if r.status == Status.FINISHED:  # async: it ended at the step before
                 continue
-            if self.allocator.snapshots:
-                start = s.request.num_computed_tokens
+            if snapshots:
+                start, after = r.num_computed_tokens, successor.get(id(r))
                 boundary = (start + s.num_tokens) // bs * bs
-                s.request.snapshot_at = (boundary if boundary > start and not overlapped
-                                         else None)
-            new_tokens[s.request.request_id] = self._update(s, row, draft, logprobs.get(i))
+                end = start + s.num_computed(len(valid_tokens(row)) - 1) if after else 0
+                r.snapshot_at = (boundary if start < boundary
+                                 and (not after or (end + after) // bs * bs <= end) else None)
+            new_tokens[r.request_id] = self._update(s, row, draft, logprobs.get(i))
+            if successor and r.status == Status.RUNNING:
+                self.scheduler.register(r)
         if self._in_flight is not None:  # the next step verifies the drafts just read
             for s in self._in_flight.scheduled:
                 s.spec_token_ids = list(s.request.spec_token_ids)
@@ -416,7 +431,7 @@ class EngineCore:
         d = len(s.spec_token_ids)
         accepted = len(valid) - 1
         was_prefilling = r.is_prefilling
-        r.num_computed_tokens += s.num_tokens - s.num_filler - (d - accepted)
+        r.num_computed_tokens += s.num_computed(accepted)
         if was_prefilling and self.proposer is not None and not self._warming_up:
             self.proposer.on_prefill_done(r)
         emitted, reason = 0, None

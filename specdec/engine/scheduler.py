@@ -34,6 +34,11 @@ class ScheduledRequest:
     spec_token_ids: list[int]  # drafts verified this step (fed after the last known token)
     num_filler: int = 0  # tokens fed after the drafts (never accepted): 1 + K fed in all
 
+    def num_computed(self, accepted: int) -> int:
+        """Tokens this step computes for good when ``accepted`` of its drafts are kept: the
+        fed tokens less the filler and the rejected drafts."""
+        return self.num_tokens - self.num_filler - (len(self.spec_token_ids) - accepted)
+
     @property
     def is_discarded(self) -> bool:
         """The chunk stops short of the known tokens: nothing is sampled for it."""
