@@ -231,8 +231,8 @@ def add_tree_arguments(p, who: str) -> None:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --graph-backend, --compile-backend, --async-scheduling,
     --enforce-eager, --gpu-memory-utilization, --tensor-parallel-size, --data-parallel-size,
-    --enable-expert-parallel, --enable-prefix-caching / --no-enable-prefix-caching (generate,
-    serve, bench serve --launch)."""
+    --enable-expert-parallel, --enable-prefix-caching / --no-enable-prefix-caching,
+    --pack-prefill / --no-pack-prefill (generate, serve, bench serve --launch)."""
     from specdec.engine.config import DTYPE_CHOICES
     from specdec.graphs import BACKENDS
     p.add_argument("--device", default=None,
@@ -275,6 +275,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes across requests (vLLM's flag; "
                         "default: on, off for hybrid linear-attention models and "
                         "extract_hidden_states)")
+    p.add_argument("--pack-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill chunks fill each step's token budget; --no-pack-prefill: a "
+                        "step that ends a prompt holds no chunk of a prompt it cannot end, so "
+                        "that prompt's first token waits for no later one's work (default: on "
+                        "an accelerator, off on cpu)")
 
 
 def engine_kwargs(args) -> dict:
@@ -298,8 +303,9 @@ def engine_kwargs(args) -> dict:
             kw[dest] = size
     if args.enable_expert_parallel:
         kw["enable_expert_parallel"] = True
-    if args.enable_prefix_caching is not None:
-        kw["enable_prefix_caching"] = args.enable_prefix_caching
+    for dest in ("enable_prefix_caching", "pack_prefill"):
+        if getattr(args, dest) is not None:
+            kw[dest] = getattr(args, dest)
     return kw | ({} if args.compile_backend is None else {"compile_backend": args.compile_backend})
 
 

@@ -78,11 +78,11 @@ class Simulation:
     the next token), and junk at rejected drafts and where the draft loop runs."""
 
     def __init__(self, lookahead: int, rng: random.Random, num_blocks: int,
-                 snapshots: int = 0):
+                 snapshots: int = 0, pack_prefill: bool = True):
         self.pool = BlockAllocator(num_blocks, BS, caching=True, lookahead=lookahead,
                                    snapshots=snapshots)
         self.sched = Scheduler(2, 10, MAX_LEN, self.pool, num_speculative_tokens=K,
-                               reserve_ahead=1 + K)
+                               reserve_ahead=1 + K, pack_prefill=pack_prefill)
         self.kv = {}  # slot -> the tokens its KV was computed from, or "junk"
         self.entries = {}  # entry id -> key, every one ever registered
         # linear attention: each row's staged state and each snapshot, as the tokens it has
@@ -102,6 +102,9 @@ class Simulation:
     def step(self) -> None:
         waiting = {r.request_id for r in self.sched.waiting}
         scheduled = self.sched.schedule()
+        if not self.sched.pack_prefill:  # a step that ends a prompt stops short of none
+            chunks = [s.is_discarded for s in scheduled if s.request.is_prefilling]
+            assert all(chunks) or not any(chunks)
         saves, restores = self.sched.take_state_copies()
         for row, snapshot in saves:
             self.snapshot[snapshot] = self.staged[row]
@@ -204,14 +207,17 @@ OPS = st.lists(st.one_of(
 
 @pytest.mark.parametrize("snapshots", [0, 2], ids=["attention", "linear-attention"])
 @pytest.mark.parametrize("lookahead", [0, 1])
-@given(ops=OPS, seed=st.integers(0, 2**16))
-def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, snapshots, ops, seed):
+@given(ops=OPS, seed=st.integers(0, 2**16), pack=st.booleans())
+def test_random_arrivals_and_aborts_keep_the_pool_consistent(lookahead, snapshots, ops, seed,
+                                                             pack):
     """The pool's invariants after every step and abort; with state snapshots (a target with
     linear attention, 2 snapshot slots) also: a hit's restored state is its prefix's, and
     every snapshot holds the state after its entry's block (a step staging the state after
-    the last boundary its tokens cross, drafts included: only an accepted one is kept)."""
+    the last boundary its tokens cross, drafts included: only an accepted one is kept).
+    Prefill chunks packed into the budget or not (``pack_prefill``): unpacked, a step with a
+    chunk that ends its prompt holds none that stops short, and every request still ends."""
     sim = Simulation(lookahead, random.Random(seed), num_blocks=2 * (MAX_LEN // BS),
-                     snapshots=snapshots)
+                     snapshots=snapshots, pack_prefill=pack)
     for op in ops:
         if op[0] == "add":
             sim.add(op[1], op[2])

@@ -72,8 +72,11 @@ def llm_kwargs(method, target, out_dir=None, **kw):
     else:
         spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX,
                                       "output_dir": str(out_dir)}
+    # packed prefill: ASSIGN's uneven loads were chosen for its schedule (CPU's default is
+    # unpacked; test_pack_prefill.py)
     return dict(target=target, draft_head=head, speculative_config=spec, dtype=torch.float64,
-                max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, **kw)
+                max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, pack_prefill=True,
+                **kw)
 
 
 def dp1_outputs(kwargs, prompts, max_tokens=MAX_TOKENS):

@@ -442,8 +442,12 @@ ENGINE_FLAGS = {"device": "--device", "dtype": "--dtype", "graph_backend": "--gr
                 "data_parallel_size": "--data-parallel-size",
                 "enable_expert_parallel": "--enable-expert-parallel",
                 "enable_prefix_caching": "--enable-prefix-caching",  # False: --no-...
+                "pack_prefill": "--pack-prefill",  # False: --no-...
                 "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
+
+
+BOTH_WAYS = ("enable_prefix_caching", "pack_prefill")  # switches given off as --no-...
 
 
 def fed_drafts(spec: dict | None) -> int:
@@ -458,12 +462,12 @@ def fed_drafts(spec: dict | None) -> int:
 
 
 def engine_flags(args) -> list[str]:
-    """The engine flags given (not None; a switch: not False, --no-enable-prefix-caching
-    given) -> the launched ``specdec serve``'s arguments; UsageError naming them when there is
+    """The engine flags given (not None; a switch: not False, --no-enable-prefix-caching and
+    --no-pack-prefill given) -> the launched ``specdec serve``'s arguments; UsageError naming them when there is
     no server to launch (--base-url)."""
     given = {dest: getattr(args, dest) for dest in [*SPECULATION_FLAGS, *ENGINE_FLAGS]
              if getattr(args, dest) is not None and (getattr(args, dest) is not False
-                                                     or dest == "enable_prefix_caching")}
+                                                     or dest in BOTH_WAYS)}
     if given and not args.launch:
         names = [{**SPECULATION_FLAGS, **ENGINE_FLAGS}[dest] for dest in given]
         raise UsageError(f"{', '.join(names)}: the launched server's engine flags; with "

@@ -43,7 +43,7 @@ DEFAULT_SWEEP = dict(methods=list(METHODS), modes=list(MODES), k=[1, 3, 5],
                      max_num_batched_tokens=None, workload="stdlib", draft_model=None,
                      k_schedule=None, draft_acceptance=None, num_prompts=None, tree=None,
                      dataset_name="random", dataset_path=None,
-                     enable_prefix_caching=None)
+                     enable_prefix_caching=None, pack_prefill=None)
 # --quick: every method and mode at one K, two concurrencies, short requests (its measured
 # duration is in docs/benchmarks.md; most of it compiles the torchair-mtp graphs)
 QUICK_SWEEP = dict(DEFAULT_SWEEP, k=[3], concurrency=[1, 4], prompt_len=[32], output_len=[32],
@@ -159,9 +159,11 @@ def check_sweep(sweep: dict) -> dict:
     if s["dataset_name"] != "random" and (s["dp"] > 1 or s["synthetic"] is not None):
         raise UsageError(f"sweep dataset_name={s['dataset_name']!r}: its prompts are text for "
                          "the model's tokenizer on one rank: give dp=1 and no synthetic")
-    if not (s["enable_prefix_caching"] is None or isinstance(s["enable_prefix_caching"], bool)):
-        raise UsageError(f"sweep enable_prefix_caching={s['enable_prefix_caching']!r}: allowed "
-                         "true, false or none (none: LLM's default, on)")
+    for key, default in (("enable_prefix_caching", "on"),
+                         ("pack_prefill", "on an accelerator, off on cpu")):
+        if not (s[key] is None or isinstance(s[key], bool)):
+            raise UsageError(f"sweep {key}={s[key]!r}: allowed true, false or none (none: "
+                             f"LLM's default, {default})")
     if s["graph_backend"] is not None and s["graph_backend"] not in BACKENDS:
         raise UsageError(f"sweep graph_backend={s['graph_backend']!r}: allowed {BACKENDS}")
     try:  # before anything is written: a CPU-only torch asked for cuda is one line
@@ -524,6 +526,7 @@ def build_engines(sweep: dict, configs: list[BenchConfig],
             if "graph_mode" not in (spec or {}) else None
         kwargs = dict(seed=sweep["seed"], device=sweep["device"], max_num_seqs=conc,
                       enable_prefix_caching=sweep["enable_prefix_caching"],
+                      pack_prefill=sweep["pack_prefill"],
                       check_host_syncs=False, dtype=sweep["dtype"], graph_backend=backend,
                       max_model_len=max(c.prompt_len + (dataset.longest(c.output_len)
                                                          if dataset else c.output_len)

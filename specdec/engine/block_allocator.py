@@ -79,10 +79,21 @@ class BlockAllocator:
         block_ids.clear()
 
     def hit(self, token_ids: list[int], num_blocks: int) -> tuple[list[int], list[int]]:
+        """``lookup``'s blocks, each given one more hold. -> (block ids, entry ids)."""
+        blocks, entries = self.lookup(token_ids, num_blocks)
+        if entries and self.snapshots:
+            self.snapshot_of.move_to_end(entries[-1])
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self.free[block]
+            self.ref[block] += 1
+        return blocks, entries
+
+    def lookup(self, token_ids: list[int], num_blocks: int) -> tuple[list[int], list[int]]:
         """The cached blocks of the longest chain of ``token_ids``' first ``num_blocks`` full
         blocks (each block's key reads its ``lookahead`` tokens after it: the caller bounds
-        ``num_blocks`` so that they exist); each gets one more hold. With ``snapshots``, the
-        chain ends at its deepest entry that has a snapshot (``snapshot_of[entries[-1]]``).
+        ``num_blocks`` so that they exist), nothing held. With ``snapshots``, the chain ends
+        at its deepest entry that has a snapshot (``snapshot_of[entries[-1]]``).
         -> (block ids, entry ids)."""
         blocks, entries, parent, bs = [], [], -1, self.block_size
         for i in range(num_blocks):
@@ -97,12 +108,6 @@ class BlockAllocator:
             while entries and entries[-1] not in self.snapshot_of:
                 blocks.pop()
                 entries.pop()
-            if entries:
-                self.snapshot_of.move_to_end(entries[-1])
-        for block in blocks:
-            if self.ref[block] == 0:
-                del self.free[block]
-            self.ref[block] += 1
         return blocks, entries
 
     def register(self, block_ids: list[int], entries: list[int], token_ids: list[int],

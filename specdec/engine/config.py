@@ -58,6 +58,11 @@ class EngineConfig:
     # reuse the KV blocks of prompt prefixes across requests (vLLM's flag); None: on where the
     # model and drafter allow it (``resolve_prefix_caching``)
     enable_prefix_caching: bool | None = None
+    # prefill chunks fill the step's budget (vLLM's chunked prefill); False: a step that ends
+    # a prompt starts or continues no other prompt it cannot end (``scheduler``); None: True
+    # on an accelerator (a small step costs about what a full one does), False on a CPU (a
+    # step's time grows with its tokens)
+    pack_prefill: bool | None = None
     dtype_auto: bool = field(init=False, default=False)  # dtype was "auto"
     device_auto: bool = field(init=False, default=False)  # device was None
 
@@ -72,6 +77,8 @@ class EngineConfig:
         check_bool("sequence_parallel", self.sequence_parallel)
         if self.enable_prefix_caching is not None:
             check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.pack_prefill is not None:
+            check_bool("pack_prefill", self.pack_prefill)
         if self.capture_sizes is not None:
             if not isinstance(self.capture_sizes, (list, tuple)):
                 raise TypeError(f"capture_sizes={self.capture_sizes!r}: must be a list of ints")
@@ -86,6 +93,8 @@ class EngineConfig:
         self.device = platform.torch_device(platform.default_device() if self.device_auto
                                             else self.device)
         self._check_gpu_memory_utilization()
+        if self.pack_prefill is None:
+            self.pack_prefill = self.device.type != "cpu"
         self.dtype_auto = isinstance(self.dtype, str) and self.dtype == "auto"
         self.dtype = resolve_dtype(self.dtype, self.checkpoint_dtype, self.device)
 

@@ -105,7 +105,7 @@ class EngineCore:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.allocator,
             num_speculative_tokens=k, fill_drafts=self.padded and backend.fixed_shapes,
             pick_k=self._pick_k(k), reserve_ahead=1 + k if async_scheduling else 0,
-            draft_rows=self._draft_rows(k),
+            draft_rows=self._draft_rows(k), pack_prefill=cfg.pack_prefill,
             on_finish=None if self.proposer is None else self._on_finish)
         use_cpu_gemm_layout(target, head)  # before graph capture / compilation
         self.runner = ModelRunner(

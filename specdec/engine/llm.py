@@ -51,7 +51,7 @@ class LLM:
                  check_host_syncs: bool | None = None, async_scheduling: bool = False,
                  enforce_eager: bool = False, gpu_memory_utilization: float | None = None,
                  enable_expert_parallel: bool = False,
-                 enable_prefix_caching: bool | None = None):
+                 enable_prefix_caching: bool | None = None, pack_prefill: bool | None = None):
         """Check everything (on a launcher too, before any rank starts), then build this
         rank's engine; a launcher (data_parallel_size or tensor_parallel_size > 1, no
         dp/tp given) builds none: ``generate`` spawns the ranks (``dp_engine``).
@@ -66,7 +66,11 @@ class LLM:
         ``enable_prefix_caching`` (vLLM's name; None: on): requests reuse the KV blocks (the
         target's and the drafter's) of prompt prefixes computed before (``block_allocator``;
         a hybrid linear-attention target's through state snapshots); refused when True for
-        extract_hidden_states, which None turns off (``startup`` says so)."""
+        extract_hidden_states, which None turns off (``startup`` says so).
+        ``pack_prefill`` (None: on an accelerator, off on a CPU): prefill chunks fill each
+        step's token budget; off, a step that ends a prompt holds no chunk of a prompt it
+        cannot end, so that first token waits for no later prompt's work
+        (``engine.scheduler``)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -84,7 +88,7 @@ class LLM:
             max_model_len, max_num_seqs, max_num_batched_tokens, block_size, dtype, device,
             seed, capture_sizes, tensor_parallel_size, sequence_parallel, data_parallel_size,
             data_parallel_timeout, checkpoint_dtype(model) if target is None else None,
-            gpu_memory_utilization, enable_prefix_caching)
+            gpu_memory_utilization, enable_prefix_caching, pack_prefill)
         # the ranks take what was chosen here
         self.init_kwargs.update(device=str(cfg.device), dtype=cfg.dtype)
         self.role = parallel_role(cfg, dp, tp)

@@ -4,9 +4,15 @@ Each step, running decode requests come first (1 + their drafts each; with ``fil
 1 + K each, filler after fewer drafts, so the padded step keeps its uniform shape), then
 prefill chunks fill what is left of the budget. K is the step's (``step_k``): with a K
 schedule or policy (``pick_k``) it follows the step's batch size, drafts past it are not
-verified. A prefill chunk that stops short of the
-prompt's end makes a *discarded* request: its sampled token is junk, but the drafter still
-runs on it.
+verified. A prefill chunk that stops short of the prompt's end makes a *discarded* request:
+its sampled token is junk, but the drafter still runs on it.
+
+Without ``pack_prefill`` a step that ends a prompt holds no chunk that stops short of another
+prompt's end: that chunk would make the step, and so the first token of the prompt it ends,
+wait for work done for a later prompt (on a CPU a step's time grows with its tokens).
+Example, budget 256, prompts A and B of 190 new tokens each: packed, step 1 is A's 190 and
+B's first 66 tokens, so A's first token comes after 256 tokens' work and B's after 512;
+unpacked, step 1 is A's 190 and step 2 B's 190 (first tokens after 190 and 380).
 
 With prefix caching (the allocator's ``caching``), an admitted request first takes the cached
 blocks of its prompt's longest cached prefix (``admit``): those tokens count as computed, and its
@@ -57,7 +63,8 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: BlockAllocator, num_speculative_tokens: int,
                  fill_drafts: bool = False, on_finish=None, pick_k=None,
-                 reserve_ahead: int = 0, draft_rows: int | None = None):
+                 reserve_ahead: int = 0, draft_rows: int | None = None,
+                 pack_prefill: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -74,6 +81,7 @@ class Scheduler:
         # KV slots reserved past a step's tokens and its drafts: async scheduling runs one
         # more decode (1 + K tokens) before the host reads the step
         self.reserve_ahead = reserve_ahead
+        self.pack_prefill = pack_prefill  # False: a step that ends a prompt starts no other
         self.step_k = num_speculative_tokens  # the last schedule()'s K
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -100,12 +108,15 @@ class Scheduler:
         self.cache_queries = self.cache_hits = 0
         for req in self.running:
             self.register(req)
+        ends_prompt = False  # a chunk of this step ends its prompt
         for req in self.running:
             if budget == 0:
                 break
             filler = 0
-            if req.is_prefilling:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.is_prefilling:  # unpacked, the one running prompt not ended (if any)
+                left = req.num_tokens - req.num_computed_tokens
+                n = min(left, budget)
+                ends_prompt |= n == left
                 spec = []
             else:
                 # never verify drafts past max_model_len: the target has no room for them
@@ -118,12 +129,16 @@ class Scheduler:
             self.reserve(req, n)
             budget -= n
         while self.waiting and budget > 0 and self.free_rows:
+            if ends_prompt and not self.pack_prefill and self.prefill_left(
+                    self.waiting[0]) > budget:
+                break  # unpacked: it waits for a step that ends no other prompt
             req = self.waiting.popleft()
             req.row = self.free_rows.pop()
             req.status = Status.RUNNING
             self.running.append(req)
             self.admit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            ends_prompt |= n == req.num_tokens - req.num_computed_tokens
             scheduled.append(ScheduledRequest(req, n, []))
             self.reserve(req, n)
             budget -= n
@@ -167,13 +182,27 @@ class Scheduler:
         a = self.allocator
         if not a.caching or req.params.prompt_logprobs is not None:
             return
-        usable = (req.num_tokens - max(a.lookahead, 1)) // a.block_size
-        req.block_ids, req.block_entries = a.hit(req.token_ids, usable)
+        req.block_ids, req.block_entries = a.hit(req.token_ids, self._usable_blocks(req))
         req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * a.block_size
         if a.snapshots and req.block_entries:
             self.state_restores.append((a.snapshot_of[req.block_entries[-1]], req.row))
         self.cache_queries += req.num_tokens
         self.cache_hits += req.num_cached_tokens
+
+    def _usable_blocks(self, req: Request) -> int:
+        """The most full blocks of the prompt a hit may take: its last token (and a
+        drafter's lookahead token after each block) stays to compute."""
+        a = self.allocator
+        return (req.num_tokens - max(a.lookahead, 1)) // a.block_size
+
+    def prefill_left(self, req: Request) -> int:
+        """The prompt tokens a waiting request would compute if ``admit`` ran now (after the
+        prefix the cache holds; nothing held)."""
+        a = self.allocator
+        if not a.caching or req.params.prompt_logprobs is not None:
+            return req.num_tokens - req.num_computed_tokens
+        return req.num_tokens - len(a.lookup(req.token_ids, self._usable_blocks(req))[0]) * (
+            a.block_size)
 
     def register(self, req: Request) -> None:
         """Put the request's final full blocks in the prefix cache (no-op without caching),
