@@ -21,14 +21,17 @@ an hour on the 2-core CPU of docs/benchmarks.md), so use many pairs.
 on, their ratios and the hit rate: issue 54's "from the third turn on, p50 time to first
 token at least 3x lower with the cache".
 
+``--server-flags``: more flags for every launched server (e.g. ``"--pack-prefill"``).
+
     python -m benchmarks.bench_agentic [--pairs 3] [--speculative-config '{"method":"suffix"}']
         [--pacing rounds|free] [--conversations 4] [--repeats 3] [--out /tmp/bench-agentic]
-        [--compare spec|cache] [--cache-side plain|spec]
+        [--compare spec|cache] [--cache-side plain|spec] [--server-flags FLAGS]
 """
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -140,14 +143,17 @@ def main() -> None:
                         "cache: one engine with prefix caching off against on")
     p.add_argument("--cache-side", choices=["plain", "spec"], default="plain",
                    help="--compare cache's engine (default plain)")
+    p.add_argument("--server-flags", default="", metavar="FLAGS",
+                   help="more specdec serve flags for every run, one string (default none)")
     args = p.parse_args()
     for key in ("pairs", "conversations", "repeats"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key}={getattr(args, key)}: allowed an int >= 1")
     shape = ["--multi-turn-pacing", args.pacing, "--num-prompts", str(args.conversations),
              "--repeats", str(args.repeats)]
-    sides = {"plain": ["--method", "none"],
-             "spec": ["--speculative-config", args.speculative_config]}
+    extra = shlex.split(args.server_flags)
+    sides = {"plain": ["--method", "none", *extra],
+             "spec": ["--speculative-config", args.speculative_config, *extra]}
     if args.compare == "cache":
         compare_cache(sides[args.cache_side], args.pairs, Path(args.out), shape)
         return

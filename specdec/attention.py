@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec import kernels, platform
-from specdec.kernels.paged_attention_torch import (PagedPlan, TreeMask, attention_bias,
-                                                   check_softcap, paged_attention)
+from specdec.kernels.paged_attention_torch import (PagedPlan, QuerySplit, SplitPlan, TreeMask,
+                                                   attention_bias, check_softcap,
+                                                   paged_attention)
 from specdec.linear_state import LayerState, LinearStateSpec, StateCache, StateLayout
 
 
@@ -36,6 +37,9 @@ class AttentionMetadata:
     # per token, the draft-tree node it is (``TreeMask``: a node sees its request's prefix and
     # its ancestors); None: every token causal
     tree: TreeMask | None = None
+    # host ints: the first requests are decodes the torch formula lays out apart from the
+    # prefill chunks after them (``QuerySplit``); None: one layout
+    query_split: QuerySplit | None = None
 
     @classmethod
     def dummy(cls, num_tokens: int, device) -> "AttentionMetadata":
@@ -184,11 +188,13 @@ class PagedKV:
         if self._plan is None:
             self._write_slots = torch.where(meta.slot_mapping < 0, self.cache.trash_slot,
                                             meta.slot_mapping)
-            plan = (kernels.TORCH_IMPLS["plan_paged_attention"] if self.torch_attention
-                    else kernels.plan_paged_attention)
-            self._plan = plan(
-                meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
-                meta.max_seq_len, self.cache.block_size, meta.max_query_len, tree=meta.tree)
+            args = (meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
+                    meta.max_seq_len, self.cache.block_size, meta.max_query_len)
+            if self.torch_attention or not platform.triton_available(meta.seq_lens.device):
+                self._plan = kernels.TORCH_IMPLS["plan_paged_attention"](
+                    *args, tree=meta.tree, split=meta.query_split)
+            else:  # the Triton kernel's plan: one program per token, nothing to split
+                self._plan = kernels.plan_paged_attention(*args, tree=meta.tree)
         return self._plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
@@ -232,7 +238,7 @@ class PagedKV:
                    sinks: torch.Tensor | None) -> torch.Tensor:
         kw = dict(sliding_window=spec.sliding_window, scale=spec.scale,
                   softcap=spec.logit_softcap, sinks=sinks)
-        if not isinstance(self._plan, PagedPlan):  # the Triton kernel's plan
+        if not isinstance(self._plan, (PagedPlan, SplitPlan)):  # the Triton kernel's plan
             return kernels.paged_attention(q, k_cache, v_cache, self._plan, **kw)
         # the torch formula: one additive mask per (query group, window), shared by the layers
         key = (q.shape[1] // k_cache.shape[1], spec.sliding_window)

@@ -292,6 +292,41 @@ def test_query_rows_equal_dense_and_token_major(requests, known, extra, block_si
     assert got.isfinite().all()
 
 
+@FEW
+@given(requests=LAYOUT_REQUESTS.filter(lambda r: len(r) > 1), data=st.data(),
+       block_size=st.sampled_from([1, 4, 16]),
+       hkv=st.integers(1, 2), group=st.sampled_from([1, 3]), window=WINDOWS, scale=SCALES,
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+def test_a_split_plan_equals_one_plan_and_dense(requests, data, block_size, hkv, group, window,
+                                                scale, dtype, seed):
+    """The requests cut in two groups anywhere (``QuerySplit``: the head's requests and
+    tokens, a bound on its requests' tokens), each laid out in its own rows: the outputs of
+    one plan over all and of dense attention, through the layers' kept masks too."""
+    q, k_cache, v_cache, qsl, seq_lens, table = drawn_layout(requests, seed, block_size, hkv,
+                                                             group, 8, dtype)
+    n, bound = q.shape[0], int(seq_lens.max()) + 3
+    head = data.draw(st.integers(1, len(requests) - 1), label="head requests")
+    t = max(chunk for _, chunk in requests)
+    split = ref.QuerySplit(head, int(qsl[head]), max([chunk for _, chunk in requests[:head]],
+                                                     default=0) + data.draw(st.integers(0, 2)))
+    kw = dict(sliding_window=window, scale=scale)
+    p = ref.plan_paged_attention(qsl, seq_lens, table, n, bound, block_size, t, split=split)
+    assert isinstance(p, ref.SplitPlan) and p.num_tokens == split.num_tokens
+    got = ref.paged_attention(q, k_cache, v_cache, p, **kw)
+    kept = ref.paged_attention(q, k_cache, v_cache, p, bias=ref.attention_bias(
+        p, group, window, q.dtype), **kw)
+    one = ref.paged_attention(q, k_cache, v_cache, ref.plan_paged_attention(
+        qsl, seq_lens, table, n, bound, block_size, t), **kw)
+    want = dense_attention(q, k_cache, v_cache, qsl, seq_lens, table, block_size, window, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    real = int(qsl[-1])
+    assert got.shape == one.shape
+    torch.testing.assert_close(got[:real].double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got[:real], one[:real], rtol=tol, atol=tol)
+    torch.testing.assert_close(kept, got, rtol=0, atol=0)
+    assert got.isfinite().all()
+
+
 def small_layout(seed: int, dtype: torch.dtype):
     """A 3-token chunk after 5 cached keys, a padding request, one decode token after 20."""
     return paged_layout(torch.Generator().manual_seed(seed), [3, 0, 1], [8, 1, 21], 4, 1, 2, 8,

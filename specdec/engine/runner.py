@@ -43,7 +43,7 @@ from specdec.engine.tree_sampler import tree_greedy_verify, tree_rejection_sampl
 from specdec.engine.tp_step import DUMMY, STEP, STOP, StepBroadcast, header_words
 from specdec.graphs import EAGER, Backend, StepGraph, compile_dynamic
 from specdec.kernels import request_slots
-from specdec.kernels.paged_attention_torch import TreeMask
+from specdec.kernels.paged_attention_torch import QuerySplit, TreeMask
 from specdec.models.layers.moe import attach_parallel
 from specdec.padding import BatchPadder, StepPlan, StepPlanner, StepSizes
 from specdec.proposers.inputs import DraftInputs
@@ -103,13 +103,13 @@ def top_k_width(variant: str) -> int | None:
 
 
 def forward_then_verify(forward: Callable, verify: Callable, x: StepInputs, *, max_seq_len: int,
-                        max_query_len: int, variant: str, num_rows: int
-                        ) -> tuple[torch.Tensor, ...]:
+                        max_query_len: int, variant: str, num_rows: int,
+                        query_split: QuerySplit | None = None) -> tuple[torch.Tensor, ...]:
     """The target step from its two parts (``ModelRunner.target_forward`` / ``verify``, or
     their compiled copies) -> (sampled, logits, hidden[, aux]): verification reads the logits
     only, the hidden states pass around it."""
     first, logits, *states = forward(x, max_seq_len=max_seq_len, max_query_len=max_query_len,
-                                     num_rows=num_rows)
+                                     num_rows=num_rows, query_split=query_split)
     return verify(x, first, logits, variant=variant, num_rows=num_rows), logits, *states
 
 
@@ -134,6 +134,9 @@ class StepBatch:
     # with host drafts (ngram, suffix), 1 + the step's most drafts (none: one row)
     num_rows: int
     graph_num_rows: int  # the captured step's: 1 + the step's K (uniform) or 1 + K (mixed)
+    # an uncaptured CPU step's decodes (first) and prefill chunks laid out apart in the torch
+    # attention (``QuerySplit``); None: one layout
+    query_split: QuerySplit | None = None
 
 
 class ModelRunner:
@@ -328,7 +331,21 @@ class ModelRunner:
         return StepBatch(plan, self.buffers.view(np_, bp), max_seq_len, bound,
                          int(np.diff(qsl[:bp + 1]).max()), self.graph_query_len(plan),
                          sampling_variant([s.request for s in scheduled], self.vocab_size), rows,
-                         self.graph_num_rows(plan))
+                         self.graph_num_rows(plan), self.query_split(scheduled, qsl, plan))
+
+    def query_split(self, scheduled: list[ScheduledRequest], qsl: np.ndarray, plan: StepPlan
+                    ) -> QuerySplit | None:
+        """A step's leading decodes apart from the prefill chunks after them, for the torch
+        attention of an uncaptured, uncompiled step on a CPU (one rank); None where there are
+        not both, or elsewhere."""
+        if (plan.capturable or self.backend.dynamic or self.tp.size > 1
+                or self.device.type != "cpu"):
+            return None
+        head = next((i for i, s in enumerate(scheduled) if s.request.is_prefilling),
+                    len(scheduled))
+        if head == 0 or head == len(scheduled):
+            return None
+        return QuerySplit(head, int(qsl[head]), int(np.diff(qsl[:head + 1]).max()))
 
     def _fill_tree(self, h: dict, i: int | slice, lo: int, hi: int, start: int,
                    parents: list[int] | None) -> None:
@@ -484,7 +501,8 @@ class ModelRunner:
 
     # ---- device side -----------------------------------------------------------------------
     def target_logits(self, x: StepInputs, max_seq_len: int, max_query_len: int,
-                      num_rows: int, first: torch.Tensor):
+                      num_rows: int, first: torch.Tensor,
+                      query_split: QuerySplit | None = None):
         """Target forward over x's [Np] tokens (``first``: ``first_sampled_positions(x)``)
         -> (logits [Bp, num_rows, V] float32 of each request's first ``num_rows`` verified
         positions, hidden [Np, H], aux [Np, A, H] or None)."""
@@ -492,27 +510,31 @@ class ModelRunner:
         tree = (None if self.tree is None else
                 TreeMask(x.tree_node, x.tree_depth, x.tree_ancestors))
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
-                                 max_seq_len, x.rows, fed.to(torch.int32), max_query_len, tree)
+                                 max_seq_len, x.rows, fed.to(torch.int32), max_query_len, tree,
+                                 query_split)
         hidden, aux = self.target(x.input_ids, x.positions, kv=self.kv.bind(attn),
                                   aux_layer_ids=self.aux_layer_ids)
         logits = self.target.compute_logits(hidden[x.logits_indices[:, :num_rows].flatten()])
         return logits.view(x.logits_indices.shape[0], num_rows, -1), hidden, aux
 
     def target_step(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
-                    variant: str, num_rows: int) -> tuple[torch.Tensor, ...]:
+                    variant: str, num_rows: int, query_split: QuerySplit | None = None
+                    ) -> tuple[torch.Tensor, ...]:
         """The target step, a static-shape step function of [Np] tokens, [Bp] requests:
         ``target_forward`` then ``verify``. -> (sampled [Bp, num_rows] int32, logits
         [Bp, num_rows, V] float32 (raw), hidden [Np, H][, aux [Np, A, H]])."""
         return forward_then_verify(self.target_forward, self.verify, x,
                                    max_seq_len=max_seq_len, max_query_len=max_query_len,
-                                   variant=variant, num_rows=num_rows)
+                                   variant=variant, num_rows=num_rows, query_split=query_split)
 
     def target_forward(self, x: StepInputs, *, max_seq_len: int, max_query_len: int,
-                       num_rows: int) -> tuple[torch.Tensor, ...]:
+                       num_rows: int, query_split: QuerySplit | None = None
+                       ) -> tuple[torch.Tensor, ...]:
         """The target's forward (``target_logits``) -> (first [Bp] int64 (each request's
         first sampled position), logits, hidden[, aux])."""
         first = first_sampled_positions(x)
-        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first)
+        logits, hidden, aux = self.target_logits(x, max_seq_len, max_query_len, num_rows, first,
+                                                 query_split)
         return (first, logits, hidden) + ((aux,) if aux is not None else ())
 
     def verify(self, x: StepInputs, first: torch.Tensor, logits: torch.Tensor, *,
@@ -620,7 +642,8 @@ class ModelRunner:
             captured={"max_seq_len": batch.graph_seq_len, "max_query_len": batch.graph_query_len,
                       "num_rows": batch.graph_num_rows},
             own={"max_seq_len": batch.max_seq_len, "max_query_len": batch.max_query_len,
-                 "num_rows": batch.num_rows},
+                 "num_rows": batch.num_rows}
+            | ({} if batch.query_split is None else {"query_split": batch.query_split}),
             variant=batch.variant)
         sampled, hidden, aux = out[0], out[2], out[3] if len(out) > 3 else None
         # the step's raw logits and final hidden states, for the requests that ask for

@@ -17,7 +17,8 @@ Worked example (one token, one head, D = 3, V = 2, scale 1, two visible rows [1,
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.paged_attention_torch import PagedPlan, gather_keys, rows_of, tokens_of
+from specdec.kernels.paged_attention_torch import (PagedPlan, SplitPlan, gather_keys, rows_of,
+                                                   tokens_of)
 
 
 def check_latent(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> None:
@@ -29,9 +30,13 @@ def check_latent(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> None:
         raise ValueError(f"mla_attention: value_dim={value_dim} must be in [1, {q.shape[2]}]")
 
 
-def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: PagedPlan, *, value_dim: int,
-                  scale: float) -> torch.Tensor:
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, p: PagedPlan | SplitPlan, *,
+                  value_dim: int, scale: float) -> torch.Tensor:
     """q [N, H, D], cache [S, 1, D] -> [N, H, value_dim] in q's dtype (module docstring)."""
+    if isinstance(p, SplitPlan):  # each group in its own rows
+        n = p.num_tokens
+        return torch.cat([mla_attention(q[:n], cache, p.head, value_dim=value_dim, scale=scale),
+                          mla_attention(q[n:], cache, p.tail, value_dim=value_dim, scale=scale)])
     check_latent(q, cache, value_dim)
     rows, t, length = p.key_mask.shape
     h = q.shape[1]
