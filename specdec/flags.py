@@ -278,8 +278,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill chunks fill each step's token budget; --no-pack-prefill: a "
                         "step that ends a prompt holds no chunk of a prompt it cannot end, so "
-                        "that prompt's first token waits for no later one's work (default: on "
-                        "an accelerator, off on cpu)")
+                        "that prompt's first token waits for no later one's work (default: off "
+                        "on cpu without a head or draft model, else on)")
 
 
 def engine_kwargs(args) -> dict:

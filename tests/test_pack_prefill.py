@@ -76,9 +76,18 @@ def test_a_cached_prefix_counts_as_computed_when_it_decides(target):
     assert steps[:2] == [[(0, 16, True)], [(0, 9, False), (1, 3, False)]]
 
 
-def test_the_default_is_off_on_a_cpu_and_a_bad_value_names_the_field():
-    assert EngineConfig(device="cpu").pack_prefill is False
-    assert EngineConfig(device="cpu", pack_prefill=True).pack_prefill is True
+@pytest.mark.parametrize("method,want", [(None, False), ("ngram", False), ("eagle", True)])
+def test_the_cpu_default_packs_only_where_steps_run_a_draft_forward(target, method, want):
+    """On a CPU: unpacked without a head or draft model (plain, ngram: host drafts), packed
+    with one (each step's head forwards make an extra step dear); given values are kept."""
+    head = tiny_head(method, target) if method == "eagle" else None
+    assert make_llm(target, method, 2, True, head=head).config.pack_prefill is want
+    for given in (True, False):
+        llm = make_llm(target, method, 2, True, head=head, pack_prefill=given)
+        assert llm.config.pack_prefill is llm.core.scheduler.pack_prefill is given
+
+
+def test_a_bad_value_names_the_field():
     with pytest.raises(TypeError, match="pack_prefill"):
         EngineConfig(device="cpu", pack_prefill="yes")
 

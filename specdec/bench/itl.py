@@ -149,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(the engines' default: on)")
     p.add_argument("--pack-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill chunks fill each step's token budget (the engines' default: "
-                        "on an accelerator, off on cpu; specdec serve's flag)")
+                        "off on cpu without a head or draft model, else on; specdec serve's "
+                        "flag)")
     p.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens",
                    help="token budget of a step (default: max(256, concurrency x (K + 1)); "
                         "give specdec serve's to compare with a server)")

@@ -160,7 +160,7 @@ def check_sweep(sweep: dict) -> dict:
         raise UsageError(f"sweep dataset_name={s['dataset_name']!r}: its prompts are text for "
                          "the model's tokenizer on one rank: give dp=1 and no synthetic")
     for key, default in (("enable_prefix_caching", "on"),
-                         ("pack_prefill", "on an accelerator, off on cpu")):
+                         ("pack_prefill", "off on cpu without a head or draft model")):
         if not (s[key] is None or isinstance(s[key], bool)):
             raise UsageError(f"sweep {key}={s[key]!r}: allowed true, false or none (none: "
                              f"LLM's default, {default})")

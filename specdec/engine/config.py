@@ -59,9 +59,8 @@ class EngineConfig:
     # model and drafter allow it (``resolve_prefix_caching``)
     enable_prefix_caching: bool | None = None
     # prefill chunks fill the step's budget (vLLM's chunked prefill); False: a step that ends
-    # a prompt starts or continues no other prompt it cannot end (``scheduler``); None: True
-    # on an accelerator (a small step costs about what a full one does), False on a CPU (a
-    # step's time grows with its tokens)
+    # a prompt starts or continues no other prompt it cannot end (``scheduler``); None:
+    # ``resolve_pack_prefill``
     pack_prefill: bool | None = None
     dtype_auto: bool = field(init=False, default=False)  # dtype was "auto"
     device_auto: bool = field(init=False, default=False)  # device was None
@@ -93,8 +92,6 @@ class EngineConfig:
         self.device = platform.torch_device(platform.default_device() if self.device_auto
                                             else self.device)
         self._check_gpu_memory_utilization()
-        if self.pack_prefill is None:
-            self.pack_prefill = self.device.type != "cpu"
         self.dtype_auto = isinstance(self.dtype, str) and self.dtype == "auto"
         self.dtype = resolve_dtype(self.dtype, self.checkpoint_dtype, self.device)
 
@@ -139,6 +136,15 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 + k:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be "
                              f">= 1 + num_speculative_tokens ({1 + k})")
+
+    def resolve_pack_prefill(self, draft_forwards: bool) -> None:
+        """Settle ``pack_prefill`` once the drafter is known: None is False on a CPU without
+        draft-model forwards in its steps (a step's time grows with its tokens, so a prompt's
+        first token should not wait for a later prompt's chunk), True elsewhere: on an
+        accelerator a small step costs about what a full one does, and where each step also
+        runs a head's or a draft model's forwards an extra step costs more than it saves."""
+        if self.pack_prefill is None:
+            self.pack_prefill = self.device.type != "cpu" or draft_forwards
 
     def resolve_prefix_caching(self, why_not: str | None) -> str | None:
         """Settle ``enable_prefix_caching`` once the model and drafter are known; ``why_not``:

@@ -90,6 +90,7 @@ class EngineCore:
         self.proposer, aux_ids = (None, ()) if spec is None else build_proposer(
             spec, target, head, sizes, block_size=cfg.block_size, num_kv_blocks=num_blocks,
             dtype=cfg.dtype, device=self.device, backend=backend)
+        cfg.resolve_pack_prefill(self.proposer is not None and self.proposer.drafts_on_device)
         # linear attention: a cached prefix needs a snapshot of the state after it
         snapshots = (cfg.max_num_seqs if cfg.enable_prefix_caching
                      and has_linear_attention(target) else 0)

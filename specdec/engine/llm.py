@@ -67,10 +67,10 @@ class LLM:
         target's and the drafter's) of prompt prefixes computed before (``block_allocator``;
         a hybrid linear-attention target's through state snapshots); refused when True for
         extract_hidden_states, which None turns off (``startup`` says so).
-        ``pack_prefill`` (None: on an accelerator, off on a CPU): prefill chunks fill each
-        step's token budget; off, a step that ends a prompt holds no chunk of a prompt it
-        cannot end, so that first token waits for no later prompt's work
-        (``engine.scheduler``)."""
+        ``pack_prefill``: prefill chunks fill each step's token budget; off, a step that ends
+        a prompt holds no chunk of a prompt it cannot end, so that first token waits for no
+        later prompt's work (``engine.scheduler``); None: off on a CPU unless a head or draft
+        model runs in each step, on elsewhere (``EngineConfig.resolve_pack_prefill``)."""
         # what each rank is built from (specdec.engine.dp_engine)
         self.init_kwargs = {k: v for k, v in locals().items() if k not in (
             "self", "dp", "tp", "data_parallel_size", "data_parallel_timeout")}
@@ -120,6 +120,7 @@ class LLM:
                              "parallelism is)")
         self.target = target.eval()
         self.prefix_caching_note = cfg.resolve_prefix_caching(no_prefix_caching(target, drafter))
+        cfg.resolve_pack_prefill(drafter is not None and drafter.drafts_on_device)
         self.max_model_len = cfg.max_model_len
         self.vocab_size = target.config.vocab_size
         head = None
