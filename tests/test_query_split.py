@@ -1,6 +1,7 @@
 """A CPU step's decodes and prefill chunks laid out apart in the torch attention
 (``QuerySplit``): the runner splits exactly the uncaptured, uncompiled steps that hold both,
-and the tokens are plain greedy decoding's."""
+the tokens are plain greedy decoding's and a head's drafts (its first pass splits too) are
+those of one layout."""
 
 import pytest
 import torch
@@ -51,3 +52,34 @@ def test_decodes_beside_a_prompt_are_split_from_it(target, method, backend, monk
     for req in [*first, late]:
         prompt = req.token_ids[:req.num_prompt_tokens]
         assert req.output_token_ids == dense_greedy(target, prompt, 8, 64)
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_a_heads_first_pass_drafts_the_same_split_or_not(target, method):
+    """The head's first pass over the target's layout takes the step's split too: every
+    draft equals the drafts of an engine whose steps keep one layout."""
+    def drafts(split: bool) -> tuple[list, int]:
+        llm = make_llm(target, method, 2, True, head=tiny_head(method, target))
+        runner, splits = llm.core.runner, []
+        prepare = runner.prepare
+
+        def recorded(scheduled, plan):  # the runner's own prepare, its split noted
+            batch = prepare(scheduled, plan)
+            if not split:
+                batch.query_split = None
+            splits.append(batch.query_split is not None)
+            return batch
+        runner.prepare = recorded
+        reqs = [llm.add_request(p, GREEDY) for p in ([5, 9, 13], [7, 1])]
+        seen = []
+        for i in range(60):
+            if i == 2:
+                reqs.append(llm.add_request([(j * 7) % 90 for j in range(30)], GREEDY))
+            if not llm.core.has_unfinished():
+                break
+            llm.step()
+            seen.append([list(r.spec_token_ids) for r in reqs])
+        return seen, sum(splits)
+    (split_drafts, split_steps), (one_drafts, one_steps) = drafts(True), drafts(False)
+    assert split_drafts == one_drafts
+    assert split_steps >= 2 and one_steps == 0

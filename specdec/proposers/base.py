@@ -54,7 +54,7 @@ from specdec.kernels import (
     request_slots,
     shift_first_pass_input_ids,
 )
-from specdec.kernels.paged_attention_torch import TreeMask
+from specdec.kernels.paged_attention_torch import QuerySplit, TreeMask
 from specdec.kernels.ragged import (
     RaggedInputs,
     next_token_ids_ragged,
@@ -302,7 +302,8 @@ class HeadProposer(PaddedProposer):
             inputs, capturable=plan.capturable,
             bucket=(plan.num_tokens_padded, plan.num_reqs_padded),
             captured=self.step_bounds(x.graph_seq_len, x.graph_query_len),
-            own=self.step_bounds(a.max_seq_len, a.max_query_len),
+            own=self.step_bounds(a.max_seq_len, a.max_query_len)
+            | ({} if a.query_split is None else {"query_split": a.query_split}),
             num_drafts=plan.num_spec_tokens)
 
     def step_bounds(self, max_seq_len: int, max_query_len: int | None) -> dict:
@@ -319,27 +320,29 @@ class HeadProposer(PaddedProposer):
         return min(max_seq_len + rows, self.max_model_len)
 
     def padded_step(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                    loop_seq_len: int, num_drafts: int) -> torch.Tensor:
+                    loop_seq_len: int, num_drafts: int,
+                    query_split: QuerySplit | None = None) -> torch.Tensor:
         """The whole padded draft step, a static-shape step function -> drafts [Bp,
         num_drafts] int32.
 
-        Every shape depends on (Np, Bp) and the host values only (max_seq_len, max_query_len:
-        the first pass's; loop_seq_len: steps 2..K's; num_drafts: the step's K); nothing here
-        reads a value on the host.
+        Every shape depends on (Np, Bp) and the host values only (max_seq_len, max_query_len,
+        query_split: the first pass's, as the target's; loop_seq_len: steps 2..K's; num_drafts:
+        the step's K); nothing here reads a value on the host.
         Padding rows (>= B) sample at the last token, a padding token whenever Bp > B.
         ``padded_first`` over the target's Np tokens, then ``padded_loop`` over the Bp rows.
         """
         return self.padded_loop(x, *self.padded_first(
-            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_drafts=num_drafts),
-            loop_seq_len=loop_seq_len, num_drafts=num_drafts)
+            x, max_seq_len=max_seq_len, max_query_len=max_query_len, num_drafts=num_drafts,
+            query_split=query_split), loop_seq_len=loop_seq_len, num_drafts=num_drafts)
 
     def padded_first(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                     num_drafts: int) -> tuple[torch.Tensor, ...]:
+                     num_drafts: int, query_split: QuerySplit | None = None
+                     ) -> tuple[torch.Tensor, ...]:
         """The padded step's layout and first pass -> (draft 1 [Bp] int32, the head's output
         at the sample index [Bp, H], positions there [Bp] int64, num_rejected [Bp]); () for
         ``num_drafts`` 0 (the head's KV still gets the step's tokens)."""
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
-                                                                      max_query_len)
+                                                                      max_query_len, query_split)
         if num_drafts == 0:
             self.head_pass(x.target_ids, x.positions, x.features, attn, sample_idx, next_ids)
             return ()
@@ -368,7 +371,8 @@ class HeadProposer(PaddedProposer):
             loop_seq_len, num_drafts - 1)
         return torch.stack(drafts, dim=1)
 
-    def padded_layout(self, x: PaddedStepInputs, max_seq_len: int, max_query_len: int | None
+    def padded_layout(self, x: PaddedStepInputs, max_seq_len: int, max_query_len: int | None,
+                      query_split: QuerySplit | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The padded step's preparation over the target's layout (no host read) -> (next
         token ids [Bp] int32, sample indices [Bp] int64 (padding rows: the last token),
@@ -380,7 +384,8 @@ class HeadProposer(PaddedProposer):
         real = torch.arange(bp, device=x.sampled.device) < x.num_reqs
         sample_idx = torch.where(real, sample_idx, n - 1).to(torch.int64)
         attn = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_table,
-                                 max_seq_len, max_query_len=max_query_len)
+                                 max_seq_len, max_query_len=max_query_len,
+                                 query_split=query_split)
         return next_ids, sample_idx, num_rejected, attn
 
     def first_pass(self, target_ids: torch.Tensor, positions: torch.Tensor,

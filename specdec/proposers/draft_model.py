@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.kernels.paged_attention_torch import QuerySplit
 from specdec.models.draft_lm import DraftLM, load_draft_lm
 from specdec.models.registry import load_model
 from specdec.padding import StepPlan
@@ -56,12 +57,13 @@ class DraftLMProposer(HeadProposer):
         return x.input_ids
 
     def padded_first(self, x: PaddedStepInputs, *, max_seq_len: int, max_query_len: int | None,
-                     num_drafts: int) -> tuple[torch.Tensor, ...]:
+                     num_drafts: int, query_split: QuerySplit | None = None
+                     ) -> tuple[torch.Tensor, ...]:
         """The padded step's layout and the prefix pass over the target's tokens (every K,
         0 too) -> (the next token ids [Bp] int32, None, positions at the sample index [Bp]
         int64, num_rejected [Bp])."""
         next_ids, sample_idx, num_rejected, attn = self.padded_layout(x, max_seq_len,
-                                                                      max_query_len)
+                                                                      max_query_len, query_split)
         self.head(x.target_ids, x.positions, None, kv=self.kv.bind(attn))
         return next_ids, None, x.positions[sample_idx], num_rejected
 
