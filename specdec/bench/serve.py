@@ -463,8 +463,8 @@ def fed_drafts(spec: dict | None) -> int:
 
 def engine_flags(args) -> list[str]:
     """The engine flags given (not None; a switch: not False, --no-enable-prefix-caching and
-    --no-pack-prefill given) -> the launched ``specdec serve``'s arguments; UsageError naming them when there is
-    no server to launch (--base-url)."""
+    --no-pack-prefill given) -> the launched ``specdec serve``'s arguments; UsageError
+    naming them when there is no server to launch (--base-url)."""
     given = {dest: getattr(args, dest) for dest in [*SPECULATION_FLAGS, *ENGINE_FLAGS]
              if getattr(args, dest) is not None and (getattr(args, dest) is not False
                                                      or dest in BOTH_WAYS)}

@@ -51,8 +51,8 @@ keys, not N * L. The plan picks (T, R) from host ints only (``row_shape``):
 A step whose requests differ in kind -- decodes of 1 + K tokens first, then prefill chunks --
 can be split (``QuerySplit``, host ints) into two groups with their own rows (``SplitPlan``):
 one (T, R) for both pads every decode to a chunk's row. On this CPU one layer's attention for
-a 190-token chunk (over 790 keys) and 3 decodes took 7.9 ms in one plan's 7 rows of 49, and
-3.2 ms as the two groups' 1 row of 190 and 3 rows of 1.
+3 decodes (over 800-820 keys) and a 190-token chunk (over 790) took 11.3 ms in one plan's 7
+rows of 49 and 3.8 ms as the two groups' 3 rows of 1 and 1 row of 190.
 
 Request b fills ceil(C_b / T) rows (C_b its tokens), from row ``row_start[b]`` (exclusive
 cumsum); rows past the last hold nothing (their outputs are dropped). Row r, slot t holds
@@ -177,12 +177,13 @@ def plan_paged_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         if not 0 < b < seq_lens.shape[0]:
             raise ValueError(f"split.num_reqs={b}: must be in [1, {seq_lens.shape[0] - 1}] "
                              "(both groups hold a request)")
-        return SplitPlan(n, plan_paged_attention(
-            query_start_loc[:b + 1], seq_lens[:b], block_table[:b], n, bound, block_size,
-            split.max_query_len, None if tree is None else TreeMask(*(t[:n] for t in tree))),
-            plan_paged_attention(
-            query_start_loc[b:] - n, seq_lens[b:], block_table[b:], num_tokens - n, bound,
-            block_size, max_query_len, None if tree is None else TreeMask(*(t[n:] for t in tree))))
+        head_tree, tail_tree = (None, None) if tree is None else (
+            TreeMask(*(t[:n] for t in tree)), TreeMask(*(t[n:] for t in tree)))
+        head = plan_paged_attention(query_start_loc[:b + 1], seq_lens[:b], block_table[:b], n,
+                                    bound, block_size, split.max_query_len, head_tree)
+        tail = plan_paged_attention(query_start_loc[b:] - n, seq_lens[b:], block_table[b:],
+                                    num_tokens - n, bound, block_size, max_query_len, tail_tree)
+        return SplitPlan(n, head, tail)
     plan = _plan(query_start_loc, seq_lens, block_table, num_tokens, bound, block_size,
                  max_query_len)
     return plan if tree is None else with_tree(plan, tree)
