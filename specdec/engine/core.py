@@ -384,11 +384,13 @@ class EngineCore:
             if r.status == Status.FINISHED:  # async: it ended at the step before
                 continue
             if snapshots:
-                start, after = r.num_computed_tokens, successor.get(id(r))
+                start = r.num_computed_tokens
                 boundary = (start + s.num_tokens) // bs * bs
-                end = start + s.num_computed(len(valid_tokens(row)) - 1) if after else 0
-                r.snapshot_at = (boundary if start < boundary
-                                 and (not after or (end + after) // bs * bs <= end) else None)
+                kept = start < boundary
+                if after := successor.get(id(r)):  # the next step's tokens start at ``end``
+                    end = start + s.num_computed(len(valid_tokens(row)) - 1)
+                    kept &= (end + after) // bs * bs <= end
+                r.snapshot_at = boundary if kept else None
             new_tokens[r.request_id] = self._update(s, row, draft, logprobs.get(i))
             if successor and r.status == Status.RUNNING:
                 self.scheduler.register(r)

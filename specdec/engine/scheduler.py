@@ -137,8 +137,9 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self.admit(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            ends_prompt |= n == req.num_tokens - req.num_computed_tokens
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget)
+            ends_prompt |= n == left
             scheduled.append(ScheduledRequest(req, n, []))
             self.reserve(req, n)
             budget -= n
@@ -180,7 +181,7 @@ class Scheduler:
         compute. A request asking for prompt log-probabilities reads nothing from the cache
         (they are computed for every prompt position, as vLLM)."""
         a = self.allocator
-        if not a.caching or req.params.prompt_logprobs is not None:
+        if not self._reads_cache(req):
             return
         req.block_ids, req.block_entries = a.hit(req.token_ids, self._usable_blocks(req))
         req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * a.block_size
@@ -188,6 +189,10 @@ class Scheduler:
             self.state_restores.append((a.snapshot_of[req.block_entries[-1]], req.row))
         self.cache_queries += req.num_tokens
         self.cache_hits += req.num_cached_tokens
+
+    def _reads_cache(self, req: Request) -> bool:
+        """Whether admitting ``req`` looks its prompt up in the prefix cache."""
+        return self.allocator.caching and req.params.prompt_logprobs is None
 
     def _usable_blocks(self, req: Request) -> int:
         """The most full blocks of the prompt a hit may take: its last token (and a
@@ -198,11 +203,10 @@ class Scheduler:
     def prefill_left(self, req: Request) -> int:
         """The prompt tokens a waiting request would compute if ``admit`` ran now (after the
         prefix the cache holds; nothing held)."""
-        a = self.allocator
-        if not a.caching or req.params.prompt_logprobs is not None:
+        if not self._reads_cache(req):
             return req.num_tokens - req.num_computed_tokens
-        return req.num_tokens - len(a.lookup(req.token_ids, self._usable_blocks(req))[0]) * (
-            a.block_size)
+        blocks, _ = self.allocator.lookup(req.token_ids, self._usable_blocks(req))
+        return req.num_tokens - len(blocks) * self.allocator.block_size
 
     def register(self, req: Request) -> None:
         """Put the request's final full blocks in the prefix cache (no-op without caching),
