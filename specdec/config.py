@@ -252,8 +252,12 @@ class SpeculativeConfig:
     def _check_tree(self) -> None:
         """speculative_token_tree: a tree of paths (``StaticTree.from_paths``) whose depth is
         num_speculative_tokens, for the methods that draft on the device with a head; refused
-        with what it cannot run with."""
-        if self.tree_topk is not None or self.num_draft_tokens is not None:
+        with what it cannot run with; or, for suffix, num_draft_tokens alone (``HostTree``)."""
+        keys = ("num_draft_tokens", "tree_topk", "tree_score_temperature",
+                "speculative_token_tree")
+        if self.method == "suffix" and any(getattr(self, key) is not None for key in keys):
+            self._check_suffix_tree()
+        elif self.tree_topk is not None or self.num_draft_tokens is not None:
             self._check_dynamic_tree()
         elif self.tree_score_temperature is not None:
             raise ValueError(f"tree_score_temperature={self.tree_score_temperature!r} scores "
@@ -262,10 +266,11 @@ class SpeculativeConfig:
         elif self.speculative_token_tree is None:
             return
         name = ("speculative_token_tree" if self.speculative_token_tree is not None
-                else "tree_topk")
-        if self.method not in TREE_METHODS:
+                else "num_draft_tokens" if self.method == "suffix" else "tree_topk")
+        if self.method not in TREE_METHODS + ("suffix",):
             raise ValueError(f"{name} with method={self.method!r}: no tree drafting for it; "
-                             f"allowed methods: {TREE_METHODS}")
+                             f"allowed methods: {TREE_METHODS} (and suffix, with "
+                             "num_draft_tokens alone)")
         for key, why in (("disable_padded_drafter_batch", "the ragged drafter drafts chains"),
                          ("num_speculative_tokens_per_batch_size", "a tree has one shape"),
                          ("num_speculative_tokens_policy", "the policy picks chain lengths")):
@@ -281,6 +286,24 @@ class SpeculativeConfig:
                              f"{self.num_speculative_tokens}: num_speculative_tokens is the "
                              f"tree's depth; give {tree.max_depth}")
         self.speculative_token_tree = [tuple(p) for p in tree.paths]
+
+    def _check_suffix_tree(self) -> None:
+        """Suffix decoding's tree: num_draft_tokens alone, an int in 2 .. MAX_TREE_NODES (its
+        shape follows the suffix counts each step, so no top-k, score temperature or static
+        paths)."""
+        from specdec.draft_tree import MAX_TREE_NODES
+        for key, why in (("tree_topk", "its branching follows its counts"),
+                         ("tree_score_temperature", "it scores by counts, not a head's logits"),
+                         ("speculative_token_tree", "its shape follows its counts each step")):
+            if getattr(self, key) is not None:
+                raise ValueError(f"{key}={getattr(self, key)!r} with method='suffix' (a suffix "
+                                 f"tree: {why}); allowed: None (num_draft_tokens alone sizes "
+                                 "the tree)")
+        n = self.num_draft_tokens
+        if (not isinstance(n, int) or isinstance(n, bool)
+                or not 2 <= n <= MAX_TREE_NODES):
+            raise ValueError(f"num_draft_tokens={n!r}: the root and at most num_draft_tokens "
+                             f"- 1 suffix drafts; allowed an int in 2 .. {MAX_TREE_NODES}")
 
     def _check_dynamic_tree(self) -> None:
         """tree_topk and num_draft_tokens: both ints, a tree of at most MAX_TREE_NODES nodes
@@ -308,8 +331,13 @@ class SpeculativeConfig:
 
     @property
     def tree(self):
-        """The ``StaticTree`` or ``DynamicTree`` each step verifies, or None (a chain)."""
-        from specdec.draft_tree import DynamicTree, StaticTree
+        """The ``StaticTree``, ``DynamicTree`` or ``HostTree`` (suffix: at most
+        num_draft_tokens - 1 drafts, at most num_speculative_tokens deep) each step verifies,
+        or None (a chain)."""
+        from specdec.draft_tree import DynamicTree, HostTree, StaticTree
+        if self.method == "suffix" and self.num_draft_tokens is not None:
+            n = self.num_draft_tokens
+            return HostTree(n, min(self.num_speculative_tokens, n - 1))
         if self.tree_topk is not None:
             return DynamicTree(self.tree_topk, self.num_draft_tokens,
                                self.num_speculative_tokens, self.tree_score_temperature)

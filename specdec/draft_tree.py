@@ -1,6 +1,6 @@
 """Draft trees (issue 53): a static one (vLLM's ``speculative_token_tree``) as the arrays a
-padded tree step runs on, a dynamic one's (EAGLE-2) sizes, and any tree's node shapes from its
-parents (``node_shapes``).
+padded tree step runs on, a dynamic one's (EAGLE-2) sizes, a host drafter's (suffix decoding)
+bounds, and any tree's node shapes from its parents (``node_shapes``).
 
 vLLM's key lists the tree's paths, each a tuple of child ranks from the root: ``(0,)`` the
 root's most likely child, ``(1,)`` its second, ``(0, 0)`` the most likely child of ``(0,)``.
@@ -165,6 +165,23 @@ class DynamicTree:
         """E.g. "top-2 5 drafts d3", "top-2 5 drafts d3 T0.3" (a report's row)."""
         t = "" if self.score_temperature is None else f" T{self.score_temperature:g}"
         return f"top-{self.top_k} {self.num_nodes - 1} drafts d{self.max_depth}{t}"
+
+
+@dataclass(frozen=True)
+class HostTree:
+    """A tree a host drafter shapes per request per step (suffix decoding: the continuations
+    its counts hold, ``suffix.py``): at most ``num_nodes - 1`` drafts, at most ``max_depth``
+    deep, each request's parents sent with its drafts. No head, so no head rows."""
+
+    num_nodes: int  # the root and at most num_nodes - 1 drafts verified per request per step
+    max_depth: int
+
+    head_rows = 0
+
+    @property
+    def label(self) -> str:
+        """E.g. "suffix 8 drafts d5" (a report's row)."""
+        return f"suffix {self.num_nodes - 1} drafts d{self.max_depth}"
 
 
 def check_score_temperature(value, source: str) -> float:

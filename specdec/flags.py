@@ -221,7 +221,8 @@ def add_tree_arguments(p, who: str) -> None:
                         "(default: a chain)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="a dynamic draft tree's tokens verified per request per step, the "
-                        "root included (SGLang's count; default: a chain)")
+                        "root included (SGLang's count); alone with --method suffix: a suffix "
+                        "tree of at most N - 1 drafts (default: a chain)")
     p.add_argument("--tree-score-temperature", type=float, default=None, metavar="T",
                    help="a dynamic tree scores its candidates by the head's log-softmax of "
                         "logits / T (a sampled request's: / its temperature when higher; "

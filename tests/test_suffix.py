@@ -1,6 +1,8 @@
-"""Suffix decoding (``method: "suffix"``): the tree's counts and proposals against brute force
-over the token lists, the config keys, and the engine (greedy equal plain decoding, padded
-and ragged; a finished request's tokens drafting for the next)."""
+"""Suffix decoding (``method: "suffix"``): the tree's counts and proposals (paths, and trees
+with num_draft_tokens) against brute force over the token lists, the config keys, and the
+engine (greedy equal plain decoding, padded and ragged, chains and trees; a finished
+request's tokens drafting for the next; a tree step accepts its longest path that plain
+decoding continues)."""
 
 import pytest
 from hypothesis import given
@@ -8,7 +10,8 @@ from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.proposers.suffix import SuffixTree, TokenIndex, index_drafts, tree_drafts
+from specdec.proposers.suffix import (SuffixTree, TokenIndex, index_draft_tree, index_drafts,
+                                      tree_draft_tree, tree_drafts)
 
 SEQ = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 
@@ -44,6 +47,42 @@ def reference(seqs, tokens, k, factor, min_prob, depth, own) -> tuple[float, lis
             cur = cur + [x]
         if out and score >= best[0]:
             best = (score, out)
+    return best
+
+
+def reference_tree(seqs, tokens, n, max_depth, factor, min_prob, depth, own
+                   ) -> tuple[float, list[int], list[int]]:
+    """The module docstring's tree rule by brute force over ``seqs``: candidates in a list,
+    each string's count by scanning."""
+    alphabet = sorted({t for q in seqs for t in q})
+    best = (0.0, [], [])
+    for m in range(1, min(depth, len(tokens)) + 1):
+        root = tokens[len(tokens) - m:]
+        if count(seqs, root, depth) < 1 + own:
+            break
+        deep, found, candidates = min(max_depth, depth - m), [0], []
+
+        def offer(string, prob, parent, level):
+            if level >= deep:
+                return
+            kids = [(x, count(seqs, string + [x], depth)) for x in alphabet]
+            for x, c in sorted((kid for kid in kids if kid[1]), key=lambda kid: (-kid[1], kid[0])):
+                p = prob * c / count(seqs, string, depth)
+                if p >= min_prob:
+                    candidates.append((-p, found[0], x, string + [x], parent, level + 1))
+                    found[0] += 1
+
+        offer(root, 1.0, 0, 0)
+        score, drafts, parents = 0.0, [], []
+        while candidates and len(drafts) < min(n, int(m * factor)):
+            take = min(candidates)
+            candidates.remove(take)
+            score -= take[0]
+            drafts.append(take[2])
+            parents.append(take[4])
+            offer(take[3], -take[0], len(drafts), take[5])
+        if drafts and score >= best[0]:
+            best = (score, drafts, parents)
     return best
 
 
@@ -113,6 +152,42 @@ def test_proposals_equal_the_brute_force_rule(tokens, others, depth, k, factor, 
         assert got[1] == want[1] and got[0] == pytest.approx(want[0])
 
 
+@given(SEQ, st.lists(SEQ, max_size=3), st.integers(1, 6), st.integers(1, 9),
+       st.integers(1, 6), st.sampled_from([0.5, 1.0, 3.0]), st.sampled_from([0.0, 0.1, 0.4]))
+def test_trees_equal_the_brute_force_rule(tokens, others, depth, n, max_depth, factor,
+                                          min_prob):
+    """Trees (num_draft_tokens): in the request's own index and in a tree of other
+    sequences, equal to brute force; each a tree of at most ``n`` drafts, parents first,
+    at most ``max_depth`` deep, siblings distinct."""
+    index = TokenIndex()
+    for end in range(1, len(tokens) + 1, 3):
+        index.extend(tokens[:end])
+    index.extend(tokens)
+    got = [index_draft_tree(index, depth, n, max_depth, factor, min_prob)]
+    want = [reference_tree([tokens], tokens, n, max_depth, factor, min_prob, depth, own=True)]
+    if others:
+        got.append(tree_draft_tree(tree_of(others, depth), tokens, n, max_depth, factor,
+                                   min_prob))
+        want.append(reference_tree(others, tokens, n, max_depth, factor, min_prob, depth,
+                                   own=False))
+    for (score, drafts, parents), (want_score, *want_tree) in zip(got, want):
+        assert [drafts, parents] == want_tree and score == pytest.approx(want_score)
+        assert len(drafts) <= n and all(0 <= up <= k for k, up in enumerate(parents))
+        level = [0]
+        for up in parents:
+            level.append(level[up] + 1)
+        assert max(level) <= max_depth
+        siblings = [(up, x) for up, x in zip(parents, drafts)]
+        assert len(set(siblings)) == len(siblings)
+
+
+def test_tree_docstring_example():
+    index = TokenIndex()
+    index.extend([1, 2, 3, 1, 2, 4, 1, 2])
+    assert index_draft_tree(index, 24, 3, 2, 2.0, 0.1) == (1.0, [3, 4, 1], [0, 0, 1])
+    assert index_draft_tree(index, 24, 3, 2, 1.0, 0.1) == (2 / 3, [3, 4], [0, 0])
+
+
 def test_docstring_example():
     tokens = [1, 2, 3, 1, 2]
     index = TokenIndex()
@@ -136,6 +211,30 @@ def test_suffix_keys_default_to_vllms_and_are_checked():
     with pytest.raises(ValueError, match="is a key of method='suffix', not method='ngram'"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                      "suffix_decoding_max_spec_factor": 2.0})
+
+
+def test_a_suffix_tree_takes_num_draft_tokens_alone():
+    """num_draft_tokens sizes a suffix tree (depth: K, at most the drafts); a head's tree
+    keys, a ragged batch or a bad size are refused by name."""
+    tree = SpeculativeConfig.from_dict({"method": "suffix", "num_draft_tokens": 9}).tree
+    assert (tree.num_nodes, tree.max_depth, tree.label) == (9, 8, "suffix 8 drafts d8")
+    spec = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3,
+                                        "num_draft_tokens": 9})
+    assert (spec.tree.max_depth, spec.num_fed_drafts) == (3, 8)
+    for extra, match in [
+            ({"tree_topk": 2}, r"^tree_topk=2 with method='suffix' \(a suffix tree: its "
+                               r"branching follows its counts\); allowed: None"),
+            ({"tree_score_temperature": 0.5}, "^tree_score_temperature=0.5 with method='suffix'"),
+            ({"speculative_token_tree": [(0,)]}, "^speculative_token_tree=.* with method='suffix'"),
+            ({"num_draft_tokens": 1}, r"^num_draft_tokens=1: .* allowed an int in 2 \.\. 63"),
+            ({"num_draft_tokens": 64}, r"^num_draft_tokens=64: .* allowed an int in 2 \.\. 63"),
+            ({"disable_padded_drafter_batch": True},
+             r"^disable_padded_drafter_batch=True with num_draft_tokens .*allowed: False")]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_dict({"method": "suffix", "num_draft_tokens": 9, **extra})
+    with pytest.raises(ValueError, match="tree_topk with method='ngram': no tree drafting"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                     "tree_topk": 2, "num_draft_tokens": 4})
 
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
@@ -164,6 +263,66 @@ def test_suffix_greedy_equals_plain_and_finished_requests_draft_for_the_next(pad
     cached = llm.core.proposer.cached  # its 1-token strings count every token it holds
     assert sum(cached.counts[c] for c in cached.children[0].values()) == 2 * sum(
         len(o.token_ids) for o in outs)
+
+
+# prompts whose continuations branch (a repeated line with two endings)
+BRANCHING = ["a = b\na = c\na = b\na = c\na = b\na =",
+             "import os\nimport sys\nimport re\nimport os\nimport sys\nimport",
+             "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor",
+             "if x:\n    return True\nif y:\n    return False\nif z:\n    return"]
+
+
+def walk(tokens: list[int], parents: list[int], truth: list[int]) -> tuple[int, bool]:
+    """The depth of the tree's longest path that ``truth`` continues, and whether it passed
+    a node that is not its parent's first child."""
+    node, depth, aside = 0, 0, False
+    while depth < len(truth):
+        kids = [k + 1 for k, up in enumerate(parents) if up == node]
+        hit = [c for c in kids if tokens[c - 1] == truth[depth]]
+        if not hit:
+            return depth, aside
+        aside |= hit[0] != kids[0]
+        node, depth = hit[0], depth + 1
+    return depth, aside
+
+
+@pytest.mark.parametrize("backend", ["eager", "replay"])
+def test_a_suffix_tree_equals_plain_and_accepts_its_longest_continued_path(backend):
+    """num_draft_tokens: each step verifies a suffix tree (8 drafts, 4 deep; spec factor 4,
+    so short matches draft wide trees). Greedy output
+    equals plain decoding's, and every step accepted exactly the depth of its tree's longest
+    path that plain decoding continues (the tokens a request held at its next proposal):
+    the host's parents reached the verifier, branches included."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(max_num_seqs=4).generate(BRANCHING, params)]
+    llm = LLM(speculative_config={"method": "suffix", "num_speculative_tokens": 4,
+                                  "num_draft_tokens": 9,
+                                  "suffix_decoding_max_spec_factor": 4.0},
+              max_num_seqs=4, graph_backend=backend, check_host_syncs=backend == "replay")
+    proposals = {}  # request id -> [(tokens held, drafts, parents)] in order
+    search = llm.core.proposer.drafts
+
+    def recorded(request_id, token_ids, k):
+        out = search(request_id, token_ids, k)
+        proposals.setdefault(request_id, []).append(
+            (len(token_ids), out[:len(out) // 2], out[len(out) // 2:]))
+        return out
+
+    llm.core.proposer.drafts = recorded
+    outs = [o for _ in range(2) for o in llm.generate(BRANCHING, params)]
+    assert [o.token_ids for o in outs] == plain * 2
+    checked = branched = aside = 0
+    for o in outs:
+        truth = o.prompt_token_ids + o.token_ids
+        steps = proposals[o.request_id]
+        for (held, drafts, parents), (held_next, _, _) in zip(steps, steps[1:]):
+            assert len(drafts) <= 8 and all(0 <= up <= k for k, up in enumerate(parents))
+            depth, passed_aside = walk(drafts, parents, truth[held:])
+            assert held_next - held - 1 == depth
+            checked += bool(drafts)
+            branched += len(set(parents)) < len(parents)
+            aside += passed_aside
+    assert checked > 20 and branched > 0 and aside > 0
 
 
 @pytest.mark.parametrize("spec, blocks", [

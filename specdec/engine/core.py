@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from specdec.distributed import TPContext
 from specdec.dp import DPContext
-from specdec.draft_tree import DynamicTree, node_shapes
+from specdec.draft_tree import DynamicTree, HostTree, node_shapes
 from specdec.engine.block_allocator import BlockAllocator
 from specdec.engine.config import EngineConfig
 from specdec.engine.k_policy import GoodputPolicy
@@ -465,8 +465,8 @@ class EngineCore:
         # size holds; 0: no search): the device's, or a host drafter's from the tokens
         r.spec_token_ids = ([] if self.proposer is None else
                             self.proposer.next_drafts(r, draft, self.scheduler.step_k))
-        if isinstance(self.tree, DynamicTree):  # the drafts, then their parents
-            n = self.tree.num_nodes - 1
+        if isinstance(self.tree, (DynamicTree, HostTree)):  # the drafts, then their parents
+            n = len(r.spec_token_ids) // 2
             r.spec_token_ids, r.spec_parents = r.spec_token_ids[:n], r.spec_token_ids[n:]
         elif self.tree is not None:
             r.spec_parents = list(self.tree.parent[1:])

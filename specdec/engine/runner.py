@@ -579,7 +579,8 @@ class ModelRunner:
         accepted path's target K/V move to the positions after the root, the path stays in
         ``tree_path`` for the drafter -> sampled [Bp, num_rows] int32: the path's tokens, the
         token after it, then -1 (a chain's layout)."""
-        b, depth = logits.shape[0], self.tree.max_depth
+        # a host tree's step verifies at most num_rows - 1 drafts: no deeper path
+        b, depth = logits.shape[0], min(self.tree.max_depth, num_rows - 1)
         live = (torch.arange(num_rows - 1, device=logits.device)[None]
                 < x.num_draft_tokens[:, None])
         tokens = torch.cat([torch.zeros_like(x.draft_token_ids[:, :1]),
@@ -612,7 +613,8 @@ class ModelRunner:
             1, depth + 1, device=root.device)[None]).clamp(max=self.max_model_len - 1),
                             self.block_size)
         self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
-        self.tree_path[:b].copy_(path)
+        if self.drafts_on_device:  # the drafter's chain view reads it
+            self.tree_path[:b].copy_(path)
         return sampled
 
     def chain_view(self, x: StepInputs) -> torch.Tensor:

@@ -14,12 +14,28 @@ trees (ties: the request's own). Example (own tree, tokens [1, 2, 3, 1, 2], K = 
 m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matches [1, 2]
 -> [3, 1] (1/2, 1/2) with score 1.0, the best.
 
+With ``num_draft_tokens`` (a ``HostTree``) a proposal is a tree instead of a path
+(SuffixDecoding's tree speculation): from the matched node, best first, the candidate whose
+product of child / parent counts along its path is highest (ties: the more frequent child,
+then the smaller token, then the earlier found) becomes the next draft while that product is
+>= ``min_token_prob``, at most ``min(num_draft_tokens - 1, floor(m * max_spec_factor))``
+drafts, at most ``num_speculative_tokens`` deep; the score is again the sum of the products.
+Drafts come in the order taken, so parents come before children. Example (own tree, tokens
+[1, 2, 3, 1, 2, 4, 1, 2], 3 drafts, factor 2, depth 2): m = 2 matches [1, 2] three times
+(the request's end among them), followed once by 3 and once by 4 (1/3 each): drafts 3 and 4
+(the root's children), then 3's child 1 (1/3 x 1/1) -> tokens [3, 4, 1], parents [0, 0, 1],
+score 1.0 (m = 1 holds the same ends but allows 2 drafts: score 2/3).
+
 The request's own "tree" is not built as a trie: a prompt of n tokens would cost n x depth
 node updates in the step that ends its prefill (about 10 ms for 800 tokens on a CPU, on
 every request's time to first token). ``TokenIndex`` keeps the positions of each token
 instead (n appends) and ``index_drafts`` counts the same strings by narrowing the positions
 that match, with the same rule and the same drafts.
 """
+
+import heapq
+import itertools
+from collections.abc import Callable
 
 from specdec.config import SpeculativeConfig
 from specdec.proposers.base import HostProposer
@@ -154,6 +170,53 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     return best
 
 
+def grow_tree(children: Callable, root, root_count: int, limit: int, depth: int,
+              min_prob: float) -> tuple[float, list[int], list[int]]:
+    """The module docstring's tree from a matched node: ``children(node)`` -> [(token, count,
+    child)] (a child's count: the occurrences of its string), ``root_count`` the matched
+    string's; at most ``limit`` drafts, ``depth`` deep -> (score, tokens, parents: node
+    numbers, 0 the root, draft i node i + 1)."""
+    heap, found = [], itertools.count()
+
+    def offer(node, count: int, prob: float, parent: int, level: int) -> None:
+        if level < depth:
+            for token, c, child in sorted(children(node), key=lambda t: (-t[1], t[0])):
+                p = prob * c / count
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, next(found), token, child, c, parent, level + 1))
+
+    offer(root, root_count, 1.0, 0, 0)
+    score, tokens, parents = 0.0, [], []
+    while heap and len(tokens) < limit:
+        neg, _, token, child, count, parent, level = heapq.heappop(heap)
+        score -= neg
+        tokens.append(token)
+        parents.append(parent)
+        offer(child, count, -neg, len(tokens), level)
+    return score, tokens, parents
+
+
+def tree_draft_tree(tree: SuffixTree, tokens: list[int], n: int, max_depth: int,
+                    factor: float, min_prob: float) -> tuple[float, list[int], list[int]]:
+    """``tree_drafts`` as a tree of at most ``n`` drafts, ``max_depth`` deep (``grow_tree``)
+    -> (score, tokens, parents)."""
+    counts, children = tree.counts, tree.children
+
+    def below(node: int) -> list[tuple[int, int, int]]:
+        return [(t, counts[c], c) for t, c in children[node].items()]
+
+    best = (0.0, [], [])
+    for m in range(1, min(tree.depth, len(tokens)) + 1):
+        node = tree.find(tokens[len(tokens) - m:])
+        if node is None:
+            break
+        found = grow_tree(below, node, counts[node], min(n, int(m * factor)),
+                          min(max_depth, tree.depth - m), min_prob)
+        if found[1] and found[0] >= best[0]:
+            best = found
+    return best
+
+
 class TokenIndex:
     """One sequence's tokens and, per token id, the positions where it occurs (ascending):
     what ``index_drafts`` counts strings of the sequence from."""
@@ -208,6 +271,36 @@ def index_drafts(index: TokenIndex, depth: int, k: int, factor: float,
     return best
 
 
+def index_draft_tree(index: TokenIndex, depth: int, n: int, max_depth: int, factor: float,
+                     min_prob: float) -> tuple[float, list[int], list[int]]:
+    """``index_drafts`` as a tree of at most ``n`` drafts, ``max_depth`` deep (``grow_tree``
+    over the match ends: a node is the list of positions where its string ends) -> (score,
+    tokens, parents)."""
+    seq = index.tokens
+    size = len(seq)
+
+    def below(ends: list[int]) -> list[tuple[int, int, list[int]]]:
+        groups: dict[int, list[int]] = {}
+        for p in ends:
+            if p + 1 < size:
+                groups.setdefault(seq[p + 1], []).append(p + 1)
+        return [(t, len(g), g) for t, g in groups.items()]
+
+    ends = index.at.get(seq[-1], []) if size else []
+    best = (0.0, [], [])
+    for m in range(1, min(depth, size) + 1):
+        if m > 1:
+            want = seq[size - m]
+            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
+        if len(ends) < 2:
+            break
+        found = grow_tree(below, ends, len(ends), min(n, int(m * factor)),
+                          min(max_depth, depth - m), min_prob)
+        if found[1] and found[0] >= best[0]:
+            best = found
+    return best
+
+
 class SuffixProposer(HostProposer):
     """Drafts by suffix decoding (above), on the host, after each step; keeps each running
     request's own index and one tree over the outputs of the last ``max_cached_requests``
@@ -222,19 +315,29 @@ class SuffixProposer(HostProposer):
         self.own: dict[str, TokenIndex] = {}  # running request id -> its tokens' index
         self.cached = SuffixTree(self.depth)
         self.cached_order: list[list[int]] = []  # finished sequences in the cached tree
+        self.tree = config.tree  # a HostTree: drafts trees (num_draft_tokens); None: paths
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
         """The next step's drafts of a running request with these tokens (at most ``k`` <=
-        K, none past max_model_len). ``k`` 0: nothing at all; its index takes the tokens
-        since its last proposal at the next one (a request that ends first never builds it)."""
-        k = min(k, self.num_speculative_tokens, self.max_model_len - len(token_ids))
+        K, none past max_model_len), a tree's then their parents (node numbers, 0 the
+        root). ``k`` 0: nothing at all; its index takes the tokens since its last proposal at
+        the next one (a request that ends first never builds it)."""
+        limit = self.num_speculative_tokens if self.tree is None else self.tree.num_nodes - 1
+        k = min(k, limit, self.max_model_len - len(token_ids))
         if k <= 0:
             return []
         index = self.own.setdefault(request_id, TokenIndex())
         index.extend(token_ids)  # the tokens since its last proposal
-        own = index_drafts(index, self.depth, k, self.factor, self.min_prob)
-        other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob)
-        return (other if other[0] > own[0] else own)[1]
+        args = (k, self.factor, self.min_prob)
+        if self.tree is None:
+            own = index_drafts(index, self.depth, *args)
+            other = tree_drafts(self.cached, token_ids, *args)
+            return (other if other[0] > own[0] else own)[1]
+        d = self.tree.max_depth
+        own = index_draft_tree(index, self.depth, k, d, self.factor, self.min_prob)
+        other = tree_draft_tree(self.cached, token_ids, k, d, self.factor, self.min_prob)
+        best = other if other[0] > own[0] else own
+        return best[1] + best[2]
 
     def on_finish(self, request, keep: bool = True) -> None:
         """A request ended: drop its own index; cache its output (its response: the prompt is
