@@ -27,11 +27,12 @@ TIMEOUT = 240  # seconds per spawn (a hang fails instead of blocking CI)
 MAX_TOKENS = 20
 AUX = [1, 2, 3]
 K = {"mtp": 3, "mtp-ragged": 2, "eagle3": 2, "extract_hidden_states": 1, "ngram": 3,
-     "mtp-k-schedule": 3, "mtp-tree": 2, "mtp-dtree": 3}
+     "mtp-k-schedule": 3, "mtp-tree": 2, "mtp-dtree": 3, "suffix-tree": 3}
 # mtp-tree: a static draft tree of depth 2; mtp-dtree: a dynamic one of depth 3 (an idle rank
-# runs the tree's head forwards per depth)
+# runs the tree's head forwards per depth); suffix-tree: host trees of 0..4 drafts per request
 TREE = {"mtp-tree": {"speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]},
-        "mtp-dtree": {"tree_topk": 2, "num_draft_tokens": 5}}
+        "mtp-dtree": {"tree_topk": 2, "num_draft_tokens": 5},
+        "suffix-tree": {"num_draft_tokens": 5, "suffix_decoding_max_spec_factor": 4.0}}
 # mtp-k-schedule: K per step (3 alone, 1 at 2-4 requests); a rank with several requests and
 # one with one agree on the smaller K (the MoE head's collectives then match)
 K_SCHEDULE = [[2, 4, 1]]
@@ -41,11 +42,13 @@ ASSIGN = {
     2: {"mtp": [[0, 1, 2, 3, 4], []], "mtp-ragged": [[0, 1, 2, 3], [4]],
         "eagle3": [[2], [0, 1, 3, 4]], "extract_hidden_states": [[1], [0, 2, 3, 4]],
         "ngram": [[0, 3], [1, 2, 4]], "mtp-k-schedule": [[0, 1, 2, 3], [4]],
-        "mtp-tree": [[1, 2], [0, 3, 4]], "mtp-dtree": [[0, 1, 2, 4], [3]]},
+        "mtp-tree": [[1, 2], [0, 3, 4]], "mtp-dtree": [[0, 1, 2, 4], [3]],
+        "suffix-tree": [[0, 1, 2, 3], [4]]},
     3: {"mtp": [[1], [0, 2, 3, 4], []], "mtp-ragged": [[4], [], [0, 1, 2, 3]],
         "eagle3": [[], [4], [0, 1, 2, 3]], "extract_hidden_states": [[0, 1], [], [2, 3, 4]],
         "ngram": [[2, 3, 4], [0, 1], []], "mtp-k-schedule": [[0], [], [1, 2, 3, 4]],
-        "mtp-tree": [[0, 1, 2, 3], [], [4]], "mtp-dtree": [[], [0, 2], [1, 3, 4]]},
+        "mtp-tree": [[0, 1, 2, 3], [], [4]], "mtp-dtree": [[], [0, 2], [1, 3, 4]],
+        "suffix-tree": [[0, 1], [], [2, 3, 4]]},
 }
 
 
@@ -69,7 +72,7 @@ def llm_kwargs(method, target, out_dir=None, **kw):
                           num_experts=0).to(torch.float64).eval()
     elif method == "ngram":  # no head: host drafts of 0..K tokens per request and rank
         spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
-    else:
+    elif method == "extract_hidden_states":
         spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX,
                                       "output_dir": str(out_dir)}
     # packed prefill: ASSIGN's uneven loads were chosen for its schedule (CPU's default is

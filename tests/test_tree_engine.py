@@ -115,6 +115,30 @@ def test_tree_under_compile_dynamic_equals_eager(monkeypatch, method):
     assert llm.runner.target_graph.calls > 0 and llm.runner.proposer.step_graph.calls > 0
 
 
+def test_a_suffix_tree_under_compile_dynamic_equals_eager_and_plain(monkeypatch):
+    """A suffix tree (host drafts and parents, fewer than num_draft_tokens - 1 in most steps)
+    through compile_dynamic's graphs (traced by dynamo's eager backend) gives eager's tokens,
+    accepted counts and plain greedy's tokens."""
+    monkeypatch.setattr(core, "WARMUP_SAMPLING", ({},))
+    monkeypatch.setattr(core, "warmup_phases", lambda *sizes: (((3,),),))
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(ModelConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).to(torch.float64).eval()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6, 7]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(method, **kw):
+        llm = make_llm(target, method, 4, True, max_num_seqs=2, tree={
+            "num_draft_tokens": 7, "suffix_decoding_max_spec_factor": 4.0}, **kw)
+        out = llm.generate([prompt], params)[0]
+        return (out.token_ids, out.num_accepted), llm
+    compiled, llm = run("suffix", graph_backend="compile_dynamic", compile_backend="eager")
+    assert compiled == run("suffix")[0] and sum(compiled[1]) > 0
+    assert compiled[0] == make_llm(target, None, 1, True).generate([prompt], params)[0].token_ids
+    assert llm.runner.target_graph.calls > 0
+
+
 def test_a_branching_tree_accepts_more_than_its_chain():
     """The embedded EAGLE-3 head's second candidates at depths 1 and 2 are right where its
     first is not: the static tree's accepted drafts exceed the chain's (same depth), so it
