@@ -186,7 +186,8 @@ def test_a_windowed_target_verifies_a_tree():
 @pytest.mark.parametrize("spec,kw,match", [
     ({"method": "ngram"}, {}, r"speculative_token_tree with method='ngram'"),
     ({"method": "suffix", "speculative_token_tree": None, "tree_topk": 2,
-      "num_draft_tokens": 4}, {}, r"tree_topk with method='suffix'"),
+      "num_draft_tokens": 4}, {}, r"tree_topk=2 with method='suffix' \(a suffix tree: its "
+                                   r"branching follows its counts\)"),
     ({"method": "mtp", "speculative_token_tree": None, "tree_topk": 2}, {},
      r"num_draft_tokens=None: a dynamic tree needs tree_topk and num_draft_tokens"),
     ({"method": "eagle3", "disable_padded_drafter_batch": True}, {},
@@ -232,7 +233,8 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
     """--speculative-token-tree (K its depth when -k is not given), --tree-topk,
     --num-draft-tokens and --tree-score-temperature: generate runs the tree, serve and bench
     serve --launch build the config with it (bench serve hands it to the server), bench
-    labels its rows with it; without a drafter they are refused."""
+    labels its rows with it (a suffix tree's too, each row at its K's depth); without a
+    drafter they are refused."""
     from specdec.bench import serve as bench_serve
     from specdec.commands import cli as specdec_cli
     from specdec.flags import speculation_from_args
@@ -254,6 +256,12 @@ def test_tree_flags_reach_every_command(capsys, tmp_path):
                              "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0 and "padded, static 3 drafts d2" in out
+    # a suffix tree's rows: its size and each row's K as its depth
+    code = specdec_cli.main(["bench", "--methods", "suffix", "--num-draft-tokens", "5", "-k",
+                             "1,3", "--concurrency", "1", "--prompt-len", "8", "--output-len",
+                             "8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "suffix 4 drafts d1" in out and "suffix 4 drafts d3" in out
     code = specdec_cli.main(["generate", "--prompt", "x", "--method", "none", "--tree-topk", "2"])
     assert code == 2 and "--tree-topk sets the drafter's tree" in capsys.readouterr().err
 

@@ -180,24 +180,26 @@ def check_tree(sweep: dict) -> None:
     keys = ("speculative_token_tree", "tree_topk", "num_draft_tokens", "tree_score_temperature")
     if not isinstance(tree, dict) or not tree or set(tree) - set(keys):
         raise UsageError(f"sweep tree={tree!r}: allowed a mapping of {list(keys)}")
-    if bad := [m for m in sweep["methods"] if m != "none" and m not in TREE_METHODS]:
+    drafters = [m for m in sweep["methods"] if m != "none"]
+    if bad := [m for m in drafters if m not in (*TREE_METHODS, "suffix")]:
         raise UsageError(f"sweep tree= with methods {bad}: they draft chains; allowed methods "
-                         f"{['none', *TREE_METHODS]}")
+                         f"{['none', *TREE_METHODS, 'suffix']}")
     if "ragged" in sweep["modes"]:
         raise UsageError("sweep tree= with mode ragged (its drafter drafts chains); allowed "
                          "modes: ['padded']")
-    for k in sweep["k"]:
+    for k, method in product(sweep["k"], drafters):
         try:
-            SpeculativeConfig("mtp", k, **tree)
+            SpeculativeConfig(method, k, **tree)
         except ValueError as e:
-            raise UsageError(f"sweep tree= at K={k}: {e}") from None
+            raise UsageError(f"sweep tree= at K={k} with method {method}: {e}") from None
 
 
-def tree_label(sweep: dict) -> str | None:
-    """The sweep's draft tree for a report (e.g. "static 6 drafts d3"); None: chains."""
-    if sweep.get("tree") is None:
+def tree_label(sweep: dict, method: str, k: int) -> str | None:
+    """The sweep's draft tree of ``method`` at K ``k`` for a report (e.g. "static 6 drafts
+    d3", "suffix 8 drafts d5"); None: chains."""
+    if sweep.get("tree") is None or method == "none":
         return None
-    return SpeculativeConfig("mtp", sweep["k"][0], **sweep["tree"]).tree.label
+    return SpeculativeConfig(method, k, **sweep["tree"]).tree.label
 
 
 def check_k_schedule(schedule, k: int) -> None:
@@ -666,7 +668,7 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     for c in configs:
         entry = dict(name=c.name, method=c.method, mode=c.mode, k=c.k, concurrency=c.concurrency,
                      prompt_len=c.prompt_len, output_len=c.output_len, category=c.category,
-                     tree=tree_label(sweep) if c.method != "none" else None)
+                     tree=tree_label(sweep, c.method, c.k))
         if c in failed:
             entry.update(status="failed", error=failed[c])
         elif c in reps:
