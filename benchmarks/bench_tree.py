@@ -25,6 +25,11 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
         for both methods).
 
+``--methods suffix``: suffix decoding (no head, nothing to fit): chains K=3 and K=5 against
+its trees (``num_draft_tokens``: 8 and 16 drafts, depth 3 and 5), at spec factor 1 (vLLM's
+default) and at the factors that let a short match draft a wide tree (``SUFFIX``); its best
+8-draft tree against its best chain in the speed part.
+
 ``--methods draft_model`` runs a separate draft model: ``--draft-model DIR``, or by default
 the embedded model's first 2 layers with its final norm and lm_head (``layer_skip_draft``:
 LayerSkip's early exit, untrained), written to a temporary folder with its fitted
@@ -61,6 +66,13 @@ DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (
 RAW = [(8, 2, 5), (8, 4, 5), (16, 4, 5)]  # the dynamic shapes also run at score temperature 1
 # the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
 DYNAMIC_8 = {"tree_topk": 4, "num_draft_tokens": 9}  # depth 5
+# suffix decoding's rows: name -> (K, speculative-config keys)
+SUFFIX = {f"{kind} factor {f:g}": (k, {"suffix_decoding_max_spec_factor": f} | tree)
+          for f in (1.0, 2.0, 4.0)
+          for kind, k, tree in (("chain K=3", 3, {}), ("chain K=5", 5, {}),
+                                ("tree 8 d3", 3, {"num_draft_tokens": 9}),
+                                ("tree 8 d5", 5, {"num_draft_tokens": 9}),
+                                ("tree 16 d5", 5, {"num_draft_tokens": 17}))}
 FITTED_8 = {
     "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
     "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
@@ -128,6 +140,23 @@ def fitted(rates: dict, size: int, top_k: int, depth: int) -> list[tuple[int, ..
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
+def head_rows(rates: dict) -> dict:
+    """A head's (or draft model's) rows, name -> (K, tree): chains K=3 and K=5, the trees
+    fitted to ``rates`` (``SHAPES``), the dynamic trees (``DYNAMIC``, ``RAW``)."""
+    rows = {f"chain K={k}": (k, None) for k in (3, 5)}
+    for size, top_k, depth in SHAPES:
+        tree = fitted(rates, size, top_k, depth)
+        rows[f"tree {size} top-{top_k} depth<={depth}"] = (max(map(len, tree)), tree)
+    for size, top_k, depth in DYNAMIC:
+        rows[f"dynamic {size} top-{top_k} depth {depth}"] = (
+            depth, {"tree_topk": top_k, "num_draft_tokens": size + 1})
+    for size, top_k, depth in RAW:
+        rows[f"raw dynamic {size} top-{top_k} depth {depth}"] = (
+            depth, {"tree_topk": top_k, "num_draft_tokens": size + 1,
+                    "tree_score_temperature": 1.0})
+    return rows
+
+
 def speed(method: str, chain: tuple, tree: tuple, prompts, output_len: int,
           graph_backend: str, repeats: int, draft: Path | None = None) -> dict:
     """Tokens/s at one request of the chain and the tree ((depth, tree) each), interleaved
@@ -181,6 +210,9 @@ def main() -> None:
     if draft is None and "draft_model" in args.methods:
         draft = cut(DEFAULT_MODEL, Path(scratch.name) / "layer-skip-2", 2)
         fit_draft_model(DEFAULT_MODEL, draft)
+    if args.speed_only and "suffix" in args.methods:
+        ap.error("--speed-only runs a head's trees; suffix's speed part follows its rows "
+                 "(run it without --speed-only)")
     if args.speed_only and args.speed_tree == "fitted" and set(args.methods) - set(FITTED_8):
         ap.error(f"--speed-tree fitted has trees for {sorted(FITTED_8)} only; "
                  "use --speed-tree dynamic")
@@ -193,18 +225,8 @@ def main() -> None:
                 prompts[:args.speed_prompts],
                 args.output_len, args.graph_backend, args.repeats, draft)}
             continue
-        rates = fit(method, fit_prompts, args.output_len, draft)
-        rows = {f"chain K={k}": (k, None) for k in (3, 5)}
-        for size, top_k, depth in SHAPES:
-            tree = fitted(rates, size, top_k, depth)
-            rows[f"tree {size} top-{top_k} depth<={depth}"] = (max(map(len, tree)), tree)
-        for size, top_k, depth in DYNAMIC:
-            rows[f"dynamic {size} top-{top_k} depth {depth}"] = (
-                depth, {"tree_topk": top_k, "num_draft_tokens": size + 1})
-        for size, top_k, depth in RAW:
-            rows[f"raw dynamic {size} top-{top_k} depth {depth}"] = (
-                depth, {"tree_topk": top_k, "num_draft_tokens": size + 1,
-                        "tree_score_temperature": 1.0})
+        rows = SUFFIX if method == "suffix" else head_rows(
+            fit(method, fit_prompts, args.output_len, draft))
         figures = {}
         for name, (k, tree) in rows.items():
             figures[name] = run(engine(method, k, tree, draft), prompts, args.output_len)
@@ -214,12 +236,17 @@ def main() -> None:
                   f"({figures[name]['tokens_per_s']:.0f} tok/s at 16, eager)", flush=True)
         chain = max((f for n, f in figures.items() if n.startswith("chain")),
                     key=lambda f: f["acceptance_length"])
+        # suffix: against its best chain (any factor); a head: against chain K=3
+        base, base_name = ((chain, "best chain") if method == "suffix"
+                           else (figures["chain K=3"], "chain K=3"))
         for kind in ("tree", "dynamic"):
             for size in (8, 16):
-                best = max((f for n, f in figures.items() if n.startswith(f"{kind} {size} ")),
-                           key=lambda f: f["acceptance_length"])
-                ratio = best["acceptance_length"] / figures["chain K=3"]["acceptance_length"]
-                print(f"{method}: best {kind} of {size} drafts / chain K=3 AL {ratio:.2f}")
+                shown = [f for n, f in figures.items() if n.startswith(f"{kind} {size} ")]
+                if not shown:  # suffix: no dynamic trees
+                    continue
+                best = max(shown, key=lambda f: f["acceptance_length"])
+                ratio = best["acceptance_length"] / base["acceptance_length"]
+                print(f"{method}: best {kind} of {size} drafts / {base_name} AL {ratio:.2f}")
         best = max((f for n, f in figures.items() if n.split()[1] == "8"),
                    key=lambda f: f["acceptance_length"])
         out[method] = {"rows": figures}
