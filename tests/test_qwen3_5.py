@@ -189,6 +189,21 @@ def test_qwen3_next_mtp_speculative_greedy_equals_plain(ragged, q35_dir):
     assert [o.token_ids for o in outs] == want and sum(sum(o.num_drafted) for o in outs) > 0
 
 
+@pytest.mark.parametrize("tree,key", [
+    ({"method": "mtp", "num_speculative_tokens": 2,
+      "speculative_token_tree": [(0,), (1,), (0, 0)]}, "speculative_token_tree"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "tree_topk": 2, "num_draft_tokens": 4},
+     "tree_topk"),
+    ({"method": "suffix", "num_draft_tokens": 5}, "num_draft_tokens")])
+def test_a_hybrid_model_refuses_draft_trees_by_name(q35_dir, tree, key):
+    """Qwen3.5's linear-attention state is kept per chain position: every kind of draft tree
+    is refused, naming the key given and the reason."""
+    with pytest.raises(ValueError, match=rf"^{key}=.* with Qwen3_5ForCausalLM: its linear-"
+                                         "attention layers keep one recurrent state per draft"):
+        LLM(model=str(q35_dir("qwen3_5_mtp")), max_num_seqs=4, max_model_len=256,
+            speculative_config=tree)
+
+
 def test_mtp_refuses_more_than_one_layer(q35_dir, tmp_path):
     path = _edit(q35_dir("qwen3_5_mtp"), tmp_path / "m",
                  lambda c: c.update(mtp_num_hidden_layers=2))

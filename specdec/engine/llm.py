@@ -186,12 +186,14 @@ class LLM:
             ) from None
 
     def _check_tree(self, target) -> None:
-        """speculative_token_tree: refused where a tree step cannot keep its state."""
+        """A draft tree (any kind): refused where a tree step cannot keep its state."""
         if has_linear_attention(target):
+            key = next(k for k in ("speculative_token_tree", "tree_topk", "num_draft_tokens")
+                       if getattr(self.spec, k) is not None)
             raise ValueError(
-                f"speculative_token_tree with {type(target).__name__}: its linear-attention "
-                "layers keep one recurrent state per draft position of a chain, not per "
-                "tree node; allowed: None (chain drafting)")
+                f"{key}={getattr(self.spec, key)!r} with {type(target).__name__}: its "
+                "linear-attention layers keep one recurrent state per draft position of a "
+                "chain, not per tree node; allowed: None (chain drafting)")
 
     def _check_async(self, tensor_parallel_size: int, dp_size: int, drafter) -> None:
         """async_scheduling overlaps a single rank's padded steps: refuse what it cannot."""
