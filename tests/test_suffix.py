@@ -213,6 +213,21 @@ def test_suffix_keys_default_to_vllms_and_are_checked():
                                      "suffix_decoding_max_spec_factor": 2.0})
 
 
+def test_a_suffix_tree_decodes_up_to_max_model_len():
+    """A request whose trees reach past max_model_len (the proposer and the scheduler keep a
+    prefix of the nodes, which is a tree) decodes to the end as plain greedy does."""
+    prompt = "import os\nimport sys\n" * 4 + "import"
+    limit = len(LLM().tokenizer.encode(prompt)) + 24  # 24 tokens of room: 16 drafts, then fewer
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain = LLM(max_model_len=limit).generate([prompt], params)[0]
+    llm = LLM(max_model_len=limit, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "num_draft_tokens": 17,
+        "suffix_decoding_max_spec_factor": 4.0})
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == plain.token_ids and len(out.prompt_token_ids + out.token_ids) == limit
+    assert sum(out.num_accepted) > 0
+
+
 def test_a_suffix_tree_takes_num_draft_tokens_alone():
     """num_draft_tokens sizes a suffix tree (depth: K, at most the drafts); a head's tree
     keys, a ragged batch or a bad size are refused by name."""
