@@ -139,7 +139,8 @@ class HostProposer(Proposer):
         return self.drafts(request.request_id, request.token_ids, k)
 
     def drafts(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
-        """At most ``k`` drafts for the request with these tokens (0: none, no search)."""
+        """At most ``k`` drafts for the request with these tokens (0: none, no search); a
+        ``HostTree``'s drafts, then their parents."""
         raise NotImplementedError
 
 

@@ -16,8 +16,9 @@ m = 1 matches [2] -> [3] (1/2: [2] occurs twice, once followed by 3); m = 2 matc
 
 With ``num_draft_tokens`` (a ``HostTree``) a proposal is a tree instead of a path
 (SuffixDecoding's tree speculation): from the matched node, best first, the candidate whose
-product of child / parent counts along its path is highest (ties: the more frequent child,
-then the smaller token, then the earlier found) becomes the next draft while that product is
+product of child / parent counts along its path is highest (ties: the one found first; a
+node's children are found most frequent first, then smaller token first) becomes the next
+draft while that product is
 >= ``min_token_prob``, at most ``min(num_draft_tokens - 1, floor(m * max_spec_factor))``
 drafts, at most ``num_speculative_tokens`` deep; the score is again the sum of the products.
 Drafts come in the order taken, so parents come before children. Example (own tree, tokens
@@ -328,10 +329,9 @@ class SuffixProposer(HostProposer):
             return []
         index = self.own.setdefault(request_id, TokenIndex())
         index.extend(token_ids)  # the tokens since its last proposal
-        args = (k, self.factor, self.min_prob)
         if self.tree is None:
-            own = index_drafts(index, self.depth, *args)
-            other = tree_drafts(self.cached, token_ids, *args)
+            own = index_drafts(index, self.depth, k, self.factor, self.min_prob)
+            other = tree_drafts(self.cached, token_ids, k, self.factor, self.min_prob)
             return (other if other[0] > own[0] else own)[1]
         d = self.tree.max_depth
         own = index_draft_tree(index, self.depth, k, d, self.factor, self.min_prob)
