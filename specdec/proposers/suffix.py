@@ -234,6 +234,21 @@ class TokenIndex:
             self.at.setdefault(t, []).append(p)
 
 
+def match_ends(index: TokenIndex, depth: int):
+    """Per match length m = 1, 2, ... <= ``depth`` while the sequence's last m tokens occur
+    once more: (m, the positions where their occurrences end, its own end among them)."""
+    seq = index.tokens
+    n = len(seq)
+    ends = index.at.get(seq[-1], []) if n else []
+    for m in range(1, min(depth, n) + 1):
+        if m > 1:
+            want = seq[n - m]
+            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
+        if len(ends) < 2:
+            return
+        yield m, ends
+
+
 def index_drafts(index: TokenIndex, depth: int, k: int, factor: float,
                  min_prob: float) -> tuple[float, list[int]]:
     """``tree_drafts`` of a sequence in its own tree (a trie of ``depth`` over it), from the
@@ -243,14 +258,8 @@ def index_drafts(index: TokenIndex, depth: int, k: int, factor: float,
     by it) / (matches) stays >= ``min_prob``, the string at most ``depth`` long."""
     seq = index.tokens
     n = len(seq)
-    ends = index.at.get(seq[-1], []) if n else []
     best = (0.0, [])
-    for m in range(1, min(depth, n) + 1):
-        if m > 1:
-            want = seq[n - m]
-            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
-        if len(ends) < 2:
-            break
+    for m, ends in match_ends(index, depth):
         limit = min(k, int(m * factor), depth - m)
         cur, prob, score, out = ends, 1.0, 0.0, []
         while len(out) < limit:
@@ -287,14 +296,8 @@ def index_draft_tree(index: TokenIndex, depth: int, n: int, max_depth: int, fact
                 groups.setdefault(seq[p + 1], []).append(p + 1)
         return [(t, len(g), g) for t, g in groups.items()]
 
-    ends = index.at.get(seq[-1], []) if size else []
     best = (0.0, [], [])
-    for m in range(1, min(depth, size) + 1):
-        if m > 1:
-            want = seq[size - m]
-            ends = [p for p in ends if p >= m - 1 and seq[p - m + 1] == want]
-        if len(ends) < 2:
-            break
+    for m, ends in match_ends(index, depth):
         found = grow_tree(below, ends, len(ends), min(n, int(m * factor)),
                           min(max_depth, depth - m), min_prob)
         if found[1] and found[0] >= best[0]:
