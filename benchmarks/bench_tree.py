@@ -64,8 +64,12 @@ WIDE = sorted({p for d in range(1, 6) for p in itertools.product(range(3), repea
 SHAPES = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 2, 5), (16, 4, 5), (16, 4, 3)]
 DYNAMIC = [(8, 2, 3), (8, 4, 3), (8, 2, 5), (8, 4, 5), (16, 4, 5), (16, 4, 3), (7, 4, 5)]
 RAW = [(8, 2, 5), (8, 4, 5), (16, 4, 5)]  # the dynamic shapes also run at score temperature 1
-# the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
 DYNAMIC_8 = {"tree_topk": 4, "num_draft_tokens": 9}  # depth 5
+# the fitted 8-draft static trees (depth <= 5) of docs/benchmarks.md, by method
+FITTED_8 = {
+    "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+    "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+}
 # suffix decoding's rows: name -> (K, speculative-config keys)
 SUFFIX = {f"{kind} factor {f:g}": (k, {"suffix_decoding_max_spec_factor": f} | tree)
           for f in (1.0, 2.0, 4.0)
@@ -73,15 +77,11 @@ SUFFIX = {f"{kind} factor {f:g}": (k, {"suffix_decoding_max_spec_factor": f} | t
                                 ("tree 8 d3", 3, {"num_draft_tokens": 9}),
                                 ("tree 8 d5", 5, {"num_draft_tokens": 9}),
                                 ("tree 16 d5", 5, {"num_draft_tokens": 17}))}
-FITTED_8 = {
-    "eagle3": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
-    "mtp": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)],
-}
 
 
 def engine(method: str, k: int, tree=None, draft: Path | None = None, **kw) -> LLM:
-    """``tree``: a static tree's paths, or a dynamic tree's (tree_topk, num_draft_tokens);
-    ``draft``: method draft_model's folder."""
+    """``tree``: a static tree's paths, or speculative-config keys (a dynamic tree's
+    tree_topk and num_draft_tokens; suffix's keys); ``draft``: method draft_model's folder."""
     spec = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
         spec["model"] = str(draft)
