@@ -190,10 +190,10 @@ class PagedKV:
                                             meta.slot_mapping)
             args = (meta.query_start_loc, meta.seq_lens, meta.block_table, num_tokens,
                     meta.max_seq_len, self.cache.block_size, meta.max_query_len)
-            if self.torch_attention or not platform.triton_available(meta.seq_lens.device):
+            if self.torch_attention or meta.query_split is not None:  # a split: CPU steps only
                 self._plan = kernels.TORCH_IMPLS["plan_paged_attention"](
                     *args, tree=meta.tree, split=meta.query_split)
-            else:  # the Triton kernel's plan: one program per token, nothing to split
+            else:  # by device (the Triton kernel's plan: one program per token, no split)
                 self._plan = kernels.plan_paged_attention(*args, tree=meta.tree)
         return self._plan
 
