@@ -199,9 +199,11 @@ def main() -> None:
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--speed-chain-k", type=int, default=5)
     ap.add_argument("--speed-tree", choices=["fitted", "dynamic"], default="dynamic")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: the served engine's)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     base = LLM(speculative_config=None, max_model_len=256)
     source = PromptSource(base.tokenizer, base.vocab_size)
     prompts = source.prompts(args.num_prompts, args.prompt_len, args.seed)

@@ -49,8 +49,8 @@ def plain():
         PROMPTS, SamplingParams(max_tokens=13, ignore_eos=True))]
 
 
-@pytest.mark.parametrize("padded,backend", [(True, "eager"), (True, "replay"), (False, "eager")],
-                         ids=["padded-eager", "padded-replay", "ragged"])
+@pytest.mark.parametrize("padded,backend", [(True, "eager"), (True, "replay"), (False, "replay")],
+                         ids=["padded-eager", "padded-replay", "ragged-replay"])
 def test_a_copy_of_the_target_is_accepted_at_every_position(plain, padded, backend):
     """The target's own folder as the draft model: every draft equals the target's greedy
     token, so each verifying step accepts K (1 + K tokens per step) and the tokens are plain

@@ -54,10 +54,11 @@ def heads(target):
 
 
 def make_llm(target, heads, method, graph_backend=None, graph_mode="eager",
-             capture_sizes=(1, 2, 4), dtype=torch.float64):
+             capture_sizes=(1, 2, 4), dtype=torch.float64, padded=True):
     spec = None
     if method is not None:
-        spec = {"method": method, "num_speculative_tokens": K, "graph_mode": graph_mode}
+        spec = {"method": method, "num_speculative_tokens": K, "graph_mode": graph_mode,
+                "disable_padded_drafter_batch": not padded}
         if method == "eagle3":
             spec["draft_model_config"] = {"eagle_aux_hidden_state_layer_ids": AUX}
     return LLM(target=target, draft_head=heads.get(method), speculative_config=spec,
@@ -114,6 +115,20 @@ def test_wrapped_steps_equal_eager_token_for_token(target, heads, eager_runs, me
         assert draft_calls == target_calls  # every captured target step drafts through a graph
         accepted = {tuple(r.num_accepted) for r in reqs}
         assert len(accepted) > 1 and any(sum(a) > 0 for a in accepted)  # acceptance varied
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_a_ragged_drafter_beside_a_captured_target_equals_eager(target, heads, method):
+    """disable_padded_drafter_batch=True under ``replay``: the target's steps are captured
+    (the start-up warm-up runs all-padding steps, which a ragged drafter has nothing to draft
+    for), the drafter runs eager after the step's host read; tokens and drafts equal the
+    eager ragged engine's."""
+    eager = run(make_llm(target, heads, method, padded=False), PROMPTS, 30)
+    llm = make_llm(target, heads, method, graph_backend="replay", padded=False)
+    out, drafts, _ = run(llm, PROMPTS, 30)
+    assert (out, drafts) == eager[:2]
+    assert graph_calls(llm) == (llm.runner.target_graph.calls, 0)
+    assert llm.runner.target_graph.calls >= 10
 
 
 SAMPLED = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=5),

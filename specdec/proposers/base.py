@@ -291,6 +291,8 @@ class HeadProposer(PaddedProposer):
 
     def _propose(self, x: DraftInputs) -> torch.Tensor:
         if not self.config.is_padded:
+            if x.plan.num_reqs == 0:  # an all-padding step (a captured target's warm-up)
+                return x.sampled_token_ids.new_zeros((0, x.plan.num_spec_tokens))
             return self._propose_ragged(x)
         plan, a = x.plan, x.attn
         inputs = PaddedStepInputs(
