@@ -307,7 +307,8 @@ class SpeculativeConfig:
 
     def _check_dynamic_tree(self) -> None:
         """tree_topk and num_draft_tokens: both ints, a tree of at most MAX_TREE_NODES nodes
-        the candidates can fill, no static tree beside them."""
+        the candidates can fill and deep enough for num_speculative_tokens (its depth), no
+        static tree beside them."""
         from specdec.draft_tree import MAX_TREE_NODES, DynamicTree, check_score_temperature
         k, n, depth = self.tree_topk, self.num_draft_tokens, self.num_speculative_tokens
         if self.speculative_token_tree is not None:
@@ -321,10 +322,11 @@ class SpeculativeConfig:
         if k < 1 or 1 + shape.head_rows > MAX_TREE_NODES:
             raise ValueError(f"tree_topk={k}: allowed 1 <= tree_topk and (num_speculative_"
                              f"tokens - 1) * tree_topk <= {MAX_TREE_NODES - 1}")
-        if not 2 <= n <= min(MAX_TREE_NODES, 1 + shape.num_candidates):
-            raise ValueError(f"num_draft_tokens={n}: the root and its drafts; allowed 2 .. "
-                             f"{min(MAX_TREE_NODES, 1 + shape.num_candidates)} (tree_topk={k},"
-                             f" num_speculative_tokens={depth} give {shape.num_candidates} "
+        if not depth + 1 <= n <= min(MAX_TREE_NODES, 1 + shape.num_candidates):
+            raise ValueError(f"num_draft_tokens={n}: the root and its drafts; allowed "
+                             f"{depth + 1} .. {min(MAX_TREE_NODES, 1 + shape.num_candidates)} "
+                             f"(a tree num_speculative_tokens={depth} deep holds at least "
+                             f"{depth} drafts; tree_topk={k} gives {shape.num_candidates} "
                              "candidates)")
         if self.tree_score_temperature is not None:
             check_score_temperature(self.tree_score_temperature, "tree_score_temperature")

@@ -198,6 +198,9 @@ def test_a_windowed_target_verifies_a_tree():
      r"is 2 deep and num_speculative_tokens=3"),
     ({"method": "eagle3", "tree_score_temperature": 0.5}, {},
      r"tree_score_temperature=0.5 scores a dynamic tree's candidates"),
+    ({"method": "mtp", "speculative_token_tree": None, "tree_topk": 2, "num_draft_tokens": 2},
+     {}, r"num_draft_tokens=2: the root and its drafts; allowed 3 \.\. 7 \(a tree "
+         r"num_speculative_tokens=2 deep holds at least 2 drafts"),
     ({"method": "mtp", "speculative_token_tree": None, "tree_topk": 2, "num_draft_tokens": 4,
       "tree_score_temperature": 0}, {},
      r"tree_score_temperature=0: allowed a finite number > 0"),
