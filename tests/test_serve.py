@@ -2,7 +2,9 @@
 ``openai`` client and raw ``httpx``; and ``specdec bench serve --launch --quick``."""
 
 import asyncio
+import gc
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -191,6 +193,17 @@ def test_64_concurrent_streams_complete_with_usage(server):
                          "total_tokens": len(p) + n}
 
 
+def wait_until_idle(url: str) -> dict:
+    """/metrics once no request runs or waits (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = metrics(url)
+        if now["specdec:num_requests_running"] == 0 and now["specdec:num_requests_waiting"] == 0:
+            return now
+        assert time.monotonic() < deadline, "the aborted request is still in the engine"
+        time.sleep(0.05)
+
+
 def test_disconnect_mid_stream_frees_the_blocks(server):
     allocator = server.app.state.engine.llm.allocator
     start = metrics(server.url)
@@ -201,18 +214,29 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         assert metrics(server.url)["specdec:num_requests_running"] == 1
-    deadline = time.monotonic() + 30
-    while True:
-        now = metrics(server.url)
-        if now["specdec:num_requests_running"] == 0 and now["specdec:num_requests_waiting"] == 0:
-            break
-        assert time.monotonic() < deadline, "the aborted request is still in the engine"
-        time.sleep(0.05)
+    now = wait_until_idle(server.url)
     assert now["specdec:kv_cache_free_blocks"] == start["specdec:kv_cache_free_blocks"]
     assert len(allocator.free) == start["specdec:kv_cache_free_blocks"]
     key = 'specdec:request_success_total{"finished_reason": "abort"}'
     assert now[key] == start.get(key, 0) + 1
     assert now["specdec:generation_tokens_total"] < start["specdec:generation_tokens_total"] + 100
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_gone_before_its_reply_aborts_quietly(server, caplog, n):
+    """A non-streamed request whose client goes away (here: its read timeout) is aborted,
+    every choice, and the server logs no error for it (the cancelled choices' gather was
+    left unread: asyncio logged "exception was never retrieved" with a traceback)."""
+    start = metrics(server.url)
+    body = dict(prompt=PROMPTS[0], max_tokens=100, ignore_eos=True, n=n, temperature=0.5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    now = wait_until_idle(server.url)
+    gc.collect()
+    key = 'specdec:request_success_total{"finished_reason": "abort"}'
+    assert now[key] == start.get(key, 0) + n
+    assert now["specdec:kv_cache_free_blocks"] == start["specdec:kv_cache_free_blocks"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_the_engine_keeps_no_step_history(server, client):

@@ -444,6 +444,9 @@ async def collect(gens: list[Generation], request: Request) -> list[Generation]:
             pass
 
     task = asyncio.ensure_future(asyncio.gather(*(drain(g) for g in gens)))
+    # cancelled at a disconnect, the gather ends with a CancelledError nobody awaits: read
+    # here, else asyncio logs it with a traceback ("exception was never retrieved")
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
