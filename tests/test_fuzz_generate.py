@@ -3,7 +3,9 @@
 Every call either returns complete outputs (one per prompt, a finish reason, max_tokens and
 max_model_len honoured, ids in the vocab) or raises ValueError/TypeError naming a field; no
 other exception, no hang (a 60 s alarm per call), and the engine is idle and gives the same
-greedy reference output afterwards.
+greedy reference output afterwards. And features combined at random (methods, trees, the
+ragged drafter, prefix caching, packed prefill, async scheduling, captured steps, waves of
+arrivals and aborts) give plain greedy's tokens.
 """
 
 import signal
@@ -161,3 +163,82 @@ def test_random_configs_build_a_working_engine_or_name_the_field(
     check_complete(llm, [[1, 2], [3]], {"max_tokens": 3}, outs)
     s = llm.scheduler
     assert not s.waiting and not s.running
+
+
+SHARED = [(37 * i + 11) % (VOCAB - 1) + 1 for i in range(48)]  # prompts share its prefixes
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    """prompt -> plain greedy tokens of it alone (the embedded model, 20 tokens)."""
+    llm, cache = LLM(max_model_len=96, max_num_seqs=1), {}
+
+    def get(prompt: list[int], n: int) -> list[int]:
+        if tuple(prompt) not in cache:
+            cache[tuple(prompt)] = llm.generate([prompt], max_tokens=20,
+                                                ignore_eos=True)[0].token_ids
+        return cache[tuple(prompt)][:n]
+    return get
+
+
+@st.composite
+def feature_configs(draw):
+    """A speculative config and engine keywords mixing the features a user may combine."""
+    method = draw(st.sampled_from([None, "mtp", "eagle", "eagle3", "ngram", "suffix"]))
+    kw = dict(max_num_seqs=draw(st.integers(1, 4)),
+              max_num_batched_tokens=draw(st.sampled_from([16, 32, 64])),
+              block_size=draw(st.sampled_from([8, 16])),
+              enable_prefix_caching=draw(st.booleans()),
+              pack_prefill=draw(st.sampled_from([None, True, False])),
+              graph_backend=draw(st.sampled_from(["eager", "replay"])))
+    if method is None:
+        return None, kw
+    k = draw(st.integers(1, 4))
+    spec = {"method": method, "num_speculative_tokens": k}
+    shape = draw(st.sampled_from(["chain", "ragged", "tree"]))
+    if shape == "ragged":
+        spec["disable_padded_drafter_batch"] = True
+    elif shape == "tree" and method == "suffix":
+        spec["num_draft_tokens"] = draw(st.integers(2, 8))
+    elif shape == "tree" and method != "ngram":
+        spec.update(tree_topk=draw(st.integers(1, 3)), num_draft_tokens=draw(st.integers(2, 8)))
+    if method in ("mtp", "eagle", "eagle3") and shape != "ragged":
+        kw["async_scheduling"] = draw(st.booleans())
+    return spec, kw
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=feature_configs(), data=st.data())
+def test_features_together_give_plain_greedys_tokens(plain_greedy, config, data):
+    """Methods, chains and trees, the ragged drafter, prefix caching, packed prefill, async
+    scheduling and captured steps at once, under requests that arrive in waves (sharing
+    prefixes) and aborts between steps: every greedy request's tokens are plain greedy's of
+    its prompt alone (an aborted one's a prefix of them), and no KV block is held after."""
+    spec, kw = config
+    try:
+        llm = LLM(speculative_config=spec, max_model_len=96, **kw)
+    except ValueError:  # a combination refused by name (its own tests check the message)
+        return
+    reqs, aborted = [], set()
+    for _ in range(data.draw(st.integers(1, 3))):
+        for _ in range(data.draw(st.integers(1, 3))):
+            prompt = SHARED[:data.draw(st.integers(1, 40))] + data.draw(
+                st.lists(st.integers(1, VOCAB - 1), max_size=4))
+            n = data.draw(st.integers(1, 20))
+            reqs.append((llm.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)),
+                         prompt, n))
+        for _ in range(data.draw(st.integers(0, 4))):
+            llm.step()
+            if data.draw(st.integers(0, 9)) == 0:
+                victim = data.draw(st.sampled_from(reqs))[0]
+                if llm.abort_request(victim.request_id):
+                    aborted.add(victim.request_id)
+    with no_hang():
+        while llm.step() is not None:
+            pass
+    for req, prompt, n in reqs:
+        want = plain_greedy(prompt, n)
+        got = req.output_token_ids
+        assert got == (want[:len(got)] if req.request_id in aborted else want), (spec, kw)
+    assert llm.allocator.ref == [0] * llm.allocator.num_blocks
+    assert len(llm.allocator.free) == llm.allocator.num_blocks
