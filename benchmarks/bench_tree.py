@@ -25,6 +25,8 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
         for both methods).
 
+``--threads N``: torch threads (default 1, the served engine's).
+
 ``--methods suffix``: suffix decoding (no head, nothing to fit): chains K=3 and K=5 against
 its trees (``num_draft_tokens``: 8 and 16 drafts, depth 3 and 5), at spec factor 1 (vLLM's
 default) and at the factors that let a short match draft a wide tree (``SUFFIX``); its best
