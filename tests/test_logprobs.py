@@ -42,7 +42,12 @@ SPECS = {"none": None,
                            "disable_padded_drafter_batch": True},
          "mtp-padded": {"method": "mtp", "num_speculative_tokens": 2},
          "mtp-ragged": {"method": "mtp", "num_speculative_tokens": 2,
-                        "disable_padded_drafter_batch": True}}
+                        "disable_padded_drafter_batch": True},
+         # a tree step's token j is drawn at its accepted path's node j, not at row j
+         "eagle3-dynamic-tree": {"method": "eagle3", "num_speculative_tokens": 3,
+                                 "tree_topk": 2, "num_draft_tokens": 6},
+         "mtp-static-tree": {"method": "mtp", "num_speculative_tokens": 2,
+                             "speculative_token_tree": [(0,), (1,), (0, 0), (1, 0)]}}
 SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "seed": 7},
             "top_p": {"temperature": 0.8, "top_p": 0.9, "seed": 3}}
 

@@ -307,9 +307,11 @@ def test_a_suffix_tree_equals_plain_and_accepts_its_longest_continued_path(backe
     so short matches draft wide trees). Greedy output
     equals plain decoding's, and every step accepted exactly the depth of its tree's longest
     path that plain decoding continues (the tokens a request held at its next proposal):
-    the host's parents reached the verifier, branches included."""
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(max_num_seqs=4).generate(BRANCHING, params)]
+    the host's parents reached the verifier, branches included. Each token's log-probability
+    is plain decoding's: read at the node it was drawn at, not at its row."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)
+    plain_outs = LLM(max_num_seqs=4).generate(BRANCHING, params)
+    plain = [o.token_ids for o in plain_outs]
     llm = LLM(speculative_config={"method": "suffix", "num_speculative_tokens": 4,
                                   "num_draft_tokens": 9,
                                   "suffix_decoding_max_spec_factor": 4.0},
@@ -326,6 +328,9 @@ def test_a_suffix_tree_equals_plain_and_accepts_its_longest_continued_path(backe
     llm.core.proposer.drafts = recorded
     outs = [o for _ in range(2) for o in llm.generate(BRANCHING, params)]
     assert [o.token_ids for o in outs] == plain * 2
+    for o, want in zip(outs, plain_outs * 2):
+        assert [e.logprob for e in o.logprobs] == pytest.approx(
+            [e.logprob for e in want.logprobs], abs=1e-4)
     checked = branched = aside = 0
     for o in outs:
         truth = o.prompt_token_ids + o.token_ids

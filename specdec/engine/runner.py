@@ -487,6 +487,9 @@ class ModelRunner:
         if out:
             logits = self.last_logits
             rows = torch.tensor([e[0] for e in out], device=self.device)
+            if self.tree is not None:  # token j was drawn at the accepted path's node j
+                path = torch.cat([torch.zeros_like(self.tree_path[:, :1]), self.tree_path], 1)
+                rows = rows - rows % width + path[rows // width, rows % width]
             parts.append(logits.reshape(-1, logits.shape[-1])[rows])
         entries = prompt + out
         lps = token_logprobs(torch.cat(parts),
@@ -613,8 +616,9 @@ class ModelRunner:
             1, depth + 1, device=root.device)[None]).clamp(max=self.max_model_len - 1),
                             self.block_size)
         self.kv.move(src.flatten(), torch.where(path >= 0, dst, -1).flatten())
-        if self.drafts_on_device:  # the drafter's chain view reads it
-            self.tree_path[:b].copy_(path)
+        # read by the drafter's chain view and by the step's log-probabilities
+        self.tree_path[:b, :depth].copy_(path)
+        self.tree_path[:b, depth:] = -1  # a host tree's step shallower than max_depth
         return sampled
 
     def chain_view(self, x: StepInputs) -> torch.Tensor:
