@@ -2,11 +2,11 @@
 
 One spawn of 2 ranks (TP=2) runs every job in turn -- the embedded default model (dense) and a
 tiny MiniMax-M2 from transformers (MoE, loaded from its folder: each rank reads only its
-slices), plain, MTP and EAGLE-3, padded and ragged, SP off and on -- and each job's tokens and
-per-position acceptance equal those of the same engine at TP=1. One spawn of 4 ranks (DP=2 x
-TP=2, SP) is seed 000: extract_hidden_states on the MoE target with one DP rank idle all run;
-the same launch runs MTP with a MoE head on the MoE target, with and without expert
-parallelism.
+slices), plain, MTP and EAGLE-3, padded and ragged, SP off and on, a draft tree -- and each
+job's tokens and per-position acceptance equal those of the same engine at TP=1. One spawn of 4
+ranks (DP=2 x TP=2, SP) is seed 000: extract_hidden_states on the MoE target with one DP rank
+idle all run; the same launch runs MTP with a MoE head on the MoE target, with and without
+expert parallelism.
 """
 
 import collections
@@ -89,6 +89,11 @@ DENSE = {  # the embedded default model and its trained heads
     "dense-eagle3-k-schedule": dict(ENGINE, speculative_config=dict(
         spec("eagle3", 3), num_speculative_tokens_per_batch_size=[[3, 4, 1]]),
         graph_backend="replay", capture_sizes=[1, 2, 4]),
+    # a dynamic draft tree, captured: the tree mask and the accepted path's K/V move on both
+    # ranks' shards
+    "dense-mtp-tree-replay": dict(ENGINE, speculative_config=dict(
+        spec("mtp", 3), tree_topk=2, num_draft_tokens=6), graph_backend="replay",
+        capture_sizes=[1, 2, 4]),
 }
 
 
