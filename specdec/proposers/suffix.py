@@ -138,6 +138,16 @@ class SuffixTree:
         return node
 
 
+def match_nodes(tree: SuffixTree, tokens: list[int]):
+    """Per match length m = 1, 2, ... <= the tree's depth while the last m of ``tokens`` are
+    a string of ``tree``: (m, its node)."""
+    for m in range(1, min(tree.depth, len(tokens)) + 1):
+        node = tree.find(tokens[len(tokens) - m:])
+        if node is None:
+            return
+        yield m, node
+
+
 def best_path(tree: SuffixTree, node: int, limit: int, min_prob: float
               ) -> tuple[float, list[int]]:
     """From ``node``, follow the most frequent child (ties: the smaller token) while the
@@ -161,10 +171,7 @@ def tree_drafts(tree: SuffixTree, tokens: list[int], k: int, factor: float,
     """The best (score, drafts) over the match lengths of ``tokens``' suffix in ``tree`` (a
     tree of other sequences)."""
     best = (0.0, [])
-    for m in range(1, min(tree.depth, len(tokens)) + 1):
-        node = tree.find(tokens[len(tokens) - m:])
-        if node is None:
-            break
+    for m, node in match_nodes(tree, tokens):
         found = best_path(tree, node, min(k, int(m * factor)), min_prob)
         if found[1] and found[0] >= best[0]:
             best = found
@@ -207,10 +214,7 @@ def tree_draft_tree(tree: SuffixTree, tokens: list[int], n: int, max_depth: int,
         return [(t, counts[c], c) for t, c in children[node].items()]
 
     best = (0.0, [], [])
-    for m in range(1, min(tree.depth, len(tokens)) + 1):
-        node = tree.find(tokens[len(tokens) - m:])
-        if node is None:
-            break
+    for m, node in match_nodes(tree, tokens):
         found = grow_tree(below, node, counts[node], min(n, int(m * factor)),
                           min(max_depth, tree.depth - m), min_prob)
         if found[1] and found[0] >= best[0]:
