@@ -265,8 +265,7 @@ class SpeculativeConfig:
                              "or None")
         elif self.speculative_token_tree is None:
             return
-        name = ("speculative_token_tree" if self.speculative_token_tree is not None
-                else "num_draft_tokens" if self.method == "suffix" else "tree_topk")
+        name = self.tree_option
         if self.method not in TREE_METHODS + ("suffix",):
             raise ValueError(f"{name} with method={self.method!r}: no tree drafting for it; "
                              f"allowed methods: {TREE_METHODS} (and suffix, with "
@@ -286,6 +285,14 @@ class SpeculativeConfig:
                              f"{self.num_speculative_tokens}: num_speculative_tokens is the "
                              f"tree's depth; give {tree.max_depth}")
         self.speculative_token_tree = [tuple(p) for p in tree.paths]
+
+    @property
+    def tree_option(self) -> str:
+        """The key that asks for this config's tree, as messages name it:
+        speculative_token_tree (static), num_draft_tokens (suffix's tree) or tree_topk
+        (a dynamic tree)."""
+        return ("speculative_token_tree" if self.speculative_token_tree is not None
+                else "num_draft_tokens" if self.method == "suffix" else "tree_topk")
 
     def _check_suffix_tree(self) -> None:
         """Suffix decoding's tree: num_draft_tokens alone, an int in 2 .. MAX_TREE_NODES (its

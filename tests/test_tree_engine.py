@@ -226,9 +226,12 @@ def test_async_scheduling_with_a_tree_equals_sync(shape, params):
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.2), ("min_tokens", 2),
                                          ("presence_penalty", 0.5)])
-def test_penalties_with_a_tree_are_refused_by_name(field, value):
-    llm = build("eagle3")
-    with pytest.raises(ValueError, match=rf"{field}={value} with speculative_token_tree"):
+@pytest.mark.parametrize("shape,key", [(None, "speculative_token_tree"),
+                                       ("dynamic", "tree_topk")])
+def test_penalties_with_a_tree_are_refused_by_name(field, value, shape, key):
+    """The message names the key that asked for the tree (a dynamic tree has no paths)."""
+    llm = build("eagle3", shape=SHAPES.get(shape))
+    with pytest.raises(ValueError, match=rf"{field}={value} with {key}:"):
         llm.generate(TEXT[:1], SamplingParams(max_tokens=4, **{field: value}))
 
 

@@ -293,7 +293,7 @@ class LLM:
             for field, off in TREE_REFUSED_SAMPLING.items():
                 if getattr(params, field) != off:
                     raise ValueError(
-                        f"{name}.{field}={getattr(params, field)!r} with speculative_token_tree: "
+                        f"{name}.{field}={getattr(params, field)!r} with {self.spec.tree_option}: "
                         "the penalties and min_tokens count the tokens before each verified "
                         f"position, a chain's; allowed: {off!r} (or chain drafting)")
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
