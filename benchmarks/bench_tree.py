@@ -19,13 +19,15 @@ speed:  output tokens/s at one request (``--speed-prompts`` prompts one after an
         best chain and the best tree of 8 drafts of each method, interleaved (chain, tree,
         chain, tree ... ``--repeats`` rounds, after one untimed prompt each; start-up
         compiles the greedy paths only): the median of the rounds' tree / chain ratios.
-        ``--speed-only``: no fit, no acceptance table; chain K=5 (``--speed-chain-k``)
-        against ``--speed-tree``:
+        ``--speed-only``: no fit, no acceptance table; chains K=3, 4 and 5
+        (``--speed-chain-k``) against ``--speed-tree``:
         ``fitted`` (``FITTED_8``, the fitted static trees of docs/benchmarks.md) or
-        ``dynamic`` (``DYNAMIC_8``: top-4, 8 drafts, depth 5, the table's best 8-draft tree
-        for both methods).
+        ``dynamic`` (``--speed-dynamic TOPK,DRAFTS,DEPTH ...``, default 4,8,5:
+        ``DYNAMIC_8``, the table's best 8-draft tree for both methods), every engine in
+        each round; a tree's ratio is to the round's fastest chain.
 
-``--threads N``: torch threads (default 1, the served engine's).
+``--threads N``: torch threads (default 1, the served engine's); ``--dtype``: the engines'
+(default auto: float32 on a CPU).
 
 ``--methods suffix``: suffix decoding (no head, nothing to fit): chains K=3 and K=5 against
 its trees (``num_draft_tokens``: 8 and 16 drafts, depth 3 and 5), at spec factor 1 (vLLM's
@@ -116,9 +118,10 @@ def run(llm: LLM, prompts, output_len: int, on_step=None, concurrency: int = 16)
             "tokens_per_s": sum(len(r.output_token_ids) for r in done) / seconds}
 
 
-def fit(method: str, prompts, output_len: int, draft: Path | None = None) -> dict:
-    """Node -> how often it ended on the accepted path, per verify step (``WIDE``)."""
-    llm = engine(method, 5, WIDE, draft)
+def fit(method: str, prompts, output_len: int, draft: Path | None = None, **kw) -> dict:
+    """Node -> how often it ended on the accepted path, per verify step (``WIDE``); ``kw``:
+    more LLM arguments."""
+    llm = engine(method, 5, WIDE, draft, **kw)
     tree, hits, steps = llm.spec.tree, [0] * len(WIDE), [0]
 
     def count(llm):
@@ -159,28 +162,43 @@ def head_rows(rates: dict) -> dict:
     return rows
 
 
-def speed(method: str, chain: tuple, tree: tuple, prompts, output_len: int,
-          graph_backend: str, repeats: int, draft: Path | None = None) -> dict:
-    """Tokens/s at one request of the chain and the tree ((depth, tree) each), interleaved
-    ``repeats`` times -> each one's runs, acceptance length (greedy: the same every run) and
-    the median tree / chain ratio of the rounds."""
+def speed(method: str, chains: dict, trees: dict, prompts, output_len: int,
+          graph_backend: str, repeats: int, draft: Path | None = None, **kw) -> dict:
+    """Tokens/s at one request of each chain and tree (name -> (depth, tree)), every engine
+    once per round, ``repeats`` rounds -> per engine its runs and acceptance length (greedy:
+    the same every run), and per tree the median over the rounds of its tokens/s over the
+    round's fastest chain's. ``kw``: more LLM arguments (dtype)."""
     # greedy rows only: start-up compiles the greedy paths alone (a third of its compiles);
     # one untimed prompt per engine then meets any shape start-up did not
     with unittest.mock.patch.object(core, "WARMUP_SAMPLING", ({},)):
-        llms = [engine(method, k, t, draft, graph_backend=graph_backend)
-                for k, t in (chain, tree)]
-    for llm in llms:
+        llms = {name: engine(method, k, t, draft, graph_backend=graph_backend, **kw)
+                for name, (k, t) in {**chains, **trees}.items()}
+    for llm in llms.values():
         run(llm, prompts[:1], output_len, concurrency=1)
-    runs, accept = [[], []], [0.0, 0.0]
+    runs, accept = {name: [] for name in llms}, {}
     for _ in range(repeats):
-        for i, llm in enumerate(llms):
+        for name, llm in llms.items():
             figures = run(llm, prompts, output_len, concurrency=1)
-            runs[i].append(figures["tokens_per_s"])
-            accept[i] = figures["acceptance_length"]
-    ratio = statistics.median(t / c for c, t in zip(*runs))
-    print(f"{method}: 1 request, {graph_backend}: tree {runs[1]} tok/s (AL {accept[1]:.2f}), "
-          f"chain {runs[0]} tok/s (AL {accept[0]:.2f}), median ratio {ratio:.3f}", flush=True)
-    return {"chain": runs[0], "tree": runs[1], "acceptance_length": accept, "ratio": ratio}
+            runs[name].append(figures["tokens_per_s"])
+            accept[name] = figures["acceptance_length"]
+    best = [max(runs[c][i] for c in chains) for i in range(repeats)]
+    out = {name: {"tokens_per_s": runs[name], "acceptance_length": accept[name]}
+           for name in llms}
+    for name in llms:
+        line = (f"{method}: 1 request, {graph_backend}, {name}: "
+                f"{statistics.median(runs[name]):.0f} tok/s ({min(runs[name]):.0f}-"
+                f"{max(runs[name]):.0f}), AL {accept[name]:.2f}")
+        if name in trees:
+            out[name]["ratio"] = statistics.median(t / b for t, b in zip(runs[name], best))
+            line += f", / the round's fastest chain: median {out[name]['ratio']:.3f}"
+        print(line, flush=True)
+    return out
+
+
+def dynamic_shape(text: str) -> tuple[int, dict]:
+    """"TOPK,DRAFTS,DEPTH" -> (depth, a dynamic tree's keys)."""
+    top_k, drafts, depth = (int(v) for v in text.split(","))
+    return depth, {"tree_topk": top_k, "num_draft_tokens": drafts + 1}
 
 
 def main() -> None:
@@ -199,10 +217,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
-    ap.add_argument("--speed-chain-k", type=int, default=5)
+    ap.add_argument("--speed-chain-k", type=int, nargs="+", default=[3, 4, 5])
     ap.add_argument("--speed-tree", choices=["fitted", "dynamic"], default="dynamic")
+    ap.add_argument("--speed-dynamic", nargs="+", default=["4,8,5"],
+                    metavar="TOPK,DRAFTS,DEPTH", help="--speed-tree dynamic's trees")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: the served engine's)")
+    ap.add_argument("--dtype", default="auto", help="the engines' (auto: float32 on a CPU)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,17 +244,19 @@ def main() -> None:
     out = {}
     for method in args.methods:
         if args.speed_only:
+            trees = ({"fitted": (5, FITTED_8[method])} if args.speed_tree == "fitted" else
+                     {f"dynamic {v}": dynamic_shape(v) for v in args.speed_dynamic})
             out[method] = {"speed_1_request": speed(
-                method, (args.speed_chain_k, None),
-                (5, FITTED_8[method] if args.speed_tree == "fitted" else DYNAMIC_8),
-                prompts[:args.speed_prompts],
-                args.output_len, args.graph_backend, args.repeats, draft)}
+                method, {f"chain K={k}": (k, None) for k in args.speed_chain_k}, trees,
+                prompts[:args.speed_prompts], args.output_len, args.graph_backend,
+                args.repeats, draft, dtype=args.dtype)}
             continue
         rows = SUFFIX if method == "suffix" else head_rows(
-            fit(method, fit_prompts, args.output_len, draft))
+            fit(method, fit_prompts, args.output_len, draft, dtype=args.dtype))
         figures = {}
         for name, (k, tree) in rows.items():
-            figures[name] = run(engine(method, k, tree, draft), prompts, args.output_len)
+            figures[name] = run(engine(method, k, tree, draft, dtype=args.dtype), prompts,
+                                args.output_len)
             figures[name].update(tree=tree, depth=k)
             print(f"{method:7s} {name:26s} AL {figures[name]['acceptance_length']:.2f} "
                   f"per depth {figures[name]['accepted_per_depth']} "
@@ -257,9 +280,9 @@ def main() -> None:
         if args.skip_speed:
             continue
         out[method]["speed_1_request"] = speed(
-            method, (chain["depth"], chain["tree"]), (best["depth"], best["tree"]),
-            prompts[:args.speed_prompts], args.output_len, args.graph_backend, args.repeats,
-            draft)
+            method, {"best chain": (chain["depth"], chain["tree"])},
+            {"best tree of 8": (best["depth"], best["tree"])}, prompts[:args.speed_prompts],
+            args.output_len, args.graph_backend, args.repeats, draft, dtype=args.dtype)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=list)
