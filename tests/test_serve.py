@@ -249,6 +249,31 @@ def test_a_client_gone_before_its_reply_aborts_quietly(long_server, caplog, n):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_a_client_gone_before_its_body_arrived_is_no_server_error(server, caplog, path):
+    """A client that sends its headers and part of its body, then closes the connection:
+    nothing is queued and uvicorn logs no "Exception in ASGI application" (starlette's
+    ClientDisconnect was unhandled); the server goes on serving."""
+    import socket
+
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own: it does not propagate
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        start = metrics(server.url)
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as c:
+            c.sendall(f"POST /v1/{path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"".encode())
+            time.sleep(0.2)  # the server is reading the body
+        time.sleep(0.3)  # and sees the disconnect
+        assert httpx.get(f"{server.url}/health").json()["waiting"] == 0
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    now = metrics(server.url)
+    assert now["specdec:kv_cache_free_blocks"] == start["specdec:kv_cache_free_blocks"]
+
+
 def test_the_engine_keeps_no_step_history(server, client):
     """A server steps forever: ``LLM.steps`` (the offline record of every step) stays empty."""
     llm = server.app.state.engine.llm

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from specdec.engine.parallel_sampling import fan_out
 from specdec.engine.sequence import SamplingParams
@@ -87,6 +88,13 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request, e: ClientDisconnect):
+        """The client left before its request body arrived: nothing was queued, nobody
+        reads an answer (499, nginx's "client closed request"), and it is no server error
+        (unhandled, uvicorn logged "Exception in ASGI application" with a traceback)."""
+        return Response(status_code=499)
 
     @app.get("/health")
     async def health():
