@@ -116,14 +116,21 @@ def _shapes_symbolic_only(compiled: Callable) -> Callable:
     sizes equal at the first call -- a view's storage offset and the token count -- stay two
     symbols, not a guard that recompiles when they differ) and Python floats (norm eps,
     scales) baked in as constants, not graph inputs wrapped in a host tensor per call;
-    outside any torch function mode of the caller (``_outside_torch_function_modes``)."""
+    outside any torch function mode of the caller (``_outside_torch_function_modes``).
+    The two settings are set and restored by hand around each call: ``config.patch``
+    builds a context class per call (~50 us; a CPU step makes about four such calls), and
+    dynamo reads them only when it traces, which any call may."""
     from torch.fx.experimental import _config as shape_config
+    dynamo_config = torch._dynamo.config
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
-        with shape_config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(specialize_float=True):
+        duck, floats = shape_config.use_duck_shape, dynamo_config.specialize_float
+        shape_config.use_duck_shape, dynamo_config.specialize_float = False, True
+        try:
             return compiled(*args, **kwargs)
+        finally:
+            shape_config.use_duck_shape, dynamo_config.specialize_float = duck, floats
     return _outside_torch_function_modes(run)
 
 

@@ -480,6 +480,39 @@ def test_compile_dynamic_graph_serves_every_size_of_a_path():
 
 
 
+def test_compile_dynamic_traces_without_duck_sizes_and_restores_the_callers_settings():
+    """Dynamo traces a compile_dynamic call with duck sizing off and floats specialized (two
+    inputs of equal size at the first call stay two symbols: no recompile when they differ),
+    and the caller's own settings are back after every call, one that raises included."""
+    from torch.fx.experimental import _config as shape_config
+    from specdec.graphs import compile_dynamic
+
+    def settings():
+        return shape_config.use_duck_shape, torch._dynamo.config.specialize_float
+
+    traced_with = []
+
+    def backend(gm, example_inputs):
+        traced_with.append(settings())
+        return gm.forward
+
+    def step(x, y):
+        if x.shape[0] > 100:
+            raise ValueError("too long")
+        return x * 2 + y.sum()
+
+    before = settings()
+    compiled = compile_dynamic(step, backend)
+    for n, m in ((3, 3), (4, 6), (7, 5)):
+        x, y = torch.arange(n, dtype=torch.float32), torch.ones(m)
+        torch.testing.assert_close(compiled(x, y), step(x, y))
+        assert settings() == before
+    assert traced_with == [(False, True)]
+    with pytest.raises(Exception, match="too long"):
+        compiled(torch.ones(101), torch.ones(2))
+    assert settings() == before
+
+
 def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
     """A seeded one-layer target in ``dtype``, and a compile_dynamic warm-up of one greedy
     8-token prompt for the engines built while ``monkeypatch`` holds."""
