@@ -35,6 +35,7 @@ new key or code path, or a guard that failed).
 """
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,17 +151,27 @@ def _outside_torch_function_modes(compiled: Callable) -> Callable:
     return run
 
 
+def _size_asserts() -> bool:
+    """Inductor's checks of each input's and extern kernel output's sizes and strides in the
+    generated code: off (as vLLM's CPU backend has them), since dynamo's guards check the
+    inputs already and on a CPU they cost ~2 us each, about a hundred a decode step;
+    TORCHINDUCTOR_SIZE_ASSERTS=1 (inductor's own switch) turns them on to debug."""
+    return os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS") == "1"
+
+
 def compile_dynamic(fn: Callable, compile_backend: str, *,
                     realize_reused: bool = False) -> Callable:
     """``fn`` as the compile_dynamic backend compiles it: full graph, sizes and ints symbolic
-    (``_shapes_symbolic_only``), inductor's frozen weights. ``realize_reused``: inductor
+    (``_shapes_symbolic_only``), inductor's frozen weights, no size asserts
+    (``_size_asserts``). ``realize_reused``: inductor
     stores every value read twice instead of inlining it into each reader -- for a part that
     draws counter-based random numbers, whose xor-shifts read each value twice: inlined, the
     loop body doubles with each of them (nine deep), and one sampled graph took ~40 s to
     generate on this 2-core machine instead of ~15 s."""
     options = None
     if compile_backend == "inductor":
-        options = {"freezing": True} | ({"realize_reads_threshold": 1} if realize_reused else {})
+        options = {"freezing": True, "size_asserts": _size_asserts()} | (
+            {"realize_reads_threshold": 1} if realize_reused else {})
     return _shapes_symbolic_only(torch.compile(fn, fullgraph=True, dynamic=True,
                                                backend=compile_backend, options=options))
 

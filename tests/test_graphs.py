@@ -513,6 +513,30 @@ def test_compile_dynamic_traces_without_duck_sizes_and_restores_the_callers_sett
     assert settings() == before
 
 
+def test_compile_dynamic_generates_no_size_asserts_unless_inductor_is_told_to(monkeypatch):
+    """Inductor's generated code checks no input's sizes and strides (dynamo's guards do;
+    ~2 us a check on a CPU, about a hundred a decode step), unless
+    TORCHINDUCTOR_SIZE_ASSERTS=1 asks for them. A matmul alone: no C++ to compile."""
+    from torch._inductor.utils import run_and_get_code
+    from specdec.graphs import compile_dynamic
+
+    w = torch.randn(16, 8)
+
+    def step(x):
+        return x @ w
+
+    def step_debugged(x):  # its own code object: dynamo's cache holds step's graph
+        return x @ w
+
+    x = torch.randn(3, 16)
+    out, (code,) = run_and_get_code(compile_dynamic(step, "inductor"), x)
+    torch.testing.assert_close(out, x @ w)
+    assert "assert_size_stride(" not in code
+    monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "1")
+    out, (code,) = run_and_get_code(compile_dynamic(step_debugged, "inductor"), x)
+    assert code.count("assert_size_stride(") == 2  # x and w
+
+
 def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
     """A seeded one-layer target in ``dtype``, and a compile_dynamic warm-up of one greedy
     8-token prompt for the engines built while ``monkeypatch`` holds."""
