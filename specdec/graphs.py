@@ -163,11 +163,11 @@ def compile_dynamic(fn: Callable, compile_backend: str, *,
                     realize_reused: bool = False) -> Callable:
     """``fn`` as the compile_dynamic backend compiles it: full graph, sizes and ints symbolic
     (``_shapes_symbolic_only``), inductor's frozen weights, no size asserts
-    (``_size_asserts``). ``realize_reused``: inductor
-    stores every value read twice instead of inlining it into each reader -- for a part that
-    draws counter-based random numbers, whose xor-shifts read each value twice: inlined, the
-    loop body doubles with each of them (nine deep), and one sampled graph took ~40 s to
-    generate on this 2-core machine instead of ~15 s."""
+    (``_size_asserts``). ``realize_reused``: inductor stores every value read twice instead
+    of inlining it into each reader -- for a part that draws counter-based random numbers,
+    whose xor-shifts read each value twice: inlined, the loop body doubles with each of them
+    (nine deep), and one sampled graph took ~40 s to generate on this 2-core machine instead
+    of ~15 s."""
     options = None
     if compile_backend == "inductor":
         options = {"freezing": True, "size_asserts": _size_asserts()} | (
