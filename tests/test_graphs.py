@@ -22,7 +22,7 @@ from specdec.engine.llm import LLM
 from specdec.engine.runner import MIN_GRAPH_SEQ_LEN, STARTUP_VARIANTS, graph_seq_len
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
-from specdec.graphs import COMPILING, Backend, StepGraph
+from specdec.graphs import COMPILING, Backend, StepGraph, compile_dynamic
 from specdec.models.heads import build_head
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -485,7 +485,6 @@ def test_compile_dynamic_traces_without_duck_sizes_and_restores_the_callers_sett
     inputs of equal size at the first call stay two symbols: no recompile when they differ),
     and the caller's own settings are back after every call, one that raises included."""
     from torch.fx.experimental import _config as shape_config
-    from specdec.graphs import compile_dynamic
 
     def settings():
         return shape_config.use_duck_shape, torch._dynamo.config.specialize_float
@@ -518,7 +517,6 @@ def test_compile_dynamic_generates_no_size_asserts_unless_inductor_is_told_to(mo
     ~2 us a check on a CPU, about a hundred a decode step), unless
     TORCHINDUCTOR_SIZE_ASSERTS=1 asks for them. A matmul alone: no C++ to compile."""
     from torch._inductor.utils import run_and_get_code
-    from specdec.graphs import compile_dynamic
 
     w = torch.randn(16, 8)
 
