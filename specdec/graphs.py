@@ -15,10 +15,8 @@ wrapper gives each of them every backend:
                  a step compiled in parts, ``compiled_in_parts``, compiles only the part
                  whose path is new);
                  the runner sends every step through it, not only capture buckets (CPU:
-                 inductor fuses the per-op work of small-batch steps into C++ loops). With
-                 inductor the weights are frozen into the graph as constants (inductor's
-                 ``freezing``): its CPU matmuls then read weights packed once (MKL, oneDNN)
-                 instead of packing them in every call (a second copy of the weights)
+                 inductor fuses the per-op work of small-batch steps into C++ loops). The
+                 weights are graph inputs, not frozen constants (``compile_dynamic``)
     torchair     the same through torchair's NPU backend when torch_npu + torchair are
                  installed (specdec.platform.compile_graph), torch.compile elsewhere
     cuda_graph   per key: the first call's args become the static inputs; warm up, capture
@@ -162,15 +160,19 @@ def _size_asserts() -> bool:
 def compile_dynamic(fn: Callable, compile_backend: str, *,
                     realize_reused: bool = False) -> Callable:
     """``fn`` as the compile_dynamic backend compiles it: full graph, sizes and ints symbolic
-    (``_shapes_symbolic_only``), inductor's frozen weights, no size asserts
-    (``_size_asserts``). ``realize_reused``: inductor stores every value read twice instead
+    (``_shapes_symbolic_only``), no size asserts (``_size_asserts``). The weights stay graph
+    inputs: inductor's ``freezing`` as a compile option froze nothing (dynamo passes a
+    model's weights in as inputs unless inductor's global flag is on while it traces), and
+    frozen for real (that flag on), a small CPU step's matmuls read them packed and ran
+    slower (EAGLE-3 at one request, float32: 0.68x tokens/s; bfloat16 within noise).
+    ``realize_reused``: inductor stores every value read twice instead
     of inlining it into each reader -- for a part that draws counter-based random numbers,
     whose xor-shifts read each value twice: inlined, the loop body doubles with each of them
     (nine deep), and one sampled graph took ~40 s to generate on this 2-core machine instead
     of ~15 s."""
     options = None
     if compile_backend == "inductor":
-        options = {"freezing": True, "size_asserts": _size_asserts()} | (
+        options = {"size_asserts": _size_asserts()} | (
             {"realize_reads_threshold": 1} if realize_reused else {})
     return _shapes_symbolic_only(torch.compile(fn, fullgraph=True, dynamic=True,
                                                backend=compile_backend, options=options))

@@ -535,6 +535,30 @@ def test_compile_dynamic_generates_no_size_asserts_unless_inductor_is_told_to(mo
     assert code.count("assert_size_stride(") == 2  # x and w
 
 
+def test_compile_dynamic_reads_the_weights_each_call_and_each_model_its_own():
+    """The weights are graph inputs, not constants inductor froze at compile time: a weight
+    changed in place after the graph compiled is what the next call reads, and a second
+    model whose step shares the first one's code object (as every runner's does) computes
+    with its own weights. A matmul alone: no C++ to compile."""
+
+    class Runner:  # as the engine's: a plain object holding a model, its step a method
+        def __init__(self, seed: int):
+            torch.manual_seed(seed)
+            self.proj = torch.nn.Linear(16, 8, bias=False)
+
+        def step(self, x):
+            return self.proj(x)
+
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        for seed in (0, 1):
+            runner = Runner(seed)
+            compiled = compile_dynamic(runner.step, "inductor")
+            torch.testing.assert_close(compiled(x), runner.step(x))
+            runner.proj.weight.mul_(-2)
+            torch.testing.assert_close(compiled(x), runner.step(x))
+
+
 def one_layer_target(dtype: torch.dtype, monkeypatch) -> LlamaForCausalLM:
     """A seeded one-layer target in ``dtype``, and a compile_dynamic warm-up of one greedy
     8-token prompt for the engines built while ``monkeypatch`` holds."""
