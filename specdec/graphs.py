@@ -163,8 +163,8 @@ def compile_dynamic(fn: Callable, compile_backend: str, *,
     (``_shapes_symbolic_only``), no size asserts (``_size_asserts``). The weights stay graph
     inputs: inductor's ``freezing`` as a compile option froze nothing (dynamo passes a
     model's weights in as inputs unless inductor's global flag is on while it traces), and
-    frozen for real (that flag on), a small CPU step's matmuls read them packed and ran
-    slower (EAGLE-3 at one request, float32: 0.68x tokens/s; bfloat16 within noise).
+    frozen for real (that flag on), a one-request CPU step's float32 matmuls read them
+    packed and took 1.32x the time (docs/benchmarks.md, "Weights are graph inputs").
     ``realize_reused``: inductor stores every value read twice instead
     of inlining it into each reader -- for a part that draws counter-based random numbers,
     whose xor-shifts read each value twice: inlined, the loop body doubles with each of them
