@@ -165,11 +165,10 @@ def compile_dynamic(fn: Callable, compile_backend: str, *,
     model's weights in as inputs unless inductor's global flag is on while it traces), and
     frozen for real (that flag on), a one-request CPU step's float32 matmuls read them
     packed and took 1.32x the time (docs/benchmarks.md, "Weights are graph inputs").
-    ``realize_reused``: inductor stores every value read twice instead
-    of inlining it into each reader -- for a part that draws counter-based random numbers,
-    whose xor-shifts read each value twice: inlined, the loop body doubles with each of them
-    (nine deep), and one sampled graph took ~40 s to generate on this 2-core machine instead
-    of ~15 s."""
+    ``realize_reused``: inductor stores every value read twice instead of inlining it into
+    each reader -- for a part that draws counter-based random numbers, whose xor-shifts read
+    each value twice: inlined, the loop body doubles with each of them (nine deep), and one
+    sampled graph took ~40 s to generate on this 2-core machine instead of ~15 s."""
     options = None
     if compile_backend == "inductor":
         options = {"size_asserts": _size_asserts()} | (
