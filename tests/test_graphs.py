@@ -625,8 +625,8 @@ def test_compile_dynamic_steps_compile_once_with_or_without_the_host_sync_counte
 
 
 def test_compile_dynamic_with_inductor_equals_eager_at_the_embedded_models_sizes(monkeypatch):
-    """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler,
-    the frozen weights' prepacked matmuls) for the CPU steps give the eager engine's tokens,
+    """The real use: inductor's C++ kernels (fused norms, rotary, activations, the sampler;
+    the matmuls on the weights as graph inputs) for the CPU steps give the eager engine's tokens,
     greedy and sampled rows side by side, in each row layout of the step: two prompts
     together (request-major rows), their decodes (token-major), a 17-token prompt among them
     (segments). The model is the embedded one's shape with one layer and seeded weights.
