@@ -140,11 +140,6 @@ class Grid:
     world: dist.ProcessGroup | None = None
     owns_default: bool = False  # init_grid initialized the default group
 
-    @property
-    def is_driver(self) -> bool:
-        """TP rank 0: schedules, plans and broadcasts the step."""
-        return self.tp.rank == 0
-
     def close(self) -> None:
         """Destroy the grid's groups (the default one too if it owns it) and drop them, so
         each gloo group joins its worker threads now (init_grid runs this at exit).
