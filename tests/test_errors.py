@@ -281,6 +281,15 @@ def test_15_sizes_are_bounded_by_the_model_and_memory(folder):
         LLM(folder / "target", max_num_seqs=10**9, max_model_len=MAX_POS)
 
 
+def test_15_max_model_len_holds_a_prompt_and_a_token(folder):
+    """max_model_len=1 admits no prompt (a prompt must be shorter than it): refused at
+    construction; 2, the smallest allowed, serves a 1-token prompt its one token."""
+    with pytest.raises(ValueError, match=r"max_model_len=1: allowed 2 <= max_model_len"):
+        LLM(folder / "target", max_model_len=1)
+    out = LLM(folder / "target", max_model_len=2).generate([[3]], max_tokens=5)[0]
+    assert (len(out.token_ids), out.finish_reason) == (1, "length")
+
+
 # ---- 17. wrong exception types ---------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(speculative_config=5), TypeError, "speculative_config=5"),

@@ -4,7 +4,7 @@
 the loaded model (``check_model``) and against the memory of the device (``check_memory``).
 Every error is a ValueError/TypeError naming the field, the value and what is allowed, e.g.
 ``EngineConfig(max_model_len=4096).check_model(cfg)`` with ``cfg.max_position_embeddings =
-1024`` -> ``ValueError: max_model_len=4096: allowed 1 <= max_model_len <= 1024 (the model's
+1024`` -> ``ValueError: max_model_len=4096: allowed 2 <= max_model_len <= 1024 (the model's
 max_position_embeddings)``.
 """
 
@@ -66,8 +66,8 @@ class EngineConfig:
     device_auto: bool = field(init=False, default=False)  # device was None
 
     def __post_init__(self):
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, lo=1)
+        if self.max_model_len is not None:  # at least a 1-token prompt and one token after it
+            check_int("max_model_len", self.max_model_len, lo=2)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "data_parallel_size"):
             if name != "max_num_seqs" or self.max_num_seqs is not None:
@@ -167,7 +167,7 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len}: allowed 1 <= max_model_len <= "
+            raise ValueError(f"max_model_len={self.max_model_len}: allowed 2 <= max_model_len <= "
                              f"{limit} (the model's max_position_embeddings)")
 
     @property
