@@ -29,6 +29,7 @@ SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 DEFAULT_MAX_MODEL_LEN = 512  # or the model's max_position_embeddings when smaller
+MIN_MAX_MODEL_LEN = 2  # a 1-token prompt and the one token it generates
 DEFAULT_MAX_NUM_SEQS = 16
 MAX_SIZED_SEQS = 256  # the most request rows gpu_memory_utilization sizes
 
@@ -66,8 +67,8 @@ class EngineConfig:
     device_auto: bool = field(init=False, default=False)  # device was None
 
     def __post_init__(self):
-        if self.max_model_len is not None:  # at least a 1-token prompt and one token after it
-            check_int("max_model_len", self.max_model_len, lo=2)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, lo=MIN_MAX_MODEL_LEN)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "data_parallel_size"):
             if name != "max_num_seqs" or self.max_num_seqs is not None:
@@ -167,8 +168,8 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len}: allowed 2 <= max_model_len <= "
-                             f"{limit} (the model's max_position_embeddings)")
+            raise ValueError(f"max_model_len={self.max_model_len}: allowed {MIN_MAX_MODEL_LEN} <= "
+                             f"max_model_len <= {limit} (the model's max_position_embeddings)")
 
     @property
     def num_kv_blocks(self) -> int:
