@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.bench import multiturn
+from specdec.bench import datasets, multiturn
 from specdec.bench.serve import MULTI_TURN_PACINGS
 from specdec.bench.sweep import model_limit
 from specdec.engine.chat_template import load_chat_template
@@ -151,13 +151,14 @@ def main() -> None:
             "prefill_tokens", "decode_steps", "decode_s", "decode_reqs", "fed", "rows", "emitted")
     stats = {name: dict.fromkeys(keys, 0) for name in engines}
     tok = _tokenizer()
-    opts = dict(num_prompts=args.conversations, _concurrency=4, multi_turn=5, dataset_name="spec_bench",
-                dataset_path=str(TRACE), prompt_len=64)
+    opts = dict(multi_turn=5, prompt_len=64)
+    trace = datasets.load("spec_bench", str(TRACE))
     for name, llm in engines.items():  # warm-up: generated text, nothing of the trace
         llm.generate(["def main():"] * 4, max_tokens=32, ignore_eos=True)
     replay = replay_free if args.pacing == "free" else replay_rounds
     for r in range(args.repeats):
-        convs = multiturn.conversations(opts, tok, 0, r)
+        convs = multiturn.conversations(trace, opts, tok, args.conversations, 0,
+                                        r * args.conversations)
         for name, llm in engines.items():
             replay(llm, probes[name], convs, stats[name])
     for name, s in stats.items():

@@ -22,7 +22,7 @@ def test_custom_rows(tmp_path):
     d = datasets.load("custom", str(f))
     assert d.rows() == [Row("def f(x):", None, None), Row("import os", 7, "code")]
     assert [c.where for c in d.conversations] == [f"{f}:1", f"{f}:3"]  # the blank line: none
-    assert d.categories == [None, "code"] and d.skipped == []
+    assert d.skipped == [] and d.warnings() == []
 
 
 @pytest.mark.parametrize("line, match", [
@@ -97,6 +97,34 @@ def test_sharegpt_broken_json_names_the_line(tmp_path):
     with pytest.raises(DatasetError, match=r"s.json:3: expected ',' or '\]' after the list "
                                            "element that starts on line 2"):
         datasets.load("sharegpt", str(f))
+    for tail, line in (('\n[{"conversations": []}]', 4), (" x", 3)):  # a second list, or text
+        f.write_text('[\n{"conversations": [{"from": "human", "value": "hi"}]}\n]' + tail)
+        with pytest.raises(DatasetError, match=rf"s.json:{line}: text after the list's closing"):
+            datasets.load("sharegpt", str(f))
+
+
+# ---- the file's text -----------------------------------------------------------------------
+def test_any_json_string_and_a_byte_order_mark_are_read(tmp_path):
+    """Lines end at "\\n": U+2028, U+2029 and U+0085 stand unescaped in a JSON string (as
+    json.dumps(ensure_ascii=False) writes them), CRLF ends a line too, and a leading UTF-8
+    byte-order mark (Windows editors write one) is not part of the first line."""
+    prompts = ["one\u2028two", "three\u2029four\u0085five", "caf\u00e9"]
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False)
+                                              for p in prompts).encode())
+    d = datasets.load("custom", str(f))
+    assert [r.prompt for r in d.rows()] == prompts
+    assert [c.where for c in d.conversations] == [f"{f}:{n}" for n in (1, 2, 3)]
+    g = tmp_path / "s.json"
+    g.write_bytes(b"\xef\xbb\xbf" + json.dumps(SHAREGPT).encode())
+    assert len(datasets.load("sharegpt", str(g)).conversations) == 2
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(DatasetError, match=r"c.jsonl:2: byte 0xe9 is not UTF-8"):
+        datasets.load("custom", str(f))
 
 
 # ---- spec_bench --------------------------------------------------------------------------
@@ -110,7 +138,6 @@ def test_spec_bench_turns_and_categories(tmp_path):
                         Row("Why is the sky blue?", None, "qa")]
     assert d.conversations[0] == Conversation(["Write a haiku.", "In French."], [None, None],
                                               "writing", f"{f}:1")
-    assert d.categories == ["writing", "qa"]
 
 
 @pytest.mark.parametrize("entry, match", [
@@ -164,20 +191,22 @@ def test_in_process_bench_runs_one_config_per_category(tmp_path):
         {"prompt": "def add(a, b):\n    return", "output_tokens": 3, "category": "short"},
         {"prompt": "import os\nimport sys\n", "output_tokens": 3, "category": "short"},
         {"prompt": "class Stack:\n    def push(self, x):", "output_tokens": 6, "category": "long"},
-        {"prompt": long, "category": "long"}])
+        {"prompt": long, "category": "huge"},  # no row of "huge" fits: no run of it
+        {"prompt": "x = [", "output_tokens": 2}])  # no category: a run of its own
     sweep = itl.check_sweep(dict(methods=["none", "suffix"], modes=["padded"], k=[2],
                                  concurrency=[2], output_len=[4], repeats=1, warmup=0,
                                  dataset_name="custom", dataset_path=str(f)))
     r = itl.run_sweep(sweep, Console(quiet=True))
     got = {(c["method"], c["category"]): c for c in r["configs"]}
-    assert sorted(got) == [("none", "long"), ("none", "short"), ("suffix", "long"),
-                           ("suffix", "short")]
+    assert sorted(got, key=str) == [("none", "long"), ("none", "short"), ("none", None),
+                                    ("suffix", "long"), ("suffix", "short"), ("suffix", None)]
     for (method, category), c in got.items():
         assert c["status"] == "ok" and c["prompt_len"] == 0
         assert c["name"] == (f"{'none' if method == 'none' else 'suffix-padded-k2'}-c2-dataset-"
-                             f"{category}-o4")
-        # two requests per run; "short" rows ask 3 tokens each, the one "long" row that fits 6
-        assert c["repeats"][0]["output_tokens"] == (6 if category == "short" else 12)
+                             + (f"{category}-" if category else "") + "o4")
+        # two requests per run, of its rows only: "short" rows ask 3 tokens each, the one
+        # "long" row that fits 6, the row without a category 2
+        assert c["repeats"][0]["output_tokens"] == {"short": 6, "long": 12, None: 4}[category]
     assert r["prompt_source"] == f"custom dataset {f}"
     (warning,) = [w for w in r["warnings"] if "left out" in w]
     assert f"1 rows too long left out: {f}:4: " in warning and "> max_model_len 1024" in warning

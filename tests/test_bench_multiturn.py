@@ -188,14 +188,17 @@ def test_dataset_categories_are_one_run_each(stub_url, tmp_path, capsys):
     f.write_text("\n".join(json.dumps(x) for x in [
         {"prompt": "def f(x):", "output_tokens": 3, "category": "code"},
         {"prompt": "The sky is", "output_tokens": 6, "category": "prose"},
-        {"prompt": "y = " * 600, "category": "prose"}]) + "\n")  # too long for 512
+        {"prompt": "y = " * 600, "category": "prose"},  # too long for 512
+        {"prompt": "y = " * 600, "category": "huge"},  # no row of "huge" fits: no run of it
+        {"prompt": "x = [", "output_tokens": 2}]) + "\n")  # no category: a run of its own
     out, r = run_cli(stub_url, tmp_path, capsys, "--concurrency", "2", "--dataset-name",
                      "custom", "--dataset-path", str(f))
     got = {c["category"]: c for c in r["configs"]}
-    assert sorted(got) == ["code", "prose"]
-    for cat, n in (("code", 3), ("prose", 6)):  # each run sends its category's rows only
+    assert list(got) == ["code", "prose", None]
+    for cat, n in (("code", 3), ("prose", 6), (None, 2)):  # each run: its category's rows only
         assert [q["output_tokens"] for q in got[cat]["repeats"][0]["requests"]] == [n, n]
-    assert "category" in out and f"{f}:3: " in " ".join(r["warnings"])
+    warnings = " ".join(r["warnings"])
+    assert "category" in out and f"{f}:3: " in warnings and f"{f}:4: " in warnings
 
 
 def test_multi_turn_refusals(tmp_path, capsys):
@@ -215,17 +218,70 @@ def test_multi_turn_refusals(tmp_path, capsys):
     assert "invalid choice: 'fast' (choose from 'rounds', 'free')" in capsys.readouterr().err
 
 
-def test_each_repeat_replays_conversations_no_earlier_repeat_sent(tmp_path):
-    """A repeat that replayed an earlier one's conversation would find its replies in a suffix
-    drafter's cache: repeats take consecutive slices of one seeded shuffle, and recur only
-    once the file has no unsent conversation left."""
+def test_no_run_replays_a_conversation_an_earlier_run_sent(stub_url, tmp_path, capsys,
+                                                          monkeypatch):
+    """A run that replayed an earlier run's conversation would find its prefixes in the
+    prefix cache and its replies in a suffix drafter's cache: every repeat at every
+    concurrency takes the next conversations of one seeded shuffle, which recur only once
+    the file has no unsent one left (generated ones: each run its own)."""
     f = tmp_path / "q.jsonl"
     f.write_text("\n".join(json.dumps({"category": "c", "turns": [f"task {i}", "more"]})
-                           for i in range(5)) + "\n")
-    opts = dict(num_prompts=2, _concurrency=2, multi_turn=2, dataset_name="spec_bench",
-                dataset_path=str(f), prompt_len=8)
-    tok = load_tokenizer(DEFAULT_MODEL)
-    sent = [[c.turns[0] for c in multiturn.conversations(opts, tok, 3, r)] for r in range(3)]
-    assert all(len(s) == 2 for s in sent) and len(set(sent[0] + sent[1])) == 4
-    assert len(set(sent[0] + sent[1] + sent[2])) == 5  # the fifth, then one recurs
-    assert sent[0] == [c.turns[0] for c in multiturn.conversations(opts, tok, 3)]
+                           for i in range(7)) + "\n")
+    replay, sent = multiturn.replay, []
+
+    async def recorded(url, body, convs, *args):
+        sent.append([c.turns[0] for c in convs])
+        return await replay(url, body, convs, *args)
+    monkeypatch.setattr(multiturn, "replay", recorded)
+    run_cli(stub_url, tmp_path, capsys, "--multi-turn", "2", "--concurrency", "1,2",
+            "--repeats", "2", "--dataset-name", "spec_bench", "--dataset-path", str(f))
+    assert [len(s) for s in sent] == [1, 1, 2, 2]
+    flat = [x for s in sent for x in s]
+    assert len(set(flat)) == 6
+    sent.clear()
+    run_cli(stub_url, tmp_path, capsys, "--multi-turn", "2", "--concurrency", "1,2",
+            "--repeats", "2", "--dataset-name", "spec_bench", "--dataset-path", str(f),
+            "--num-prompts", "3")  # 12 conversations of 7: they recur once all were sent
+    flat = [x for s in sent for x in s]
+    assert len(set(flat[:7])) == 7 and flat[7:] == flat[:5]
+    sent.clear()
+    run_cli(stub_url, tmp_path, capsys, "--multi-turn", "1", "--concurrency", "1,2",
+            "--prompt-len", "8")
+    flat = [x for s in sent for x in s]
+    assert len(flat) == 3 and len(set(flat)) == 3  # generated: every run its own
+
+
+def test_a_malformed_dataset_fails_before_a_server_starts_or_a_request_is_sent(
+        tmp_path, capsys, monkeypatch):
+    from specdec.commands.cli import main
+
+    def launch(*_):
+        raise AssertionError("a server was launched before the dataset was read")
+    monkeypatch.setattr(bench_serve, "launch", launch)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"category": "c", "turns": ["a"]}\n{"category": "c", "turn": ["b"]}\n')
+    custom = tmp_path / "custom.jsonl"
+    custom.write_text('{"prompt": "a", "output_token": 5}\n')
+    for flags in (["--launch", "--multi-turn", "2", "--dataset-name", "spec_bench",
+                   "--dataset-path", str(bad)],
+                  ["--launch", "--dataset-name", "custom", "--dataset-path", str(custom)],
+                  # port 9: nothing listens, so any request would fail before the file
+                  ["--base-url", "http://127.0.0.1:9", "--multi-turn", "2", "--dataset-name",
+                   "spec_bench", "--dataset-path", str(bad)]):
+        code = main(["bench", "serve", "--out", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and ("bad.jsonl:2: no 'turns'" in err
+                              or "custom.jsonl:1: unknown keys ['output_token']" in err), err
+
+
+def test_multi_turn_names_the_entries_it_left_out(stub_url, tmp_path, capsys):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps([{"conversations": [{"from": "gpt", "value": "I start"}]},
+                             {"conversations": [{"from": "human", "value": "hi"},
+                                                {"from": "gpt", "value": "a b"},
+                                                {"from": "human", "value": "more"}]}], indent=1))
+    out, r = run_cli(stub_url, tmp_path, capsys, "--multi-turn", "2", "--concurrency", "1",
+                     "--dataset-name", "sharegpt", "--dataset-path", str(f))
+    (warning,) = r["warnings"]
+    assert f"1 entries without a prompt left out: {f}:2: no human turn" in warning
+    assert "no human turn" in out

@@ -72,17 +72,41 @@ class Dataset:
         return [c.row for c in self.conversations]
 
     @property
-    def categories(self) -> list[str | None]:
-        """Categories in order of first appearance; [None] when the dataset has none."""
-        seen = list(dict.fromkeys(c.category for c in self.conversations))
-        return seen if any(c is not None for c in seen) else [None]
+    def kind(self) -> str:
+        return f"{self.name} dataset {self.path}"
+
+    def warnings(self) -> list[str]:
+        """The entries left out for holding no prompt, and why."""
+        return left_out_warning(self.kind, "entries without a prompt", self.skipped)
+
+
+def left_out_warning(kind: str, what: str, lines: list[str]) -> list[str]:
+    """[] for no ``lines``, else one warning naming the first 3 ``"file:line: why"``."""
+    if not lines:
+        return []
+    return [f"{kind}: {len(lines)} {what} left out: " + "; ".join(lines[:3])
+            + (" ..." if len(lines) > 3 else "")]
 
 
 # ---- the file's entries with their line numbers ----------------------------------------------
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark dropped); DatasetError naming the
+    line of the first byte that is not UTF-8."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8 (allowed: "
+                           "UTF-8 text)") from None
+
+
 def jsonl_entries(path: Path) -> list[tuple[int, object]]:
-    """[(line number, parsed JSON)] of a JSONL file; blank lines are not entries."""
+    """[(line number, parsed JSON)] of a JSONL file; blank lines are not entries. Lines end
+    at "\n" only (a "\r" before it is JSON whitespace): U+2028 and the like may stand
+    unescaped inside a JSON string."""
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_text(path).split("\n"), start=1):
         if line.strip():
             try:
                 out.append((n, json.loads(line)))
@@ -106,9 +130,15 @@ def json_list_entries(path: Path, text: str) -> list[tuple[int, object]]:
     def line(i):
         return text.count("\n", 0, i) + 1
 
+    def close(i):  # text[i] is the list's closing "]": nothing may follow it
+        if (rest := skip(i + 1)) < len(text):
+            raise DatasetError(f"{path}:{line(rest)}: text after the list's closing ']' "
+                               "(allowed: one JSON list, or JSONL)")
+        return out
+
     i = skip(i)
     if i < len(text) and text[i] == "]":
-        return out
+        return close(i)
     while True:
         try:
             obj, end = dec.raw_decode(text, i)
@@ -120,7 +150,7 @@ def json_list_entries(path: Path, text: str) -> list[tuple[int, object]]:
         if i < len(text) and text[i] == ",":
             i = skip(i + 1)
         elif i < len(text) and text[i] == "]":
-            return out
+            return close(i)
         else:
             raise DatasetError(f"{path}:{line(i)}: expected ',' or ']' after the list element "
                                f"that starts on line {out[-1][0]}")
@@ -128,7 +158,7 @@ def json_list_entries(path: Path, text: str) -> list[tuple[int, object]]:
 
 def entries(path: Path) -> list[tuple[int, object]]:
     """A JSON list's elements, or a JSONL file's lines (whichever the file holds)."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if text.lstrip().startswith("["):
         return json_list_entries(path, text)
     return jsonl_entries(path)

@@ -43,22 +43,24 @@ def prefix_cache_counts(scraped: dict) -> tuple[float, float] | None:
     return got[0], got[1]
 
 
-def conversations(opts: dict, tok, seed: int, repeat: int = 0) -> list[datasets.Conversation]:
-    """Repeat ``repeat``'s ``num_prompts`` (default: the concurrency's) conversations of at
-    most ``multi_turn`` user turns: the dataset's (slice ``repeat`` of a seeded shuffle,
-    ``datasets.pick``: each repeat replays conversations no earlier repeat sent while the file
-    has enough, then they recur, as vLLM oversamples; a replayed conversation would find its
-    replies in a suffix drafter's cache) or generated ones."""
-    n, turns = opts["num_prompts"] or opts["_concurrency"], opts["multi_turn"]
-    data = datasets.load(opts["dataset_name"], opts["dataset_path"],
-                         lambda text: len(tok.encode(text).ids))
+def conversations(data: "datasets.Dataset | None", opts: dict, tok, n: int, seed: int,
+                  start: int = 0) -> list[datasets.Conversation]:
+    """``n`` conversations of at most ``multi_turn`` user turns, the ``start``-th on of the
+    bench's replay (the conversations its earlier runs sent: every repeat at every
+    concurrency). ``data``'s: positions ``start`` to ``start + n - 1`` of one seeded shuffle
+    (``datasets.pick``), so no run replays a conversation an earlier one sent while the file
+    has enough, then they recur, as vLLM oversamples (a replayed conversation would find its
+    prefixes in the prefix cache and its replies in a suffix drafter's cache); for ``random``
+    (``data`` None) generated ones, seeded by ``seed + start``."""
+    turns = opts["multi_turn"]
     if data is None:
         source = bench_sweep.PromptSource(tok, tok.get_vocab_size())
-        windows = source.prompts(n * turns, opts["prompt_len"], seed + repeat)
+        windows = source.prompts(n * turns, opts["prompt_len"], seed + start)
         return [datasets.Conversation([tok.decode(w) for w in windows[i * turns:(i + 1) * turns]],
-                                      [None] * turns, None, f"random:{i}") for i in range(n)]
+                                      [None] * turns, None, f"random:{start + i}")
+                for i in range(n)]
     return [c._replace(turns=c.turns[:turns], max_tokens=c.max_tokens[:turns])
-            for c in datasets.pick(data.conversations, n * (repeat + 1), seed)[n * repeat:]]
+            for c in datasets.pick(data.conversations, start + n, seed)[start:]]
 
 
 async def replay(base_url: str, body: dict, convs: list[datasets.Conversation],
@@ -196,17 +198,13 @@ def overall(reps: list[list[dict]]) -> dict:
     return out
 
 
-def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
-          mode: str = "server", server: dict | None = None) -> dict:
+def bench(opts: dict, base_url: str, model: str, label: str, k: int, console, tok,
+          data: "datasets.Dataset | None", mode: str = "server",
+          server: dict | None = None) -> dict:
     """Warm up (generated single-turn prompts: the conversations' text is not sent before
     it is measured), then per concurrency the repeats of the replay; -> results.json dict
-    (``kind`` "multi_turn", a ``turns`` list per config)."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer
-
-    from specdec.engine.llm import DEFAULT_MODEL
-    tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
+    (``kind`` "multi_turn", a ``turns`` list per config). ``tok``, ``data``:
+    ``bench_serve.read_dataset``'s."""
     generated = bench_sweep.PromptSource(tok, tok.get_vocab_size())
     body = dict(model=model, temperature=0.0, stream=True, ignore_eos=True,
                 stream_options=dict(include_usage=True, continuous_usage_stats=True))
@@ -219,11 +217,13 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
                 generated.prompts(c, opts["prompt_len"], 10_000 + opts["seed"] + w), c, None, 0))
     phases["warmup_s"] = time.perf_counter() - t_start
     t = time.perf_counter()
-    configs = []
+    configs, sent = [], 0  # sent: conversations of the earlier runs
     for c in opts["concurrency"]:
         reps, by_turn = [], []  # by_turn: free pacing's per-turn figures, per repeat
         for r in range(opts["repeats"]):
-            convs = conversations(dict(opts, _concurrency=c), tok, opts["seed"], r)
+            n = opts["num_prompts"] or c
+            convs = conversations(data, opts, tok, n, opts["seed"], sent)
+            sent += n
             scrapes = []
             rounds = asyncio.run(replay(base_url, body, convs, c, opts["output_len"],
                                         lambda _: scrapes.append(bench_serve.scrape(base_url)),
@@ -251,9 +251,10 @@ def bench(opts: dict, base_url: str, model: str, label: str, k: int, console,
     return dict(schema_version=bench_serve.SCHEMA_VERSION, kind="multi_turn",
                 server=server or {}, definitions=DEFINITIONS,
                 environment=bench_sweep.environment({"device": "cpu"}), sweep=sweep,
-                prompt_source=(f"{opts['dataset_name']} dataset {opts['dataset_path']}"
-                               if opts["dataset_path"] else "generated held-out stdlib text"),
-                phase_seconds=phases, configs=configs, warnings=[])
+                prompt_source=(data.kind if data is not None
+                               else "generated held-out stdlib text"),
+                phase_seconds=phases, configs=configs,
+                warnings=data.warnings() if data is not None else [])
 
 
 DEFINITIONS = {

@@ -278,11 +278,20 @@ def endpoint_mode(spec: dict | None, launched: bool) -> str:
     return "ragged" if spec.get("disable_padded_drafter_batch") else "padded"
 
 
-def prompt_source(opts: dict, tok, max_model_len: int, k: int):
+def read_dataset(opts: dict):
+    """(the bench's tokenizer, its Dataset or None for ``random``): the file read and checked
+    before a server is launched or a request sent, so a malformed line fails first."""
+    from tokenizers import Tokenizer
+
+    from specdec.engine.llm import DEFAULT_MODEL
+    tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
+    return tok, datasets.load(opts["dataset_name"], opts["dataset_path"],
+                              lambda text: len(tok.encode(text).ids))
+
+
+def prompt_source(data: "datasets.Dataset | None", tok, opts: dict, max_model_len: int, k: int):
     """The generated prompts (PromptSource), or the dataset's rows that fit the server's
     ``max_model_len`` (DatasetPrompts)."""
-    data = datasets.load(opts["dataset_name"], opts["dataset_path"],
-                         lambda text: len(tok.encode(text).ids))
     if data is None:
         return bench_sweep.PromptSource(tok, tok.get_vocab_size())
     return bench_sweep.DatasetPrompts(data, tok, max_model_len, opts["output_len"], k + 1)
@@ -295,22 +304,20 @@ def server_max_model_len(base_url: str, model: str, tokenizer_dir: str | None) -
     return entry.get("max_model_len") or bench_sweep.model_limit(tokenizer_dir)
 
 
-def bench(opts: dict, base_url: str, model: str, label: str, k: int,
-          console: Console, mode: str = "server", server: dict | None = None) -> dict:
+def bench(opts: dict, base_url: str, model: str, label: str, k: int, console: Console,
+          tok, data: "datasets.Dataset | None", mode: str = "server",
+          server: dict | None = None) -> dict:
     """Warm up, then the interleaved repeats over the concurrencies (and a dataset's
-    categories: one run each); -> results.json dict."""
-    from specdec.engine.llm import DEFAULT_MODEL
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(Path(opts["tokenizer"] or DEFAULT_MODEL) / "tokenizer.json"))
-    source = prompt_source(opts, tok, server_max_model_len(base_url, model, opts["tokenizer"]),
-                           k)
+    categories: one run each); -> results.json dict. ``tok``, ``data``: ``read_dataset``'s."""
+    source = prompt_source(data, tok, opts,
+                           server_max_model_len(base_url, model, opts["tokenizer"]), k)
     generated = bench_sweep.PromptSource(tok, tok.get_vocab_size())  # the warm-up's
     dataset = isinstance(source, bench_sweep.DatasetPrompts)
     body = dict(model=model, max_tokens=opts["output_len"], temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True,
                                                      continuous_usage_stats=True))
     runs = [(c, cat) for c in opts["concurrency"]
-            for cat in (source.dataset.categories if dataset else [None])]
+            for cat in (source.categories if dataset else [None])]
     reps = {run: [] for run in runs}
     phases, t_start = {}, time.perf_counter()
 
@@ -524,6 +531,7 @@ def run_from_args(args, turns_bench=None) -> int:
                          "pip install 'specdec[serve]'") from None
     opts = options(args)
     launched_flags = engine_flags(args)  # refused without --launch, before anything starts
+    tok, data = read_dataset(opts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
@@ -554,7 +562,7 @@ def run_from_args(args, turns_bench=None) -> int:
         label = args.label or ((spec["method"] if spec else "none") if args.launch else model)
         server = server_info(base_url, model, args.launch)
         run = turns_bench if opts["multi_turn"] else bench
-        results = run(opts, base_url, model, label, k, console,
+        results = run(opts, base_url, model, label, k, console, tok, data,
                       mode=endpoint_mode(spec, args.launch), server=server)
     finally:
         if proc is not None:

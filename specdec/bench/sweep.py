@@ -260,8 +260,7 @@ class DatasetPrompts:
 
     def __init__(self, dataset: "datasets.Dataset", tokenizer, max_model_len: int,
                  output_len: int, spare: int):
-        self.dataset, self.max_model_len = dataset, max_model_len
-        self.kind = f"{dataset.name} dataset {dataset.path}"
+        self.dataset, self.kind = dataset, dataset.kind
         self.rows: list[tuple[list[int], int | None, str | None]] = []
         self.left_out: list[str] = []
         for conv in dataset.conversations:
@@ -281,25 +280,22 @@ class DatasetPrompts:
         """Tokens of the longest prompt and its output."""
         return max(len(ids) + (mt or output_len) for ids, mt, _ in self.rows)
 
+    @property
+    def categories(self) -> list[str | None]:
+        """The categories of the rows that fit, in order of first appearance: one run each
+        (None: the rows without one; [None] when no row has one)."""
+        return list(dict.fromkeys(category for _, _, category in self.rows))
+
     def prompts(self, n: int, category: str | None, seed: int) -> tuple[list, list[int | None]]:
-        """``n`` rows of ``category`` (every row for None), a seeded shuffle (``pick``); ->
+        """``n`` rows of ``category`` (one of ``categories``), a seeded shuffle (``pick``); ->
         (token ids per prompt, output length per prompt: None = the config's)."""
-        rows = [r for r in self.rows if category is None or r[2] == category]
-        if not rows:
-            raise UsageError(f"no prompt of category {category!r} fits max_model_len "
-                             f"{self.max_model_len}")
-        chosen = datasets.pick(rows, n, seed)
+        chosen = datasets.pick([r for r in self.rows if r[2] == category], n, seed)
         return [ids for ids, _, _ in chosen], [mt for _, mt, _ in chosen]
 
     def warnings(self) -> list[str]:
         """What was left out of the dataset, and why (the first 3 named)."""
-        out = []
-        for what, lines in (("entries without a prompt", self.dataset.skipped),
-                            ("rows too long", self.left_out)):
-            if lines:
-                out.append(f"{self.kind}: {len(lines)} {what} left out: " + "; ".join(lines[:3])
-                           + (" ..." if len(lines) > 3 else ""))
-        return out
+        return self.dataset.warnings() + datasets.left_out_warning(self.kind, "rows too long",
+                                                                   self.left_out)
 
 
 def model_limit(model) -> int:
@@ -631,7 +627,7 @@ def run_sweep(sweep: dict, console: Console | None = None) -> dict:
     phases = {}
     torch.manual_seed(sweep["seed"])
     dataset = dataset_prompts(sweep)
-    configs = expand(sweep, dataset.dataset.categories if dataset else (None,))
+    configs = expand(sweep, dataset.categories if dataset else (None,))
     engines, skipped = build_engines(sweep, configs, dataset)
     ok = [c for c in configs if c.engine_key in engines]
     source = dataset
