@@ -54,6 +54,25 @@ def test_async_equals_sync_token_for_token(method, backend):
     assert not overlapped.has_unfinished()
 
 
+def test_a_prefill_chunk_cut_to_one_token_is_not_continued():
+    """At K = 0 a budget of 2 tokens cuts a prompt that arrives beside a decode into chunks
+    of 1: such a step looks like a uniform decode, but the chunk samples nothing to decode
+    next (it once gathered index -1 and failed every request in the step)."""
+    outs = []
+    for flag in (False, True):
+        llm = LLM(max_num_seqs=2, max_num_batched_tokens=2, max_model_len=64,
+                  async_scheduling=flag)
+        first = llm.add_request([11, 12, 13], SamplingParams(max_tokens=30, ignore_eos=True))
+        llm.step(), llm.step()  # the first prompt's chunks: it decodes from here on
+        second = llm.add_request(list(range(100, 120)),
+                                 SamplingParams(max_tokens=8, ignore_eos=True))
+        while llm.step() is not None:
+            pass
+        outs.append([(r.output_token_ids, r.finish_reason) for r in (first, second)])
+    assert outs[1] == outs[0] and outs[0][1][1] == "length"
+    assert any(s.overlapped for s in llm.steps)  # the decodes after the prompt still overlap
+
+
 def test_sampled_async_equals_sync():
     """Counter-based random numbers: each draw is keyed by request and position, so a step
     launched before the host read draws what the synchronous one would."""
