@@ -426,6 +426,23 @@ def test_killing_the_engine_process_fails_its_streams_and_exits_nonzero():
             proc.kill()
 
 
+def test_a_request_whose_messages_outgrow_the_pipe_is_served():
+    """One request of n=200 queues 200 messages to the engine process at once, more than its
+    pipe holds. Under ``specdec serve`` (uvloop, which made the pipe non-blocking) a full
+    pipe failed a send with BlockingIOError, and the server took its live engine for dead,
+    answered 500 and exited."""
+    proc, url = bench_serve.launch(["--method", "none", "--max-model-len", "128"])
+    try:
+        prompt = "def f(x):\n    return x\n" * 12
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "n": 200, "max_tokens": 1, "temperature": 1.0, "seed": 0})
+        assert r.status_code == 200, r.text[:300]
+        assert len(r.json()["choices"]) == 200
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        bench_serve.stop(proc)
+
+
 def test_engine_threads_sets_the_engine_process_torch_threads():
     """--engine-threads N: the engine process runs N torch threads (read back from its
     torch and printed at start-up); below 1 is refused naming the flag. The engine process

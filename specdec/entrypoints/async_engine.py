@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.engine_loop import (CoreOutput, EngineLoop, EngineInfo, FinishStats,
                                              run_engine_process)
+from specdec.entrypoints.outbox import Outbox
 
 
 class QueueFullError(RuntimeError):
@@ -270,6 +271,7 @@ class ProcessEngine(EngineFrontend):
         self.info: EngineInfo | None = None
         self.process = None
         self.conn = None
+        self._outbox: Outbox | None = None  # the messages to the engine process, once started
         self.exitcode: int | None = None  # set when the engine process died
         self.on_engine_death = None  # called (no arguments) once the engine process died
         self._gauges = (0, 0, 0)  # running, waiting, free blocks: from the last output
@@ -345,13 +347,12 @@ class ProcessEngine(EngineFrontend):
         self._send(("abort", request_id, reason))
 
     def _send(self, msg) -> None:
-        try:
-            self.conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self._engine_died()
+        self._outbox.put(msg)
 
     def start(self) -> None:
-        asyncio.get_running_loop().add_reader(self.conn.fileno(), self._on_readable)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.conn.fileno(), self._on_readable)
+        self._outbox = Outbox(self.conn, loop, self._engine_died)
 
     async def account(self, reset: bool = False) -> dict | None:
         """``serve --account``: the engine process's account (``reset``: zero it; None)."""
@@ -385,10 +386,13 @@ class ProcessEngine(EngineFrontend):
             self.on_engine_death()
 
     async def _close(self) -> None:
-        if self.exitcode is None:
-            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+        loop, running = asyncio.get_running_loop(), self.exitcode is None
+        if running:
+            loop.remove_reader(self.conn.fileno())
             self._send(("shutdown",))
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 30)
+        await loop.run_in_executor(None, self._outbox.close, 30)
+        if running:
+            await loop.run_in_executor(None, self.process.join, 30)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()

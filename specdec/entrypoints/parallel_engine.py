@@ -38,6 +38,7 @@ from pathlib import Path
 
 from specdec.entrypoints.async_engine import EngineDeadError, EngineFrontend
 from specdec.entrypoints.engine_loop import CoreOutput, EngineInfo, EngineLoop
+from specdec.entrypoints.outbox import Outbox
 
 START_POLL_S = 0.1  # how often start-up looks for a dead rank
 
@@ -138,6 +139,7 @@ class ParallelEngine(EngineFrontend):
         self.info: EngineInfo | None = None
         self.processes: list = []
         self.conns: list = []  # one per DP replica (its leader's pipe)
+        self._outboxes: list[Outbox] = []  # the messages to each, once started
         self.exitcode: int | None = None  # set when a rank process died
         self.on_engine_death = None
         self._gauges = [(0, 0, 0)] * self.dp_size  # per replica: running, waiting, free blocks
@@ -252,15 +254,13 @@ class ParallelEngine(EngineFrontend):
                 self._send(replica, ("wake", c))
 
     def _send(self, replica: int, msg) -> None:
-        try:
-            self.conns[replica].send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self._engine_died()
+        self._outboxes[replica].put(msg)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         for replica, conn in enumerate(self.conns):
             loop.add_reader(conn.fileno(), self._on_readable, replica)
+        self._outboxes = [Outbox(conn, loop, self._engine_died) for conn in self.conns]
         for p in self.processes:  # a TP peer's death shows here, not on a pipe
             loop.add_reader(p.sentinel, self._engine_died)
         self._keepalive = loop.call_later(self.keepalive_s, self._keep_alive)
@@ -305,13 +305,17 @@ class ParallelEngine(EngineFrontend):
         """Every leader asleep (all requests ended), then shut down; kill what lingers."""
         if self._keepalive is not None:
             self._keepalive.cancel()
-        if self.exitcode is None:
-            loop, deadline = asyncio.get_running_loop(), time.monotonic() + 30
+        loop, running = asyncio.get_running_loop(), self.exitcode is None
+        if running:
+            deadline = time.monotonic() + 30
             while (self._asleep_at is None or self._replica) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             self._stop_reading()
             for replica in range(self.dp_size):
                 self._send(replica, ("shutdown",))
+        for outbox in self._outboxes:
+            await loop.run_in_executor(None, outbox.close, 30)
+        if running:
             await loop.run_in_executor(None, self._join, 30)
         for conn in self.conns:
             conn.close()
