@@ -309,18 +309,45 @@ def test_tokenizer_info(eagle3):
 
 
 def test_several_prompts_are_admitted_all_or_none():
-    """Three prompts at a server that admits two (max_num_seqs=2, no queue): 503, and none of
-    the three runs; then two are served."""
+    """Three prompts at a server with two free places (max_num_seqs=2 and max_waiting=1, one
+    request already in): 503, and none of the three runs; then two are served. Three at a
+    server that admits two in all is a 400: no retry would ever admit them."""
+    import threading
     s = ServerThread(build_server_app(LLM(max_model_len=64, max_num_seqs=2), NAME,
-                                      max_waiting=0))
+                                      max_waiting=1))
+    engine = s.app.state.engine
+    llm, release = engine.llm, threading.Event()
+    step = llm.step
+
+    def held_step():
+        release.wait(30)
+        return step()
+    llm.step = held_step
     try:
+        first = threading.Thread(target=post, args=(s.url, "/v1/completions",
+                                                    {"prompt": [4], "max_tokens": 4}))
+        first.start()
+        deadline = time.monotonic() + 30
+        while len(engine._handles) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [[5], [6], [7]],
                                                         "max_tokens": 4}, timeout=60)
-        assert r.status_code == 503 and "max_waiting=0" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503 and "max_waiting=1" in r.json()["error"]["message"], r.text
+        assert len(engine._handles) == 1  # the two admitted before the third were taken back
+        release.set()
+        first.join(60)
         health = httpx.get(f"{s.url}/health", timeout=30).json()
         assert (health["running"], health["waiting"]) == (0, 0)
-        assert sum(finished(s.url, reason) for reason in ("length", "abort", "stop")) == 0
+        assert finished(s.url, "length") == 1  # the first request's
+        assert sum(finished(s.url, reason) for reason in ("abort", "stop")) == 0
         got = post(s.url, "/v1/completions", {"prompt": [[5], [6]], "max_tokens": 4})
         assert [c["finish_reason"] for c in got["choices"]] == ["length", "length"]
+        engine.max_waiting = 0
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [[5], [6], [7]],
+                                                        "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     finally:
+        release.set()
+        llm.step = step
         s.close()

@@ -193,6 +193,39 @@ def test_top_p_that_rounds_to_zero_is_greedy(server):
                                              "seed": 1}).json()
         assert r["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
         assert r["usage"]["completion_tokens"] == 8
+    r = post(server, "/v1/completions", {**body, "temperature": 1, "top_p": 1e-9, "n": 2})
+    assert r.status_code == 200, r.text  # each of the n samples is the top token
+    assert [c["token_ids"] for c in r.json()["choices"]] == [
+        greedy["choices"][0]["token_ids"]] * 2
+
+
+def test_usage_counts_each_prompt_once_whatever_n(server):
+    """OpenAI and vLLM count a prompt's tokens once however many samples share it."""
+    for path, base in (("/v1/completions", {"prompt": ["def f(x):", "import os"]}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "def f(x):"}]})):
+        body = {**base, "max_tokens": 3, "ignore_eos": True, "temperature": 1.0, "seed": 0}
+        one = post(server, path, body).json()["usage"]
+        for stream in (False, True):
+            extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+            r = post(server, path, {**body, "n": 3, **extra})
+            got = (json.loads(r.text.split("data: ")[-2])["usage"] if stream
+                   else r.json()["usage"])
+            assert got["prompt_tokens"] == one["prompt_tokens"], (path, stream)
+            assert got["completion_tokens"] == 3 * one["completion_tokens"], (path, stream)
+
+
+def test_stream_options_without_stream_and_more_samples_than_admitted_are_400(server):
+    assert_400(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                "stream_options": {"include_usage": True}}),
+               "stream_options")
+    # 4 rows + 2 waiting: a request of 7 samples could never be admitted (not a 503 to retry)
+    err = assert_400(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 7,
+                                                      "temperature": 1.0}), "n")
+    assert "at most 6 at once" in err["message"]
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 6,
+                                         "temperature": 1.0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6
 
 
 # ---- 5: admission --------------------------------------------------------------------------------

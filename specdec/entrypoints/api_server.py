@@ -194,15 +194,15 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         none); ``prompts_given``: the prompts as the request gave them (echo's text);
         ``names``: how errors name each prompt."""
         logprobs, prompt_logprobs = req.logprob_counts()
-        temperature, top_p = req.temperature, req.top_p
-        if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token: greedy
-            temperature, top_p = 0.0, 1.0
+        top_p, top_k = req.top_p, req.top_k or 0
+        if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token (n samples of it)
+            top_p, top_k = 1.0, 1
         params = []
         for ids, name in zip(prompts, names):
             check_prompt_ids(ids, model.vocab_size, name)
             max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
                                         default_max_tokens, name)
-            params.append(sampling_params(req, max_tokens, temperature, top_p, logprobs,
+            params.append(sampling_params(req, max_tokens, top_p, top_k, logprobs,
                                           prompt_logprobs))
         echoed = [None] * len(prompts)
         if req.echo:  # the prompt as given, or its tokens' text
@@ -210,6 +210,11 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
                 decode, model, ids) for p, ids in zip(prompts_given, prompts)]
         # n samples of each prompt: choices prompt * n + i (sample i seeded seed + i)
         ids, params, echoed, _ = fan_out(prompts, params, echoed)
+        if len(ids) > engine.capacity:  # never admitted, however long the client retries
+            raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={req.n} = {len(ids)} engine "
+                                f"requests; the server admits at most {engine.capacity} at "
+                                f"once (max_num_seqs={engine.max_num_seqs} + max_waiting="
+                                f"{engine.max_waiting})", "n")
         handles = []
         try:
             for x, p in zip(ids, params):
@@ -231,16 +236,16 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
     return app
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int, temperature: float, top_p: float,
+def sampling_params(req: SamplingRequest, max_tokens: int, top_p: float, top_k: int,
                     logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams of a request (its stop strings stay here: ``TextStream``);
     a value SamplingParams refuses is a 400 naming the field."""
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            max_tokens=max_tokens, temperature=req.temperature, top_p=top_p,
             ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(), seed=req.seed,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
-            top_k=req.top_k or 0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            top_k=top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             min_tokens=req.min_tokens)
     except (TypeError, ValueError) as e:
@@ -548,9 +553,10 @@ class CompletionShape:
             out["metrics"] = metrics
         return out
 
-    @staticmethod
-    def _usage(gens: list[Generation]) -> dict:
-        return usage(sum(g.num_prompt_tokens for g in gens),
+    def _usage(self, gens: list[Generation]) -> dict:
+        """Each prompt's tokens once (its n samples, choices prompt * n + i, share it: as
+        OpenAI and vLLM count), and every sample's output tokens."""
+        return usage(sum(g.num_prompt_tokens for g in gens[::self.req.n]),
                      sum(g.num_output_tokens for g in gens))
 
     def final_choice(self, gen: Generation) -> dict:

@@ -309,8 +309,8 @@ def check_unsupported(req: SamplingRequest) -> None:
 
 def greedy_top_p(top_p: float, vocab_size: int) -> bool:
     """top_p at or below 1/vocab keeps only the most likely token (it alone holds >= 1/V of the
-    mass), which is greedy decoding; the engine's float32 filter would keep nothing once top_p
-    rounds to 0, so such a request is served as greedy (temperature 0)."""
+    mass); the engine's float32 filter would keep nothing once top_p rounds to 0, so such a
+    request is served with top_k=1 instead (each of its n samples the top token)."""
     return float(np.float32(top_p)) <= 1.0 / vocab_size
 
 
@@ -324,6 +324,9 @@ def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: 
     if not 0 < req.top_p <= 1:
         raise ApiError(400, f"top_p={req.top_p}: allowed 0 < top_p <= 1", "top_p")
     check_unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: the options of a stream; allowed only with "
+                            "stream=true", "stream_options")
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX:
         raise ApiError(400, f"seed={req.seed}: allowed 0 <= seed <= {SEED_MAX}", "seed")
     if any(s == "" for s in req.stop_strings()):
