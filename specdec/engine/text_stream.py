@@ -1,6 +1,8 @@
 """A request's output text as its tokens arrive: incremental decoding and stop strings (the
 API server's streams, and ``EngineCore`` for a request's ``SamplingParams.stop``)."""
 
+from os.path import commonprefix
+
 REPLACEMENT = "\ufffd"  # what a decoder makes of an incomplete UTF-8 sequence
 
 
@@ -21,10 +23,11 @@ class TextStream:
     (a stop string may be starting). A stop string ends the text just before it (with
     ``include_stop``: just after it), and the tokens at the token that completes it:
     ``token_ids`` keeps none after that one (a speculative step brings several tokens at
-    once; they are not the request's). The first one in the text wins (``stop_str``). As
-    vLLM, stop strings are looked for only once the output holds more than ``min_tokens``
-    tokens, in the text the chunk that got there added (and the characters a stop string may
-    straddle before it). Without a tokenizer the text stays empty (token ids only).
+    once; they are not the request's): a chunk stops where one token at a time would, at the
+    first token that ends a stop string, the earliest-starting one when that token ends
+    several (``stop_str``). As vLLM, only stop strings that end after the text of the first
+    ``min_tokens`` tokens count (one may start before it). Without a tokenizer the text stays
+    empty (token ids only).
     """
 
     def __init__(self, tokenizer, stop: list[str], include_stop: bool = False,
@@ -53,31 +56,45 @@ class TextStream:
         # the last chunk decodes everything once: the text a full decode gives
         text = self.tokenizer.decode(self.token_ids) if final else self._decode()
         start = max(0, self.sent - self.hold)  # a stop string may straddle sent text
-        search = self.stop if len(self.token_ids) > self.min_tokens else ()
-        cuts = [(i, s) for i, s in ((text.find(s, start), s) for s in search) if i >= 0]
-        if cuts:
-            del self.token_ids[self._tokens_through_stop(start, len(token_ids)):]
-            at, self.stop_str = min(cuts, key=lambda c: c[0])
+        if (len(self.token_ids) > self.min_tokens
+                and any(text.find(s, start) >= 0 for s in self.stop)
+                and (found := self._first_stop(len(token_ids), final)) is not None):
+            n, text, at, self.stop_str = found
+            del self.token_ids[n:]
             end = at + len(self.stop_str) if self.include_stop else at
             text, self.stopped, final = text[:end], True, True
         self.text = text
         end = len(text)
-        if not final:
-            end -= self.hold
+        if not final:  # an incomplete character, then what a stop string may start with
             while end > self.sent and text[end - 1] == REPLACEMENT:
                 end -= 1
+            end -= self.hold
         delta = text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta
 
-    def _tokens_through_stop(self, start: int, new: int) -> int:
-        """The fewest tokens whose text holds a stop string (from character ``start``); only
-        the last ``new`` tokens can complete it (earlier chunks were searched)."""
-        for n in range(len(self.token_ids) - new + 1, len(self.token_ids)):
+    def _first_stop(self, new: int, final: bool) -> tuple[int, str, int, str] | None:
+        """The chunk's stop, as one token at a time would find it: the first of the last
+        ``new`` tokens (and past the first ``min_tokens``) whose text ends a stop string
+        within the characters that token added (an incomplete character at the end, U+FFFD,
+        is not text yet but on the request's last token); the earliest-starting one when
+        several do. -> (tokens kept, their text, where the stop string starts, the string),
+        or None."""
+        last = len(self.token_ids)
+        first = max(last - new, self.min_tokens) + 1
+        before = self.tokenizer.decode(self.token_ids[:first - 1]).rstrip(REPLACEMENT)
+        for n in range(first, last + 1):
             text = self.tokenizer.decode(self.token_ids[:n])
-            if any(text.find(s, start) >= 0 for s in self.stop):
-                return n
-        return len(self.token_ids)
+            if not (final and n == last):
+                text = text.rstrip(REPLACEMENT)
+            added = len(commonprefix((before, text)))  # a decoder may rewrite earlier text
+            cuts = [(at, s) for s in self.stop
+                    if (at := text.find(s, max(0, added - len(s) + 1))) >= 0]
+            if cuts:
+                at, s = min(cuts, key=lambda c: c[0])
+                return n, text, at, s
+            before = text
+        return None
 
     def _decode(self) -> str:
         """The text of all output tokens: the complete part plus the tokens after it."""
