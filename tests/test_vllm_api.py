@@ -3,6 +3,7 @@
 ``LLM.chat`` rendering the folder's chat template as the server does, and it equals the same
 settings through ``specdec serve``'s app."""
 
+import json
 import shutil
 
 import httpx
@@ -101,6 +102,34 @@ def test_stop_reason_is_the_stop_token(llm):
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.token_ids == free[:free.index(stop) + 1]
     assert llm.generate(PROMPTS[1], max_tokens=2)[0].stop_reason is None
+    # as vLLM, the stop token's text is not the output's, unless include_stop_str_in_output
+    kept = out.token_ids
+    assert out.text == llm.tokenizer.decode(kept[:-1]) != llm.tokenizer.decode(kept)
+    shown = llm.generate(PROMPTS[1], SamplingParams(
+        max_tokens=6, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True))[0]
+    assert shown.token_ids == kept and shown.text == llm.tokenizer.decode(kept)
+    also = llm.generate(PROMPTS[1], SamplingParams(  # the stop-string matcher agrees
+        max_tokens=6, ignore_eos=True, stop_token_ids=[stop], stop=["never in the text"]))[0]
+    assert (also.token_ids, also.text) == (kept, out.text)
+    word = llm.tokenizer.decode([stop])  # a stop string only the stop token spells: no match
+    both = llm.generate(PROMPTS[1], SamplingParams(
+        max_tokens=6, ignore_eos=True, stop_token_ids=[stop], stop=[word]))[0]
+    assert word not in out.text and both.outputs[0].stop_reason == stop
+    server = ServerThread(build_server_app(llm, "tiny"))
+    try:
+        for include in (False, True):
+            for stream in (False, True):
+                r = httpx.post(f"{server.url}/v1/completions", json=dict(
+                    model="tiny", prompt=PROMPTS[1], max_tokens=6, ignore_eos=True,
+                    stop_token_ids=[stop], include_stop_str_in_output=include,
+                    stream=stream, temperature=0), timeout=60)
+                text = ("".join(json.loads(line[6:])["choices"][0]["text"]
+                                for line in r.text.splitlines()
+                                if line.startswith("data: {")) if stream
+                        else r.json()["choices"][0]["text"])
+                assert text == (shown.text if include else out.text), (include, stream)
+    finally:
+        server.close()
 
 
 def test_chat_takes_conversations_and_checks_them(llm):

@@ -448,7 +448,7 @@ class EngineCore:
             if reason := self._finish_reason(r, tok):
                 break
         if r.params.stop and emitted:
-            dropped = self._stop_string(r, emitted)
+            dropped = self._stop_string(r, emitted, stop_token=reason in ("eos", "stop"))
             if dropped is not None:
                 emitted, reason = emitted - dropped, "stop"
         if d:  # an accepted draft counts once the request kept it (not past its end)
@@ -474,9 +474,10 @@ class EngineCore:
             r.spec_parents = list(self.tree.parent[1:])
         return emitted
 
-    def _stop_string(self, r: Request, emitted: int) -> int | None:
+    def _stop_string(self, r: Request, emitted: int, stop_token: bool) -> int | None:
         """Match ``r.params.stop`` on the text of the output with its last ``emitted`` tokens
-        (``TextStream``, incremental); at a match drop the tokens after the one completing
+        (``TextStream``, incremental; ``stop_token``: the last one ended the request, and as
+        vLLM its text is not searched); at a match drop the tokens after the one completing
         it (and their log-probs) and note the string (``r.stop_reason``, the stream's cut
         text) -> tokens dropped; None: no match."""
         if r.text_stream is None:
@@ -484,7 +485,7 @@ class EngineCore:
                                        r.params.include_stop_str_in_output,
                                        r.params.min_tokens)
         stream = r.text_stream
-        stream.add(r.token_ids[len(r.token_ids) - emitted:], final=False)
+        stream.add(r.token_ids[len(r.token_ids) - emitted:], final=False, stop_token=stop_token)
         if not stream.stopped:
             return None
         dropped = len(r.output_token_ids) - len(stream.token_ids)

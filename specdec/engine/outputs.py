@@ -77,7 +77,10 @@ class RequestOutput:
     def of(cls, r: Request, tokenizer, prompt: str | None = None) -> "RequestOutput":
         """The output of request ``r`` (its text decoded when there is a tokenizer)."""
         out = r.output_token_ids
-        text = tokenizer.decode(out) if tokenizer is not None else None
+        # as vLLM, the eos or stop_token_ids id that ended it has no text in the output
+        shown = (out[:-1] if r.finish_reason in ("eos", "stop") and r.stop_reason is None
+                 and not r.params.include_stop_str_in_output else out)
+        text = tokenizer.decode(shown) if tokenizer is not None else None
         cumulative = (sum(t.logprob for t in r.logprobs) if r.logprobs is not None
                       else None)
         stop = (out[-1] if r.finish_reason == "stop" and out

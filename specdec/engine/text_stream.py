@@ -46,10 +46,18 @@ class TextStream:
         self._prefix = 0  # token_ids[prefix:read]: the context the next window decodes with
         self._read = 0
 
-    def add(self, token_ids: list[int], final: bool) -> str:
-        """Append a chunk's tokens; -> the text to send now (all of it once ``final`` or stopped)."""
+    def add(self, token_ids: list[int], final: bool, stop_token: bool = False) -> str:
+        """Append a chunk's tokens; -> the text to send now (all of it once ``final`` or
+        stopped). ``stop_token``: the chunk's last token (an eos or ``stop_token_ids`` id)
+        ended the request; as vLLM, it stays in ``token_ids`` but its text is not the
+        output's unless ``include_stop``."""
         if self.stopped:  # the request ended at its stop string: nothing after it is its
             return ""
+        if stop_token and not self.include_stop:
+            delta = self.add(token_ids[:-1], final=True)
+            if not self.stopped:
+                self.token_ids.append(token_ids[-1])
+            return delta
         self.token_ids += token_ids
         if self.tokenizer is None:
             return ""

@@ -415,7 +415,8 @@ class Generation:
                 done = chunk.finish_reason is not None
                 self.stats = chunk.stats or self.stats
                 before = len(self.text.token_ids)
-                text = self.text.add(chunk.token_ids, final=done)
+                text = self.text.add(chunk.token_ids, final=done,
+                                     stop_token=chunk.finish_reason in ("eos", "stop"))
                 kept = len(self.text.token_ids) - before  # none past a stop string
                 logprobs = chunk.logprobs[:kept] if chunk.logprobs is not None else None
                 self.logprobs += logprobs or []
