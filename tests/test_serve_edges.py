@@ -228,6 +228,29 @@ def test_stream_options_without_stream_and_more_samples_than_admitted_are_400(se
     assert r.status_code == 200 and len(r.json()["choices"]) == 6
 
 
+def test_a_request_the_engine_fails_alone_is_answered_and_released(server):
+    """A step that fails one request (``EngineCore._update``: e.g. extract_hidden_states
+    cannot write its file; here a fault injected once) finishes it with reason "error" and
+    no tokens: its client gets a 500 with the error, its place is freed, and the server goes
+    on serving (it once waited for tokens that never came)."""
+    engine = server.app.state.engine
+    core = engine.llm.core
+    apply = core._apply
+
+    def fails_once(*args):
+        core._apply = apply
+        raise OSError("injected: cannot write the file")
+    core._apply = fails_once
+    try:
+        r = post(server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4})
+    finally:
+        core._apply = apply
+    assert r.status_code == 500 and "injected: cannot write the file" in r.text, r.text
+    assert len(engine._handles) == 0 and not engine.llm.has_unfinished()
+    assert post(server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4}
+                ).status_code == 200
+
+
 # ---- 5: admission --------------------------------------------------------------------------------
 @pytest.mark.parametrize("max_waiting", [2, 0])
 def test_a_burst_admits_exactly_the_batch_plus_max_waiting(server, max_waiting):

@@ -144,14 +144,22 @@ class EngineLoop:
         return CoreOutput(rec, updates, *self.gauges())
 
     def updates(self, rec) -> list[RequestUpdate]:
-        """One update per request a step (``rec``, a StepRecord or None) gave tokens; the
-        finished ones leave ``requests``."""
+        """One update per request a step (``rec``, a StepRecord or None) gave tokens or
+        finished; the finished ones leave ``requests``. A request the step failed alone
+        (``EngineCore._update``: reason "error", no tokens) gets its error."""
         updates = []
         for rid, n in (rec.new_tokens.items() if rec is not None else ()):
             req = self.requests.get(rid)
-            if not n or req is None:
+            if req is None:
                 continue
             done = req.status is Status.FINISHED
+            if done and req.finish_reason == "error":
+                del self.requests[rid]
+                updates.append(RequestUpdate(rid, [], error=f"engine error: {req.error}",
+                                             stats=FinishStats.of(req)))
+                continue
+            if not n:
+                continue
             first = len(req.token_ids) - n == req.num_prompt_tokens
             updates.append(RequestUpdate(
                 rid, req.output_token_ids[-n:], req.finish_reason if done else None,
