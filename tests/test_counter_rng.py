@@ -33,6 +33,11 @@ def test_neighbouring_inputs_give_uncorrelated_numbers():
                   base[:, 1:]):  # next lane
         c = torch.corrcoef(torch.stack([base[:, 0], other[:, 0]]))[0, 1]
         assert abs(float(c)) < 0.03
+    # keys and streams are not interchangeable: key k + 1 on one stream is not key k on the
+    # next (sample i + 1 of a seeded n > 1 request is keyed seed + i + 1)
+    for s in (1, 2):
+        lanes = [uniforms(keys + d, zeros, s + d2, 4) for d, d2 in ((1, 0), (0, 1))]
+        assert not bool((lanes[0] == lanes[1]).any())
 
 
 def test_exponentials_have_mean_one_and_are_positive():

@@ -2,7 +2,7 @@
 int64 tensor ops on the device, so a captured step draws fresh numbers every replay with no
 generator state and no host input, and a request's numbers do not depend on its batch.
 
-    u(key, counter, stream, lane) = top 53 bits of mix(mix(mix(key, stream), counter), lane)
+    u(key, counter, stream, lane) = top 53 bits of mix(mix(mix(mix(key) ^ stream) ^ counter) ^ lane)
 
 ``mix`` is SplitMix64's finalizer (Steele, Lea, Flood 2014) over a golden-ratio step, in
 two's-complement int64 (a logical shift is an arithmetic one masked). The sampler keys a
@@ -38,7 +38,10 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 def uniforms(keys: torch.Tensor, counters: torch.Tensor, stream: int,
              lanes: int) -> torch.Tensor:
     """keys, counters [B] int64 -> [B, lanes] float64 in [0, 1) (multiples of 2**-53)."""
-    z = _mix(_mix(keys.long() + stream) ^ counters.long())
+    # the stream mixed in on its own: added to the key, key k + 1's stream 1 was key k's
+    # stream 2 (sample i + 1 of a seeded n > 1 request, seed + i + 1, accepted drafts with
+    # the numbers sample i drew its tokens with)
+    z = _mix(_mix(_mix(keys.long()) ^ stream) ^ counters.long())
     # xor the lane in, as the counter: inductor's CPU code for ``arange * <64-bit constant>``
     # with a symbolic length wraps wrongly past the first vector (compile_dynamic drew NaN
     # exponentials from it); a lane only ever meets loaded values here
