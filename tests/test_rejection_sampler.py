@@ -246,6 +246,16 @@ def test_top_p_stays_in_nucleus_and_preserves_distribution(drafts):
         assert (out[:, 1] == -1).all()
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p 1e-50 is 0 in float32: the filter kept no token, and the row drew token 0."""
+    from specdec.engine.rejection_sampler import target_probs
+    logits = torch.randn(3, 2, VOCAB, generator=torch.Generator().manual_seed(0))
+    for top_p in (1e-50, 1e-9):
+        probs = target_probs(logits, torch.ones(3), torch.full((3,), top_p))
+        want = torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float()
+        assert torch.equal(probs, want), top_p
+
+
 # ---- argument checks and host syncs --------------------------------------------------------
 
 def valid_args(b=3, k=2, vocab=5):

@@ -173,7 +173,9 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor,
         kept = torch.where(keep.all(dim=-1, keepdim=True), sorted_probs,
                            kept / kept.sum(dim=-1, keepdim=True))
         mass_above = kept.cumsum(dim=-1) - kept
-        keep = keep & ((mass_above < top_p) | (top_p >= 1.0))
+        # the most likely token always stays (mass above it 0): a top_p that rounds to 0 in
+        # float32 (e.g. 1e-50) kept none, and the row drew token 0
+        keep = keep & ((mass_above < top_p) | (top_p >= 1.0) | (mass_above == 0))
     keep = torch.empty_like(keep).scatter_(-1, order, keep)
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)

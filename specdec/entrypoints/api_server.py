@@ -31,7 +31,7 @@ from specdec.entrypoints.chat import ChatTemplateError, template_messages
 from specdec.entrypoints.protocol import (
     FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     HugeInt, SamplingRequest, TokenizeRequest, chat_logprobs, check_prompt_ids,
-    check_prompt_length, check_sampling, completion_logprobs, greedy_top_p, parse,
+    check_prompt_length, check_sampling, completion_logprobs, parse,
     spec_decode_metrics, usage, vllm_prompt_logprobs)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -194,16 +194,12 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
         none); ``prompts_given``: the prompts as the request gave them (echo's text);
         ``names``: how errors name each prompt."""
         logprobs, prompt_logprobs = req.logprob_counts()
-        top_p, top_k = req.top_p, req.top_k or 0
-        if greedy_top_p(top_p, model.vocab_size):  # keeps only the top token (n samples of it)
-            top_p, top_k = 1.0, 1
         params = []
         for ids, name in zip(prompts, names):
             check_prompt_ids(ids, model.vocab_size, name)
             max_tokens = check_sampling(req, len(ids), model.max_model_len, model.vocab_size,
                                         default_max_tokens, name)
-            params.append(sampling_params(req, max_tokens, top_p, top_k, logprobs,
-                                          prompt_logprobs))
+            params.append(sampling_params(req, max_tokens, logprobs, prompt_logprobs))
         echoed = [None] * len(prompts)
         if req.echo:  # the prompt as given, or its tokens' text
             echoed = [p if isinstance(p, str) else await asyncio.to_thread(
@@ -236,16 +232,16 @@ def build_app(engine: AsyncEngine, model: ServedModel, metrics=None,
     return app
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int, top_p: float, top_k: int,
-                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams of a request (its stop strings stay here: ``TextStream``);
     a value SamplingParams refuses is a 400 naming the field."""
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=top_p,
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
             ignore_eos=req.ignore_eos, stop_token_ids=req.all_stop_token_ids(), seed=req.seed,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
-            top_k=top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+            top_k=req.top_k or 0, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             min_tokens=req.min_tokens)
     except (TypeError, ValueError) as e:

@@ -21,8 +21,6 @@ N is at most MAX_LOGPROBS.
 
 from typing import Annotated, Literal
 
-import numpy as np
-
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
                       model_validator)
 
@@ -305,13 +303,6 @@ def check_unsupported(req: SamplingRequest) -> None:
         if value not in ok:
             raise ApiError(400, f"{name}={short(value)}: not supported; "
                                 f"{WHY.get(name, 'this server does not implement it')}", name)
-
-
-def greedy_top_p(top_p: float, vocab_size: int) -> bool:
-    """top_p at or below 1/vocab keeps only the most likely token (it alone holds >= 1/V of the
-    mass); the engine's float32 filter would keep nothing once top_p rounds to 0, so such a
-    request is served with top_k=1 instead (each of its n samples the top token)."""
-    return float(np.float32(top_p)) <= 1.0 / vocab_size
 
 
 def check_sampling(req: SamplingRequest, num_prompt_tokens: int, max_model_len: int,
