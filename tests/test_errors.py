@@ -248,7 +248,7 @@ def test_12_ctrl_c_leaves_no_queued_requests(llm):
 # ---- 14. late or misleading errors: caught at construction, also before DP ranks start ------
 @pytest.mark.parametrize("spec,match", [
     ({"method": "eagle3", "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}},
-     r"has 2 ids, but .*eagle3.* combines 3"),
+     r"ids=\[1, 2\]: .*eagle3.* combines target layers \[.*\] \(as trained\)"),
     ({"method": "eagle3", "model": "{root}/eagle"}, r"method='eagle3', but .* is a 'eagle' head"),
     ({"method": "eagle", "model": "{root}/mtp"}, r"method='eagle', but .* is a 'mtp' head"),
     ({"method": "mtp", "model": "{root}/eagle3"}, r"method='mtp', but .* is a 'eagle3' head"),

@@ -371,8 +371,8 @@ def small(tmp_path_factory):
 
 
 @pytest.mark.parametrize("head,dmc,want", [
-    ("ids", {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, (0, 1, 2)),  # head config wins
-    ("ids", {}, (0, 1, 2)),
+    ("ids", {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, (0, 1, 2)),  # the head's own
+    ("ids", {}, (0, 1, 2)),  # the head config's (another configured list: refused, below)
     ("none", {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, (1, 2, 3)),  # then the spec's
     ("none", {"hf_config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 0, 0]}}},
      (3, 0, 0)),
@@ -387,15 +387,22 @@ def test_aux_layer_ids_precedence(small, head, dmc, want):
 
 
 def test_the_engine_runs_the_head_configs_aux_layers(small):
+    """The head's own ids run; a configured list that differs is refused by name (vLLM
+    would take the head's silently), the same list is accepted."""
     target, root = small
-    llm = LLM(target=target, speculative_config={
-        "method": "eagle3", "num_speculative_tokens": K, "model": str(root / "ids"),
-        "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, **ENGINE)
-    assert llm.runner.aux_layer_ids == (0, 1, 2)
+    spec = {"method": "eagle3", "num_speculative_tokens": K, "model": str(root / "ids")}
+    assert LLM(target=target, speculative_config=spec, **ENGINE).runner.aux_layer_ids == (0, 1, 2)
+    same = {**spec, "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    assert LLM(target=target, speculative_config=same, **ENGINE).runner.aux_layer_ids == (0, 1, 2)
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[1, 2, 3\]: "
+                                         r".* combines target layers \[0, 1, 2\]"):
+        LLM(target=target, speculative_config={
+            **spec, "draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}},
+            **ENGINE)
 
 
 @pytest.mark.parametrize("head,match", [
-    ("ids", r"eagle_aux_hidden_state_layer_ids=\[1, 2\] has 2 ids, but .* combines 3"),
+    ("ids", r"eagle_aux_hidden_state_layer_ids=\[1, 2\]: .* combines target layers"),
     ("none", r"eagle_aux_hidden_state_layer_ids=\[1, 2\] \(from speculative_config."
              r"draft_model_config\): need 3"),
 ])

@@ -22,7 +22,8 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir: Path | None
 
     EAGLE-3 aux layer ids, as vLLM picks them: the head config's, else the speculative
     config's ``draft_model_config``, else vLLM's default (2, L // 2, L - 3); the head's become
-    the config's (a configured list of another length is an error naming the field)."""
+    the config's (a configured list that differs is an error naming the field: vLLM would
+    take the head's silently)."""
     if draft_head is not None:
         if not isinstance(draft_head, (DraftHead, DraftLM)):
             raise TypeError(f"draft_head={draft_head!r}: must be a DraftHead (see "
@@ -41,10 +42,10 @@ def load_checked_head(spec: SpeculativeConfig, target, *, model_dir: Path | None
     if spec.uses_aux_hidden_states and head is not None:
         trained = head.aux_layer_ids
         configured = spec.aux_layer_ids_configured
-        if configured is not None and len(configured) != len(trained):
+        if configured is not None and list(configured) != list(trained):
             raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids={configured!r} has {len(configured)} ids, "
-                f"but {where} combines {len(trained)} target layers ({list(trained)})")
+                f"eagle_aux_hidden_state_layer_ids={configured!r}: {where} combines target "
+                f"layers {list(trained)} (as trained); allowed: that list, or none given")
         spec.draft_model_config["eagle_aux_hidden_state_layer_ids"] = list(trained)
     if spec.uses_aux_hidden_states:
         spec.aux_layer_ids(target.config.num_hidden_layers)  # the ids exist in the target
