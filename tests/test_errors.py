@@ -273,6 +273,15 @@ def test_14_dp_parent_validates_the_whole_config(folder, kwargs, match):
         LLM(folder / "target", data_parallel_size=2, **kwargs)
 
 
+def test_14_a_draft_head_without_a_speculative_config_is_refused():
+    """It was accepted and never drafted."""
+    from helpers import tiny_head, tiny_target
+    target = tiny_target()
+    with pytest.raises(ValueError, match="draft_head: a head drafts only under a "
+                                         "speculative_config"):
+        LLM(target=target, draft_head=tiny_head("mtp", target))
+
+
 # ---- 15. sizes bounded by the model and by memory -------------------------------------------
 def test_15_sizes_are_bounded_by_the_model_and_memory(folder):
     with pytest.raises(ValueError, match=rf"max_model_len={MAX_POS + 1}: allowed .*<= {MAX_POS}"):

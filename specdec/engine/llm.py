@@ -97,6 +97,9 @@ class LLM:
             exit_if_a_rank_reran_the_script()  # before loading anything
         self.data_parallel_size = data_parallel_size
         self.spec = parse_speculative_config(speculative_config)
+        if draft_head is not None and self.spec is None:
+            raise ValueError("draft_head: a head drafts only under a speculative_config; "
+                             "give one with its method, or no draft_head")
         # a launcher checks on a host copy; only the ranks put weights on the accelerator
         load_on = torch.device("cpu") if self.launcher else cfg.device
         check_bool("enable_expert_parallel", enable_expert_parallel)
