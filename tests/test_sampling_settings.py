@@ -40,7 +40,7 @@ SAMPLED = {  # one request each, in one batch (with a greedy request among them)
     "repetition_penalty": SamplingParams(temperature=0.8, repetition_penalty=1.8),
     "frequency_penalty": SamplingParams(temperature=0.8, frequency_penalty=1.2),
     "presence_penalty": SamplingParams(temperature=0.8, presence_penalty=-1.5),
-    "min_tokens": SamplingParams(temperature=1.0, min_tokens=12, stop_token_ids=[4]),
+    "min_tokens": SamplingParams(temperature=1.0, min_tokens=12, stop_token_ids=[4, 5, 6, 7]),
     "greedy+repetition": SamplingParams(repetition_penalty=2.0),
 }
 NEUTRAL = dict(top_k=0, min_p=0.0, top_p=1.0, repetition_penalty=1.0, frequency_penalty=0.0,
