@@ -350,7 +350,7 @@ def resolve_backend(graph_mode: str | None, graph_backend: str | None,
     from_mode = GRAPH_MODE_BACKENDS[graph_mode] if graph_mode is not None else None
     if graph_backend is not None:
         Backend(graph_backend)  # the name checked before it is compared
-    if graph_backend is not None and from_mode not in (None, "eager", graph_backend):
+    if graph_backend is not None and from_mode not in (None, graph_backend):
         raise ValueError(f"graph_backend={graph_backend!r} conflicts with speculative_config "
                          f"graph_mode={graph_mode!r} (backend {from_mode!r})")
     name = graph_backend or from_mode or default_backend(

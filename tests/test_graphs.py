@@ -53,7 +53,7 @@ def heads(target):
     return out
 
 
-def make_llm(target, heads, method, graph_backend=None, graph_mode="eager",
+def make_llm(target, heads, method, graph_backend=None, graph_mode=None,
              capture_sizes=(1, 2, 4), dtype=torch.float64, padded=True):
     spec = None
     if method is not None:

@@ -73,6 +73,10 @@ def test_full_cuda_graph_needs_cuda_and_conflicts_are_errors():
         resolve_backend(None, "cuda_graph", torch.device("cpu"))  # named as it was given
     with pytest.raises(ValueError, match="graph_backend='replay' conflicts"):
         resolve_backend("torchair", "replay", torch.device("cpu"))
+    with pytest.raises(ValueError, match="graph_backend='replay' conflicts with "
+                                         "speculative_config graph_mode='eager'"):
+        resolve_backend("eager", "replay", torch.device("cpu"))  # no graphs asked: not ignored
+    assert resolve_backend("eager", "eager", torch.device("cpu")).name == "eager"
     with pytest.raises(ValueError, match="graph_backend='tensorrt'.*allowed"):
         resolve_backend(None, "tensorrt", torch.device("cpu"))
     assert resolve_backend(None, "replay", torch.device("cpu")).name == "replay"
