@@ -69,6 +69,14 @@ def test_a_port_out_of_range_is_refused_naming_the_flag(port, no_engine, capsys)
     assert f"--port={port}" in err and "0 <= --port <= 65535" in err, err
 
 
+@pytest.mark.parametrize("value", ["-5", "nan", "inf"])
+def test_a_shutdown_timeout_out_of_range_is_refused_naming_the_flag(value, no_engine, capsys):
+    """A negative or NaN one aborted running requests at once on shutdown."""
+    assert main(["serve", "--shutdown-timeout", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--shutdown-timeout={float(value)}: allowed a number of seconds >= 0" in err, err
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--method", "none", "-k", "2"], "-k 2 sets the drafter, and none runs here"),
     (["--method", "none", "--no-padded"], "--no-padded sets the drafter")])

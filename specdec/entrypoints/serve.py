@@ -152,6 +152,9 @@ def run_from_args(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')}={value} is out of range")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: allowed 0 <= --port <= 65535 (0: any free port)")
+    if not 0 <= args.shutdown_timeout < float("inf"):  # NaN too
+        raise UsageError(f"--shutdown-timeout={args.shutdown_timeout}: allowed a number of "
+                         "seconds >= 0 (0: abort running requests at once)")
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
     if args.stub_engine is not None and args.stub_engine < 1:
