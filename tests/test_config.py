@@ -202,3 +202,21 @@ def test_aux_layer_ids_out_of_range():
     # vLLM's (2, L // 2, L - 3) leaves a target below 4 layers: held inside [0, L)
     assert [make(method="eagle3").aux_layer_ids(n) for n in (1, 2, 3)] == [
         (0, 0, 0), (1, 1, 0), (2, 1, 0)]
+
+
+def test_a_config_changed_after_it_was_made_is_checked_again():
+    """The engine takes a copy of a SpeculativeConfig built anew, so a field set after
+    construction is checked as at construction (it was used unchecked); a valid one comes
+    back equal."""
+    from specdec.engine.inputs import parse_speculative_config
+    for method in ("mtp", "eagle", "eagle3", "ngram", "suffix"):
+        spec = SpeculativeConfig(method, 3)
+        assert parse_speculative_config(spec) == spec
+    spec = SpeculativeConfig("ngram", 3)
+    spec.num_speculative_tokens = 0
+    with pytest.raises(ValueError, match="num_speculative_tokens=0 must be >= 1"):
+        parse_speculative_config(spec)
+    spec = SpeculativeConfig("suffix", 3)
+    spec.suffix_decoding_min_token_prob = 5.0
+    with pytest.raises(ValueError, match=r"suffix_decoding_min_token_prob=5.0: allowed"):
+        parse_speculative_config(spec)

@@ -7,6 +7,7 @@ Each function raises TypeError/ValueError naming the argument, e.g.
 """
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,8 +30,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     (the engine fills in defaults; the caller's object is never changed)."""
     if value is None:
         return None
-    if isinstance(value, SpeculativeConfig):
-        return copy.deepcopy(value)
+    if isinstance(value, SpeculativeConfig):  # built anew: its fields checked again, as they
+        return dataclasses.replace(copy.deepcopy(value))  # may have been set after it was made
     if isinstance(value, str):
         try:
             value = json.loads(value)
