@@ -114,7 +114,10 @@ def speculative_config(method: str, k: int, padded: bool, override: str | None =
         if spec is None or spec.get("method") != "draft_model":
             raise UsageError(f"--draft-model={draft_model!r} is method draft_model's folder; "
                              f"the method here is {method!r} (give --method draft_model)")
-        spec.setdefault("model", draft_model)
+        if spec.get("model", draft_model) != draft_model:
+            raise UsageError(f"--draft-model={draft_model!r} and --speculative-config's "
+                             f"model={spec['model']!r} name two folders; give one")
+        spec["model"] = draft_model
     if spec is not None and spec.get("method") == "draft_model" and "model" not in spec:
         raise UsageError("--method draft_model needs --draft-model DIR: the folder of a causal "
                          "LM with the target's tokenizer")
@@ -197,7 +200,8 @@ def add_speculation_arguments(
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM-style dict, e.g. "
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'; '
-                        "its keys override --method/-k/--no-padded (default: none)")
+                        "its keys override --method/-k/--no-padded; one that another flag "
+                        "also sets (--draft-model, --output-dir, ...) is refused (default: none)")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="method draft_model: the folder of a small causal LM with the target's "
                         "tokenizer (speculative_config.model; default: none)")

@@ -123,6 +123,17 @@ def test_default_method_is_eagle3_k3_when_the_head_exists(model, tmp_path, capsy
      "extract_hidden_states only; the method here is 'eagle3'"),
     (["--method", "ngram", "--aux-layer-ids", "0"], "--aux-layer-ids applies to"),
     (["--overwrite-output-dir"], "--overwrite-output-dir applies to"),
+    # a flag and the JSON that set one field: refused, neither silently wins
+    (["--method", "draft_model", "--draft-model", "/models/A", "--speculative-config",
+      '{"model": "/models/B"}'], "--draft-model='/models/A' and --speculative-config's "
+     "model='/models/B' name two folders"),
+    (["--method", "extract_hidden_states", "--output-dir", "a", "--speculative-config",
+      '{"draft_model_config": {"output_dir": "b"}}'], "--output-dir and --speculative-config's "
+     "draft_model_config.output_dir='b' both set it"),
+    (["--method", "extract_hidden_states", "--aux-layer-ids", "0,1", "--speculative-config",
+      '{"draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}'],
+     "--aux-layer-ids and --speculative-config's draft_model_config."
+     "eagle_aux_hidden_state_layer_ids=[1, 2, 3] both set it"),
 ])
 def test_bad_config_is_one_line_exit_2(model, capsys, argv, match):
     code, out, err = run(capsys, "generate", "--model", str(model), "--prompt", PROMPT, *argv)

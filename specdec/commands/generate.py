@@ -150,6 +150,15 @@ def cmd_generate(args) -> int:
         spec["num_speculative_tokens"] = 1  # the method implies it
     if extracting:
         from specdec.proposers.extract_hidden_states import holds_hidden_states
+        given = spec.get("draft_model_config", {})
+        for flag, key, value in (
+                ("--output-dir", "output_dir", args.output_dir),
+                ("--aux-layer-ids", "eagle_aux_hidden_state_layer_ids", args.aux_layer_ids),
+                ("--overwrite-output-dir", "overwrite_output_dir",
+                 True if args.overwrite_output_dir else None)):
+            if value is not None and key in given:
+                raise UsageError(f"{flag} and --speculative-config's draft_model_config."
+                                 f"{key}={given[key]!r} both set it; give one")
         dmc = extract_hidden_states_config(args.model, args.output_dir, args.aux_layer_ids)
         if args.overwrite_output_dir:
             dmc["overwrite_output_dir"] = True
