@@ -158,3 +158,16 @@ def test_a_ranks_refusal_is_the_commands_one_line_error(capsys):
 def test_a_stub_engine_has_no_ranks(capsys):
     assert main(["serve", "--stub-engine", "1", "-tp", "2", "--port", "0"]) == 2
     assert "--stub-engine has no ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--method", "mtp"], "--method"), (["-k", "2"], "-k"), (["--dtype", "float32"], "--dtype"),
+    (["--synthetic", "llama-tiny"], "--synthetic"), (["--async-scheduling"], None),
+    (["--no-enable-prefix-caching"], "--enable-prefix-caching"), (["--tree-topk", "2"], None)])
+def test_a_stub_engine_refuses_what_it_would_ignore(flags, named, capsys):
+    """It runs no model: these were accepted and the start-up line named a model and a
+    drafter that did not run."""
+    assert main(["serve", "--stub-engine", "1", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {named or flags[0]} sets the model's engine, and --stub-engine runs none" \
+        in err, err

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from specdec.flags import (UsageError, add_engine_arguments, add_speculation_arguments,
-                           engine_kwargs, floats, speculation_from_args)
+                           engine_kwargs, floats, speculation_from_args, tree_keys)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = api_server.DEFAULT_MAX_REQUEST_BYTES
 UVICORN_GRACE_S = 5.0  # uvicorn waits this much longer than we do, so we end streams first
@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stub-engine", type=int, default=None, metavar="TOKENS_PER_STEP",
                    help="benchmark tool: a stub engine (no model) whose steps take no time and "
                         "give each request TOKENS_PER_STEP tokens of its prompt "
-                        "(benchmarks/bench_served_stub.py)")
+                        "(benchmarks/bench_served_stub.py); flags that set the model's "
+                        "engine are refused with it")
     p.add_argument("--account", action="store_true",
                    help="benchmark tool: count the wall and CPU time of each part of a served "
                         "token in both processes, served at GET /account (POST /account/reset "
@@ -160,6 +161,9 @@ def run_from_args(args) -> int:
     if args.stub_engine is not None and args.stub_engine < 1:
         raise UsageError(f"--stub-engine={args.stub_engine}: allowed an int >= 1")
     spec = speculation_from_args(args)
+    if args.stub_engine is not None:
+        refuse_what_the_stub_ignores(args)
+        spec = None  # it runs no model and no drafter
     listen_socket(args.host, args.port).close()  # a taken port fails now, not after the engine
     threads = args.engine_threads or default_engine_threads()
     stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
@@ -249,6 +253,29 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise UsageError(f"--host={host} --port={port}: cannot listen there "
                          f"({e.strerror or e})") from None
     return sock
+
+
+def refuse_what_the_stub_ignores(args) -> None:
+    """``--stub-engine`` runs no model: it reads ``--model``'s tokenizer, ``--max-num-seqs``
+    and ``--max-model-len`` only; a flag that sets anything else is refused by name."""
+    ignored = [flag for flag, given in (
+        ("--method", args.method is not None), ("-k", args.num_speculative_tokens is not None),
+        ("--speculative-config", args.speculative_config is not None),
+        ("--draft-model", args.draft_model is not None), ("--no-padded", args.no_padded),
+        ("--synthetic", args.synthetic is not None), ("--dtype", args.dtype is not None),
+        ("--device", args.device is not None),
+        ("--graph-backend", args.graph_backend is not None),
+        ("--enforce-eager", args.enforce_eager), ("--async-scheduling", args.async_scheduling),
+        ("--compile-backend", args.compile_backend is not None),
+        ("--gpu-memory-utilization", args.gpu_memory_utilization is not None),
+        ("--enable-prefix-caching", args.enable_prefix_caching is not None),
+        ("--pack-prefill", args.pack_prefill is not None),
+        ("--enable-expert-parallel", args.enable_expert_parallel)) if given]
+    if ignored or tree_keys(args):
+        flag = ignored[0] if ignored else "--" + next(iter(tree_keys(args))).replace("_", "-")
+        raise UsageError(f"{flag} sets the model's engine, and --stub-engine runs none (it "
+                         "reads --model's tokenizer, --max-num-seqs and --max-model-len); give "
+                         "one or the other")
 
 
 def serve_until_signal(app, sock: socket.socket, log_level: str, shutdown_timeout: float):
