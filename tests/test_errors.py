@@ -273,13 +273,18 @@ def test_14_dp_parent_validates_the_whole_config(folder, kwargs, match):
         LLM(folder / "target", data_parallel_size=2, **kwargs)
 
 
-def test_14_a_draft_head_without_a_speculative_config_is_refused():
-    """It was accepted and never drafted."""
+def test_14_a_draft_head_without_a_speculative_config_or_beside_its_model_is_refused():
+    """It was accepted and never drafted; beside speculative_config.model, the folder was
+    accepted and never read."""
     from helpers import tiny_head, tiny_target
     target = tiny_target()
     with pytest.raises(ValueError, match="draft_head: a head drafts only under a "
                                          "speculative_config"):
         LLM(target=target, draft_head=tiny_head("mtp", target))
+    with pytest.raises(ValueError, match="draft_head and speculative_config.model='elsewhere' "
+                                         "both give the head"):  # the folder was never read
+        LLM(target=target, draft_head=tiny_head("mtp", target), speculative_config={
+            "method": "mtp", "num_speculative_tokens": 2, "model": "elsewhere"})
 
 
 # ---- 15. sizes bounded by the model and by memory -------------------------------------------

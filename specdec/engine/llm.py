@@ -100,6 +100,10 @@ class LLM:
         if draft_head is not None and self.spec is None:
             raise ValueError("draft_head: a head drafts only under a speculative_config; "
                              "give one with its method, or no draft_head")
+        if (draft_head is not None and self.spec.model is not None
+                and self.spec.method != "draft_model"):  # draft_model: its model is required
+            raise ValueError(f"draft_head and speculative_config.model={self.spec.model!r} "
+                             "both give the head; give one")
         # a launcher checks on a host copy; only the ranks put weights on the accelerator
         load_on = torch.device("cpu") if self.launcher else cfg.device
         check_bool("enable_expert_parallel", enable_expert_parallel)
