@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -333,3 +334,20 @@ def exited(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
+
+
+@contextmanager
+def held_steps(llm):
+    """``llm.step`` waits (up to 30 s) for the yielded Event: a server admits requests and
+    runs none of them until it is set; set and restored on leaving."""
+    release, step = threading.Event(), llm.step
+
+    def held():
+        release.wait(30)
+        return step()
+    llm.step = held
+    try:
+        yield release
+    finally:
+        release.set()
+        llm.step = step

@@ -14,7 +14,7 @@ from specdec.engine.llm import LLM
 from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
 
-from helpers import ServerThread, metrics
+from helpers import ServerThread, held_steps, metrics
 
 MAX_MODEL_LEN = 128
 
@@ -316,26 +316,19 @@ def test_several_prompts_are_admitted_all_or_none():
     s = ServerThread(build_server_app(LLM(max_model_len=64, max_num_seqs=2), NAME,
                                       max_waiting=1))
     engine = s.app.state.engine
-    llm, release = engine.llm, threading.Event()
-    step = llm.step
-
-    def held_step():
-        release.wait(30)
-        return step()
-    llm.step = held_step
     try:
-        first = threading.Thread(target=post, args=(s.url, "/v1/completions",
-                                                    {"prompt": [4], "max_tokens": 4}))
-        first.start()
-        deadline = time.monotonic() + 30
-        while len(engine._handles) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [[5], [6], [7]],
-                                                        "max_tokens": 4}, timeout=60)
-        assert r.status_code == 503 and "max_waiting=1" in r.json()["error"]["message"], r.text
-        assert len(engine._handles) == 1  # the two admitted before the third were taken back
-        release.set()
+        with held_steps(engine.llm):
+            first = threading.Thread(target=post, args=(s.url, "/v1/completions",
+                                                        {"prompt": [4], "max_tokens": 4}))
+            first.start()
+            deadline = time.monotonic() + 30
+            while len(engine._handles) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [[5], [6], [7]],
+                                                            "max_tokens": 4}, timeout=60)
+            assert r.status_code == 503 and "max_waiting=1" in r.json()["error"]["message"]
+            assert len(engine._handles) == 1  # the two admitted before the third: taken back
         first.join(60)
         health = httpx.get(f"{s.url}/health", timeout=30).json()
         assert (health["running"], health["waiting"]) == (0, 0)
@@ -348,6 +341,4 @@ def test_several_prompts_are_admitted_all_or_none():
                                                         "max_tokens": 4}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     finally:
-        release.set()
-        llm.step = step
         s.close()

@@ -21,7 +21,7 @@ from specdec.engine.sequence import SamplingParams
 from specdec.entrypoints.serve import build_server_app
 
 from benchmarks.bench_served_stub import engine_pid
-from helpers import ServerThread, exited, metrics
+from helpers import ServerThread, exited, held_steps, metrics
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 4
@@ -257,14 +257,7 @@ def test_a_burst_admits_exactly_the_batch_plus_max_waiting(server, max_waiting):
     """Steps are held until the whole burst has been answered or admitted, so the count does
     not depend on timing: max_num_seqs + max_waiting get 200, the rest 503."""
     engine = server.app.state.engine
-    llm, release = engine.llm, threading.Event()
-    step = llm.step
-
-    def held_step():
-        release.wait(30)
-        return step()
-
-    llm.step, engine.max_waiting = held_step, max_waiting
+    engine.max_waiting = max_waiting
     statuses, refusals = [], []
 
     def one():
@@ -275,18 +268,18 @@ def test_a_burst_admits_exactly_the_batch_plus_max_waiting(server, max_waiting):
 
     threads = [threading.Thread(target=one) for _ in range(10)]
     try:
-        for t in threads:
-            t.start()
-        admitted = MAX_NUM_SEQS + max_waiting
-        deadline = time.monotonic() + 30
-        while statuses.count(503) < 10 - admitted or len(engine._handles) < admitted:
-            assert time.monotonic() < deadline, (statuses, len(engine._handles))
-            time.sleep(0.01)
+        with held_steps(engine.llm):
+            for t in threads:
+                t.start()
+            admitted = MAX_NUM_SEQS + max_waiting
+            deadline = time.monotonic() + 30
+            while statuses.count(503) < 10 - admitted or len(engine._handles) < admitted:
+                assert time.monotonic() < deadline, (statuses, len(engine._handles))
+                time.sleep(0.01)
     finally:
-        release.set()
         for t in threads:
             t.join(60)
-        llm.step, engine.max_waiting = step, 2
+        engine.max_waiting = 2
     assert sorted(statuses) == [200] * admitted + [503] * (10 - admitted)
     assert f"max_waiting={max_waiting}" in refusals[0] and "max_num_seqs=4" in refusals[0]
 
