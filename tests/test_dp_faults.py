@@ -91,7 +91,8 @@ def test_ranks_exit_when_the_parent_dies(tmp_path, sig):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2, '
-      '"draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}'], "has 2 ids"),
+      '"draft_model_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}'],
+     "combines target layers [1, 2, 3] (as trained)"),
     (["--temperature", "nan"], "--temperature=nan"),
     (["--seed", "-2"], "seed=-2"),
 ])
