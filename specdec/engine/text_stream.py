@@ -53,7 +53,7 @@ class TextStream:
         output's unless ``include_stop``."""
         if self.stopped:  # the request ended at its stop string: nothing after it is its
             return ""
-        if stop_token and not self.include_stop:
+        if stop_token and token_ids and not self.include_stop:
             delta = self.add(token_ids[:-1], final=True)
             if not self.stopped:
                 self.token_ids.append(token_ids[-1])
