@@ -144,9 +144,9 @@ class EngineLoop:
         return CoreOutput(rec, updates, *self.gauges())
 
     def updates(self, rec) -> list[RequestUpdate]:
-        """One update per request a step (``rec``, a StepRecord or None) gave tokens or
-        finished; the finished ones leave ``requests``. A request the step failed alone
-        (``EngineCore._update``: reason "error", no tokens) gets its error."""
+        """One update per request a step (``rec``, a StepRecord or None) gave tokens, and
+        one with its error per request it failed alone (``EngineCore._update``: reason
+        "error", no tokens); the finished ones leave ``requests``."""
         updates = []
         for rid, n in (rec.new_tokens.items() if rec is not None else ()):
             req = self.requests.get(rid)
