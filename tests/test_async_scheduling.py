@@ -73,6 +73,25 @@ def test_a_prefill_chunk_cut_to_one_token_is_not_continued():
     assert any(s.overlapped for s in llm.steps)  # the decodes after the prompt still overlap
 
 
+@pytest.mark.parametrize("backend", ["replay", "eager"])
+def test_a_step_padded_with_filler_is_not_continued(backend):
+    """K rises when the batch shrinks (K 0 at two requests, 2 at one): the next step's
+    drafts are made at the old K and padded with filler, which reads its logits at other
+    rows than K real drafts do; a step continued from it kept those rows and, captured,
+    verified every draft against the root's logits (tokens doubled, wrong drafts kept)."""
+    spec = {"method": "eagle", "num_speculative_tokens": 2,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 0]]}
+    prompts = [[1277, 14, 263, 362, 263, 305, 368], [100, 200, 300, 400, 500, 600]]
+    params = [SamplingParams(max_tokens=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True)]
+    plain = LLM(max_model_len=96).generate(prompts, params)
+    llm = LLM(max_model_len=96, speculative_config=spec, graph_backend=backend,
+              async_scheduling=True)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert sum(s.overlapped for s in llm.steps) >= 3  # the steps after it overlap again
+
+
 def test_sampled_async_equals_sync():
     """Counter-based random numbers: each draw is keyed by request and position, so a step
     launched before the host read draws what the synchronous one would."""

@@ -315,10 +315,13 @@ class EngineCore:
         """Whether the step after ``launched`` is known before its results: a uniform decode
         of every running request again (no waiting request a free row would admit, the same
         K, no log-probabilities asked, room for one more decode in max_model_len). At K = 0 a
-        prefill chunk cut to 1 token looks like a decode, but samples nothing to continue."""
+        prefill chunk cut to 1 token looks like a decode, but samples nothing to continue; a
+        step whose drafts were padded with filler (K rose since they were made) reads its
+        logits at other rows than a step of K real drafts, which ``advance_decode`` keeps."""
         sch, k = self.scheduler, launched.batch.plan.num_spec_tokens
         if (not is_uniform_decode(launched.scheduled, k)
-                or any(s.is_discarded for s in launched.scheduled) or self._warming_up
+                or any(s.is_discarded or s.num_filler for s in launched.scheduled)
+                or self._warming_up
                 or len(launched.scheduled) != len(sch.running)
                 or (sch.waiting and sch.free_rows) or sch.pick_step_k() != k):
             return False
