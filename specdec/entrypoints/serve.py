@@ -160,10 +160,9 @@ def run_from_args(args) -> int:
         raise UsageError(f"--engine-threads={args.engine_threads}: allowed an int >= 1")
     if args.stub_engine is not None and args.stub_engine < 1:
         raise UsageError(f"--stub-engine={args.stub_engine}: allowed an int >= 1")
-    spec = speculation_from_args(args)
     if args.stub_engine is not None:
         refuse_what_the_stub_ignores(args)
-        spec = None  # it runs no model and no drafter
+    spec = speculation_from_args(args) if args.stub_engine is None else None  # stub: no drafter
     listen_socket(args.host, args.port).close()  # a taken port fails now, not after the engine
     threads = args.engine_threads or default_engine_threads()
     stub = {} if args.stub_engine is None else dict(stub_tokens_per_step=args.stub_engine)
@@ -271,9 +270,9 @@ def refuse_what_the_stub_ignores(args) -> None:
         ("--enable-prefix-caching", args.enable_prefix_caching is not None),
         ("--pack-prefill", args.pack_prefill is not None),
         ("--enable-expert-parallel", args.enable_expert_parallel)) if given]
-    if ignored or tree_keys(args):
-        flag = ignored[0] if ignored else "--" + next(iter(tree_keys(args))).replace("_", "-")
-        raise UsageError(f"{flag} sets the model's engine, and --stub-engine runs none (it "
+    ignored += ["--" + key.replace("_", "-") for key in tree_keys(args)]
+    if ignored:
+        raise UsageError(f"{ignored[0]} sets the model's engine, and --stub-engine runs none (it "
                          "reads --model's tokenizer, --max-num-seqs and --max-model-len); give "
                          "one or the other")
 
